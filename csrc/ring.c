@@ -1,0 +1,726 @@
+/*
+ * ring.c - the slot ring: every transition of ring.h's state machine.
+ *
+ * Each function is one role's step (client, batcher, reaper) and touches a
+ * slot only through a CAS on its control word, so a process killed between
+ * any two instructions leaves each slot in one named state. The function
+ * never allocates, never prints, and returns an SB_* code.
+ */
+#define _GNU_SOURCE
+#include "ring.h"
+#include "atomics.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+_Static_assert(sizeof(sb_header) <= SB_HEADER_BYTES, "header outgrew its region");
+_Static_assert(offsetof(sb_header, incarnation) == 16, "layout drawing");
+_Static_assert(offsetof(sb_header, total_bytes) == 48, "layout drawing");
+_Static_assert(offsetof(sb_header, off_ctl) == 64, "layout drawing");
+_Static_assert(offsetof(sb_header, off_output) == 96, "layout drawing");
+_Static_assert(offsetof(sb_header, config) == 128, "layout drawing");
+_Static_assert(offsetof(sb_header, work_seq) == 2176, "layout drawing");
+_Static_assert(offsetof(sb_header, done_seq) == 2240, "layout drawing");
+_Static_assert(offsetof(sb_header, alloc_cursor) == 2304, "layout drawing");
+_Static_assert(offsetof(sb_header, words) == 2368, "layout drawing");
+_Static_assert(offsetof(sb_header, hist) == 3392, "layout drawing");
+_Static_assert(sizeof(sb_slot_meta) == 64, "one cache line per slot");
+_Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
+	       "the futex word is the low half of ctl at its own address");
+
+/* ---- addressing: base + offset, offsets checked by sb_validate ---- */
+
+static inline sb_header *hdr(const void *base) { return (sb_header *)base; }
+
+static inline uint64_t *ctl_at(const void *base, uint32_t slot)
+{
+	return (uint64_t *)((char *)base + hdr(base)->off_ctl) + slot;
+}
+
+static inline sb_slot_meta *meta_at(const void *base, uint32_t slot)
+{
+	return (sb_slot_meta *)((char *)base + hdr(base)->off_meta) + slot;
+}
+
+static inline char *errmsg_at(const void *base, uint32_t slot)
+{
+	return (char *)base + hdr(base)->off_errmsg + (uint64_t)slot * SB_ERRMSG_BYTES;
+}
+
+static inline uint32_t *futex_word(uint64_t *ctl) { return (uint32_t *)ctl; }
+
+static inline uint64_t freed(uint64_t cur)
+{
+	return SB_CTL(SB_CTL_GEN(cur) + 1, 0, 0, SB_FREE);
+}
+
+static inline uint64_t with_state(uint64_t cur, uint32_t state)
+{
+	return (cur & ~SB_STATE_MASK) | state;
+}
+
+/* ---- time and futexes ---- */
+
+uint64_t sb_now_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+void sb_spin_ns(uint64_t ns)
+{
+	uint64_t end = sb_now_ns() + ns;
+	while (sb_now_ns() < end)
+		;
+}
+
+/* Sleeps while *addr == expected, at most timeout_ns (< 0: no limit).
+ * Returns SB_ETIMEOUT only on expiry; EAGAIN/EINTR/wake all mean "re-check". */
+static int futex_wait(uint32_t *addr, uint32_t expected, int64_t timeout_ns)
+{
+	struct timespec ts, *tp = NULL;
+	if (timeout_ns >= 0) {
+		ts.tv_sec = timeout_ns / 1000000000ll;
+		ts.tv_nsec = timeout_ns % 1000000000ll;
+		tp = &ts;
+	}
+	/* not FUTEX_PRIVATE: the word is shared between processes */
+	if (syscall(SYS_futex, addr, FUTEX_WAIT, expected, tp, NULL, 0) == -1 &&
+	    errno == ETIMEDOUT)
+		return SB_ETIMEOUT;
+	return SB_OK;
+}
+
+static void futex_wake(uint32_t *addr, int n)
+{
+	syscall(SYS_futex, addr, FUTEX_WAKE, n, NULL, NULL, 0);
+}
+
+static inline int64_t remaining_ns(uint64_t deadline_ns)
+{
+	uint64_t now = sb_now_ns();
+	return deadline_ns > now ? (int64_t)(deadline_ns - now) : 0;
+}
+
+/* ---- setup ---- */
+
+struct offsets {
+	uint64_t ctl, meta, errmsg, input, output, total;
+};
+
+static uint64_t align_up(uint64_t x, uint64_t a) { return (x + a - 1) & ~(a - 1); }
+
+static int compute_offsets(uint32_t cap, uint64_t in_bytes, uint64_t out_bytes,
+			   struct offsets *o)
+{
+	/* caps keep every product below 2^60: no overflow in the sums */
+	if (cap == 0 || cap > SB_MAX_CAPACITY || in_bytes == 0 ||
+	    in_bytes > (1ull << 40) || out_bytes == 0 || out_bytes > (1ull << 40))
+		return SB_EBADARG;
+	o->ctl = SB_HEADER_BYTES;
+	o->meta = align_up(o->ctl + 8ull * cap, 64);
+	o->errmsg = align_up(o->meta + sizeof(sb_slot_meta) * cap, 64);
+	o->input = align_up(o->errmsg + (uint64_t)SB_ERRMSG_BYTES * cap, 4096);
+	o->output = align_up(o->input + in_bytes * cap, 4096);
+	o->total = align_up(o->output + out_bytes * cap, 4096);
+	return SB_OK;
+}
+
+uint64_t sb_layout_bytes(uint32_t capacity, uint64_t input_slot_bytes,
+			 uint64_t output_slot_bytes)
+{
+	struct offsets o;
+	if (compute_offsets(capacity, input_slot_bytes, output_slot_bytes, &o))
+		return 0;
+	return o.total;
+}
+
+int sb_init(void *base, uint64_t total_bytes, uint32_t capacity,
+	    uint32_t max_batch, uint64_t input_slot_bytes,
+	    uint64_t output_slot_bytes, uint64_t incarnation)
+{
+	struct offsets o;
+	sb_header *h = hdr(base);
+	if (compute_offsets(capacity, input_slot_bytes, output_slot_bytes, &o) ||
+	    o.total > total_bytes || max_batch == 0 || max_batch > capacity)
+		return SB_EBADARG;
+	/* the caller holds the only mapping (created O_EXCL): plain stores */
+	memset(base, 0, o.input);
+	h->layout_version = SB_LAYOUT_VERSION;
+	h->header_bytes = SB_HEADER_BYTES;
+	h->incarnation = incarnation;
+	h->capacity = capacity;
+	h->max_batch = max_batch;
+	h->input_slot_bytes = input_slot_bytes;
+	h->output_slot_bytes = output_slot_bytes;
+	h->total_bytes = o.total;
+	h->off_ctl = o.ctl;
+	h->off_meta = o.meta;
+	h->off_errmsg = o.errmsg;
+	h->off_input = o.input;
+	h->off_output = o.output;
+	/* release: an attacher that acquires the magic sees the whole header */
+	sb_store_release(&h->magic, SB_MAGIC);
+	return SB_OK;
+}
+
+int sb_validate(const void *base, uint64_t mapped_bytes)
+{
+	const sb_header *h = hdr(base);
+	struct offsets o;
+	if (mapped_bytes < SB_HEADER_BYTES)
+		return SB_ECORRUPT;
+	/* acquire: pairs with the release store of the magic in sb_init */
+	if (sb_load_acquire(&h->magic) != SB_MAGIC)
+		return SB_ECORRUPT;
+	if (h->layout_version != SB_LAYOUT_VERSION || h->header_bytes != SB_HEADER_BYTES)
+		return SB_EVERSION;
+	if (compute_offsets(h->capacity, h->input_slot_bytes, h->output_slot_bytes, &o) ||
+	    h->max_batch == 0 || h->max_batch > h->capacity ||
+	    o.ctl != h->off_ctl || o.meta != h->off_meta || o.errmsg != h->off_errmsg ||
+	    o.input != h->off_input || o.output != h->off_output ||
+	    o.total != h->total_bytes || o.total > mapped_bytes)
+		return SB_ECORRUPT;
+	return SB_OK;
+}
+
+uint64_t sb_header_field(const void *base, int field)
+{
+	const sb_header *h = hdr(base);
+	switch (field) {
+	case SB_F_CAPACITY: return h->capacity;
+	case SB_F_MAX_BATCH: return h->max_batch;
+	case SB_F_INPUT_SLOT_BYTES: return h->input_slot_bytes;
+	case SB_F_OUTPUT_SLOT_BYTES: return h->output_slot_bytes;
+	case SB_F_TOTAL_BYTES: return h->total_bytes;
+	case SB_F_INCARNATION: return h->incarnation;
+	case SB_F_OFF_CONFIG: return offsetof(sb_header, config);
+	case SB_F_OFF_INPUT: return h->off_input;
+	case SB_F_OFF_OUTPUT: return h->off_output;
+	}
+	return 0;
+}
+
+/* words[]: identities use acquire/release (a pid is read with what was set
+ * before it); counters are statistics, relaxed is enough. */
+uint64_t sb_word_get(const void *base, int word)
+{
+	return (unsigned)word < SB_WORDS ? sb_load_acquire(&hdr(base)->words[word]) : 0;
+}
+
+void sb_word_set(void *base, int word, uint64_t value)
+{
+	if ((unsigned)word < SB_WORDS)
+		sb_store_release(&hdr(base)->words[word], value);
+}
+
+void sb_word_add(void *base, int word, uint64_t delta)
+{
+	if ((unsigned)word < SB_WORDS)
+		sb_add_relaxed(&hdr(base)->words[word], delta);
+}
+
+/* ---- client ---- */
+
+int sb_acquire(void *base, uint32_t pid, uint64_t start_ticks,
+	       uint32_t *slot, uint32_t *gen)
+{
+	sb_header *h = hdr(base);
+	uint32_t cap = h->capacity;
+	if (pid == 0 || pid > SB_PID_MASK)
+		return SB_EBADARG;
+	/* relaxed: the cursor only spreads callers over consecutive slots; the
+	 * CAS below is what makes a slot ours */
+	uint32_t i = sb_add_relaxed(&h->alloc_cursor, 1) % cap;
+	for (uint32_t k = 0; k < cap; k++, i = (i + 1 == cap) ? 0 : i + 1) {
+		uint64_t *c = ctl_at(base, i);
+		uint64_t cur = sb_load_relaxed(c);
+		if (SB_CTL_STATE(cur) != SB_FREE)
+			continue;
+		/* acquire: the previous owner's last reads of this slot happen
+		 * before our writes into it (pairs with the release to FREE) */
+		if (!sb_cas_acq_rel(c, &cur, SB_CTL(SB_CTL_GEN(cur), pid, 0, SB_WRITING)))
+			continue;
+		sb_slot_meta *m = meta_at(base, i);
+		/* relaxed: the reaper reads these racily and checks the pid in ctl */
+		sb_store_relaxed(&m->owner_start, start_ticks);
+		sb_store_relaxed(&m->owner_pid, pid);
+		m->status = SB_STATUS_OK;
+		m->errmsg_len = 0;
+		*slot = i;
+		*gen = SB_CTL_GEN(cur);
+		return SB_OK;
+	}
+	sb_add_relaxed(&h->words[SB_W_REJECTED], 1);
+	return SB_EFULL;
+}
+
+int sb_publish(void *base, uint32_t slot, uint32_t gen, uint32_t length)
+{
+	sb_header *h = hdr(base);
+	if (slot >= h->capacity)
+		return SB_EBADARG;
+	uint64_t *c = ctl_at(base, slot);
+	sb_slot_meta *m = meta_at(base, slot);
+	m->length = length;
+	m->arrival_ns = sb_now_ns();
+	uint64_t cur = sb_load_relaxed(c);
+	do {
+		if (SB_CTL_GEN(cur) != gen || SB_CTL_STATE(cur) != SB_WRITING)
+			return SB_ESTALE;
+		/* release: the input row and meta above are visible to the
+		 * batcher whose claim CAS reads READY */
+	} while (!sb_cas_acq_rel(c, &cur, with_state(cur, SB_READY)));
+	sb_add_relaxed(&h->words[SB_W_REQUESTS], 1);
+	/* seq_cst pair with sb_wait_work: bump work_seq, then look for
+	 * sleepers; the batcher counts itself asleep, then futex-checks it */
+	sb_add_seq_cst(&h->work_seq, 1);
+	if (sb_load_seq_cst(&h->batchers_sleeping))
+		futex_wake(&h->work_seq, 1);
+	return SB_OK;
+}
+
+int sb_cancel(void *base, uint32_t slot, uint32_t gen)
+{
+	if (slot >= hdr(base)->capacity)
+		return SB_EBADARG;
+	uint64_t *c = ctl_at(base, slot);
+	uint64_t cur = sb_load_relaxed(c);
+	do {
+		if (SB_CTL_GEN(cur) != gen || SB_CTL_STATE(cur) != SB_WRITING)
+			return SB_ESTALE;
+	} while (!sb_cas_acq_rel(c, &cur, freed(cur)));
+	return SB_OK;
+}
+
+/* What a ticket's holder sees: SB_OK answered, SB_EFAILED failed (see
+ * sb_slot_error), SB_EBUSY not yet, SB_ESTALE no longer its slot. */
+static int answer_of(uint64_t cur, uint32_t gen)
+{
+	if (SB_CTL_GEN(cur) != gen)
+		return SB_ESTALE;
+	switch (SB_CTL_STATE(cur)) {
+	case SB_DONE: return SB_OK;
+	case SB_FAILED: return SB_EFAILED;
+	case SB_READY:
+	case SB_CLAIMED: return SB_EBUSY;
+	}
+	return SB_ESTALE;
+}
+
+int sb_wait_slot(void *base, uint32_t slot, uint32_t gen, int64_t timeout_ns)
+{
+	if (slot >= hdr(base)->capacity)
+		return SB_EBADARG;
+	uint64_t *c = ctl_at(base, slot);
+	uint64_t deadline = timeout_ns < 0 ? 0 : sb_now_ns() + (uint64_t)timeout_ns;
+	for (;;) {
+		/* acquire: pairs with the batcher's release CAS to DONE, so the
+		 * output row is complete before the caller reads it */
+		uint64_t cur = sb_load_acquire(c);
+		int r = answer_of(cur, gen);
+		if (r != SB_EBUSY)
+			return r;
+		int64_t left = deadline ? remaining_ns(deadline) : -1;
+		if (left == 0)
+			return SB_ETIMEOUT;
+		if (!(cur & SB_WAITING_BIT)) {
+			uint64_t want = cur | SB_WAITING_BIT;
+			if (!sb_cas_acq_rel(c, &cur, want))
+				continue; /* moved on meanwhile: re-check */
+			cur = want;
+		}
+		futex_wait(futex_word(c), (uint32_t)cur, left);
+	}
+}
+
+int sb_release(void *base, uint32_t slot, uint32_t gen)
+{
+	if (slot >= hdr(base)->capacity)
+		return SB_EBADARG;
+	uint64_t *c = ctl_at(base, slot);
+	uint64_t cur = sb_load_relaxed(c);
+	do {
+		int r = answer_of(cur, gen);
+		if (r != SB_OK && r != SB_EFAILED)
+			return r == SB_EBUSY ? SB_EBUSY : SB_ESTALE;
+		/* release: our reads of the output row finish before a new
+		 * owner's acquire CAS lets it write the slot */
+	} while (!sb_cas_acq_rel(c, &cur, freed(cur)));
+	return SB_OK;
+}
+
+int sb_abandon(void *base, uint32_t slot, uint32_t gen)
+{
+	sb_header *h = hdr(base);
+	if (slot >= h->capacity)
+		return SB_EBADARG;
+	uint64_t *c = ctl_at(base, slot);
+	uint64_t cur = sb_load_acquire(c);
+	for (;;) {
+		uint64_t want;
+		if (SB_CTL_GEN(cur) != gen)
+			return SB_ESTALE;
+		switch (SB_CTL_STATE(cur)) {
+		case SB_READY:
+			want = freed(cur); /* no batcher has it: take it back now */
+			break;
+		case SB_CLAIMED:
+			/* a batcher may still write the output row: it frees it */
+			want = with_state(cur & ~SB_WAITING_BIT, SB_ABANDONED);
+			break;
+		case SB_DONE:
+		case SB_FAILED:
+			return SB_EBUSY; /* answered after all: read and release */
+		default:
+			return SB_ESTALE;
+		}
+		if (sb_cas_acq_rel(c, &cur, want)) {
+			sb_add_relaxed(&h->words[SB_W_TIMEOUTS], 1);
+			return SB_OK;
+		}
+	}
+}
+
+int sb_poll(const void *base, const uint32_t *slots, const uint32_t *gens,
+	    uint32_t n, int32_t *states)
+{
+	uint32_t cap = hdr(base)->capacity;
+	int pending = 0;
+	for (uint32_t k = 0; k < n; k++) {
+		if (slots[k] >= cap) {
+			states[k] = SB_EBADARG;
+			continue;
+		}
+		/* acquire: as in sb_wait_slot */
+		states[k] = answer_of(sb_load_acquire(ctl_at(base, slots[k])), gens[k]);
+		pending += states[k] == SB_EBUSY;
+	}
+	return pending;
+}
+
+uint32_t sb_slot_error(const void *base, uint32_t slot, char *msg,
+		       uint32_t msg_cap, uint32_t *msg_len)
+{
+	*msg_len = 0;
+	if (slot >= hdr(base)->capacity)
+		return SB_STATUS_OK;
+	const sb_slot_meta *m = meta_at(base, slot);
+	uint32_t len = m->errmsg_len;
+	if (len > SB_ERRMSG_BYTES) /* never trust a length read from the segment */
+		len = SB_ERRMSG_BYTES;
+	if (len > msg_cap)
+		len = msg_cap;
+	memcpy(msg, errmsg_at(base, slot), len);
+	*msg_len = len;
+	return m->status;
+}
+
+uint32_t sb_done_seq(const void *base)
+{
+	return sb_load_acquire(&hdr(base)->done_seq);
+}
+
+int sb_wait_done_seq(void *base, uint32_t seen, int64_t timeout_ns)
+{
+	sb_header *h = hdr(base);
+	/* seq_cst: the same sleeper/waker pairing as work_seq */
+	sb_add_seq_cst(&h->done_waiters, 1);
+	int r = futex_wait(&h->done_seq, seen, timeout_ns);
+	sb_sub_seq_cst(&h->done_waiters, 1);
+	return r;
+}
+
+static void bump_done_seq(sb_header *h)
+{
+	sb_add_seq_cst(&h->done_seq, 1);
+	if (sb_load_seq_cst(&h->done_waiters))
+		futex_wake(&h->done_seq, INT_MAX);
+}
+
+/* ---- batcher ---- */
+
+uint32_t sb_work_seq(const void *base)
+{
+	/* acquire: the scan that follows must not read slots from before it */
+	return sb_load_acquire(&hdr(base)->work_seq);
+}
+
+int sb_wait_work(void *base, uint32_t seen, int64_t timeout_ns)
+{
+	sb_header *h = hdr(base);
+	/* seq_cst: pairs with sb_publish (Dekker): either the publisher sees
+	 * us asleep and wakes us, or the kernel sees work_seq != seen */
+	sb_add_seq_cst(&h->batchers_sleeping, 1);
+	int r = futex_wait(&h->work_seq, seen, timeout_ns);
+	sb_sub_seq_cst(&h->batchers_sleeping, 1);
+	return r;
+}
+
+void sb_wake_work(void *base)
+{
+	sb_header *h = hdr(base);
+	sb_add_seq_cst(&h->work_seq, 1);
+	futex_wake(&h->work_seq, INT_MAX);
+}
+
+uint32_t sb_scan(const void *base, uint64_t *oldest_arrival_ns)
+{
+	uint32_t cap = hdr(base)->capacity, n = 0;
+	uint64_t oldest = UINT64_MAX;
+	for (uint32_t i = 0; i < cap; i++) {
+		/* acquire: pairs with the publish CAS, so arrival_ns is set */
+		if (SB_CTL_STATE(sb_load_acquire(ctl_at(base, i))) != SB_READY)
+			continue;
+		uint64_t t = meta_at(base, i)->arrival_ns;
+		n++;
+		if (t < oldest)
+			oldest = t;
+	}
+	*oldest_arrival_ns = oldest;
+	return n;
+}
+
+static int by_arrival(const void *a, const void *b)
+{
+	const uint64_t *x = a, *y = b; /* {arrival_ns, slot} pairs */
+	if (x[0] != y[0])
+		return x[0] < y[0] ? -1 : 1;
+	return x[1] < y[1] ? -1 : x[1] > y[1];
+}
+
+uint32_t sb_claim(void *base, uint32_t batcher, uint32_t max_n,
+		  uint64_t *scratch, uint32_t *slots, uint32_t *gens,
+		  uint32_t *lengths, uint64_t *claim_ns)
+{
+	uint32_t cap = hdr(base)->capacity, k = 0, n = 0;
+	if (batcher > SB_BATCHER_MASK || max_n == 0)
+		return 0;
+	for (uint32_t i = 0; i < cap; i++) {
+		if (SB_CTL_STATE(sb_load_acquire(ctl_at(base, i))) != SB_READY)
+			continue;
+		scratch[2 * k] = meta_at(base, i)->arrival_ns;
+		scratch[2 * k + 1] = i;
+		k++;
+	}
+	if (k > max_n) { /* more ready than fit: the oldest go first */
+		qsort(scratch, k, 2 * sizeof(uint64_t), by_arrival);
+		k = max_n;
+	}
+	uint64_t now = sb_now_ns();
+	for (uint32_t j = 0; j < k; j++) {
+		uint32_t i = (uint32_t)scratch[2 * j + 1];
+		uint64_t *c = ctl_at(base, i);
+		uint64_t cur = sb_load_relaxed(c);
+		while (SB_CTL_STATE(cur) == SB_READY) {
+			/* keeps the waiting bit: the client may already sleep */
+			uint64_t want = with_state(cur, SB_CLAIMED) |
+					((uint64_t)batcher << SB_BATCHER_SHIFT);
+			/* acquire: the client's input row and meta are visible */
+			if (!sb_cas_acq_rel(c, &cur, want))
+				continue;
+			sb_slot_meta *m = meta_at(base, i);
+			m->claim_ns = now;
+			/* insertion by slot index, so contiguous rows show up
+			 * as consecutive indices */
+			uint32_t p = n++;
+			for (; p > 0 && slots[p - 1] > i; p--) {
+				slots[p] = slots[p - 1];
+				gens[p] = gens[p - 1];
+				lengths[p] = lengths[p - 1];
+			}
+			slots[p] = i;
+			gens[p] = SB_CTL_GEN(cur);
+			lengths[p] = m->length; /* read once: the batcher uses this copy */
+			break;
+		}
+	}
+	*claim_ns = now;
+	return n;
+}
+
+static void put_error(const void *base, uint32_t slot, uint32_t status,
+		      const char *msg, uint32_t msg_len)
+{
+	sb_slot_meta *m = meta_at(base, slot);
+	if (msg_len > SB_ERRMSG_BYTES)
+		msg_len = SB_ERRMSG_BYTES;
+	memcpy(errmsg_at(base, slot), msg, msg_len);
+	m->errmsg_len = msg_len;
+	m->status = status;
+}
+
+int sb_complete(void *base, uint32_t slot, uint32_t gen, uint32_t batcher,
+		uint32_t status, const char *msg, uint32_t msg_len)
+{
+	sb_header *h = hdr(base);
+	if (slot >= h->capacity)
+		return SB_EBADARG;
+	uint64_t *c = ctl_at(base, slot);
+	uint64_t cur = sb_load_relaxed(c);
+	for (;;) {
+		uint32_t st = SB_CTL_STATE(cur);
+		if (SB_CTL_GEN(cur) != gen || SB_CTL_BATCHER(cur) != batcher ||
+		    (st != SB_CLAIMED && st != SB_ABANDONED)) {
+			sb_add_relaxed(&h->words[SB_W_STALE], 1);
+			return SB_ESTALE;
+		}
+		uint64_t want;
+		if (st == SB_CLAIMED) {
+			want = SB_CTL(gen, SB_CTL_PID(cur), 0,
+				      status == SB_STATUS_OK ? SB_DONE : SB_FAILED);
+			if (status != SB_STATUS_OK) /* ours while CLAIMED */
+				put_error(base, slot, status, msg, msg_len);
+		} else {
+			want = freed(cur); /* nobody waits: drop the answer */
+		}
+		/* release: the output row (or error) is written before DONE */
+		if (!sb_cas_acq_rel(c, &cur, want))
+			continue; /* the client set its waiting bit: retry */
+		if (SB_CTL_STATE(want) == SB_FREE)
+			return SB_ESTALE;
+		sb_add_relaxed(&h->words[status == SB_STATUS_OK ? SB_W_ANSWERED : SB_W_ERRORS], 1);
+		if (cur & SB_WAITING_BIT)
+			futex_wake(futex_word(c), INT_MAX);
+		return SB_OK;
+	}
+}
+
+static uint32_t bucket_of(uint64_t v)
+{
+	/* 4 linear steps per power of two from 256 ns: <= 25 % error, up to
+	 * about 15 minutes in 128 buckets */
+	if (v < 256)
+		return 0;
+	uint32_t msb = 63 - (uint32_t)__builtin_clzll(v);
+	uint32_t b = 4 * (msb - 8) + (uint32_t)((v >> (msb - 2)) & 3);
+	return b < SB_HIST_BUCKETS ? b : SB_HIST_BUCKETS - 1;
+}
+
+static void record_max(uint64_t *word, uint64_t v)
+{
+	uint64_t cur = sb_load_relaxed(word);
+	/* relaxed: a statistic; the CAS only keeps the maximum monotonic */
+	while (v > cur && !__atomic_compare_exchange_n(word, &cur, v, 0,
+						       __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+		;
+}
+
+void sb_finish_batch(void *base, const uint32_t *slots, uint32_t n,
+		     uint64_t claim_ns, uint64_t done_ns)
+{
+	sb_header *h = hdr(base);
+	uint64_t worst = 0;
+	for (uint32_t k = 0; k < n; k++) {
+		if (slots[k] >= h->capacity)
+			continue;
+		/* the batcher's own copy of claim_ns; arrival_ns was set before
+		 * the publish that our claim acquired */
+		uint64_t arrival = meta_at(base, slots[k])->arrival_ns;
+		uint64_t wait = claim_ns > arrival ? claim_ns - arrival : 0;
+		sb_add_relaxed(&h->hist[SB_H_QUEUE_WAIT][bucket_of(wait)], 1);
+		if (wait > worst)
+			worst = wait;
+	}
+	uint64_t service = done_ns > claim_ns ? done_ns - claim_ns : 0;
+	sb_add_relaxed(&h->hist[SB_H_SERVICE][bucket_of(service)], 1);
+	sb_add_relaxed(&h->hist[SB_H_BATCH_SIZE][n < SB_HIST_BUCKETS ? n : SB_HIST_BUCKETS - 1], 1);
+	record_max(&h->words[SB_W_QUEUE_WAIT_MAX_NS], worst);
+	record_max(&h->words[SB_W_SERVICE_MAX_NS], service);
+	sb_add_relaxed(&h->words[SB_W_BATCHES], 1);
+	sb_add_relaxed(&h->words[SB_W_ITEMS], n);
+	bump_done_seq(h);
+}
+
+/* ---- reaper ---- */
+
+uint32_t sb_snapshot(const void *base, uint64_t *ctl, uint64_t *owner_start)
+{
+	uint32_t cap = hdr(base)->capacity;
+	for (uint32_t i = 0; i < cap; i++) {
+		uint64_t c = sb_load_acquire(ctl_at(base, i));
+		const sb_slot_meta *m = meta_at(base, i);
+		ctl[i] = c;
+		/* the start time belongs to the pid in ctl only once the owner
+		 * has written its pid into meta too (right after acquiring) */
+		owner_start[i] = sb_load_relaxed(&m->owner_pid) == SB_CTL_PID(c)
+					 ? sb_load_relaxed(&m->owner_start) : 0;
+	}
+	return cap;
+}
+
+int sb_reap_slot(void *base, uint32_t slot, uint64_t expected_ctl)
+{
+	sb_header *h = hdr(base);
+	if (slot >= h->capacity)
+		return SB_EBADARG;
+	uint64_t want;
+	switch (SB_CTL_STATE(expected_ctl)) {
+	case SB_WRITING:
+	case SB_READY:
+	case SB_DONE:
+	case SB_FAILED:
+		want = freed(expected_ctl);
+		break;
+	case SB_CLAIMED: /* its batcher still writes the output: it frees it */
+		want = with_state(expected_ctl & ~SB_WAITING_BIT, SB_ABANDONED);
+		break;
+	default:
+		return SB_ESTALE;
+	}
+	/* the CAS fails if anything moved since the caller judged the owner */
+	if (!sb_cas_acq_rel(ctl_at(base, slot), &expected_ctl, want))
+		return SB_ESTALE;
+	sb_add_relaxed(&h->words[SB_W_RECLAIMED], 1);
+	return SB_OK;
+}
+
+uint32_t sb_reap_batcher(void *base, uint32_t batcher, const char *msg,
+			 uint32_t msg_len)
+{
+	sb_header *h = hdr(base);
+	uint32_t failed = 0;
+	for (uint32_t i = 0; i < h->capacity; i++) {
+		uint64_t *c = ctl_at(base, i);
+		uint64_t cur = sb_load_acquire(c);
+		for (;;) {
+			uint32_t st = SB_CTL_STATE(cur);
+			if ((st != SB_CLAIMED && st != SB_ABANDONED) ||
+			    SB_CTL_BATCHER(cur) != batcher)
+				break;
+			uint64_t want = st == SB_ABANDONED ? freed(cur)
+				: SB_CTL(SB_CTL_GEN(cur), SB_CTL_PID(cur), 0, SB_FAILED);
+			if (st == SB_CLAIMED) /* dead batcher: the slot is ours now */
+				put_error(base, i, SB_STATUS_BATCHER_DIED, msg, msg_len);
+			/* release: the error text is written before FAILED */
+			if (!sb_cas_acq_rel(c, &cur, want))
+				continue;
+			if (st == SB_CLAIMED) {
+				failed++;
+				sb_add_relaxed(&h->words[SB_W_ERRORS], 1);
+				if (cur & SB_WAITING_BIT)
+					futex_wake(futex_word(c), INT_MAX);
+			}
+			break;
+		}
+	}
+	if (failed)
+		bump_done_seq(h);
+	return failed;
+}
+
+void sb_histogram(const void *base, int which, uint64_t *buckets)
+{
+	if (which < 0 || which > SB_H_BATCH_SIZE)
+		return;
+	for (uint32_t b = 0; b < SB_HIST_BUCKETS; b++)
+		buckets[b] = sb_load_relaxed(&hdr(base)->hist[which][b]);
+}

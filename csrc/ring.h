@@ -1,0 +1,275 @@
+/*
+ * ring.h - the shared-memory slot ring of shmbatch: layout, slot states, API.
+ *
+ * One POSIX shared-memory object "/shmbatch-NAME" (mode 0600) holds everything.
+ * Every process maps it at its own address, so the segment holds offsets and
+ * indices only, never pointers; every function takes the mapping's base.
+ *
+ * SEGMENT LAYOUT (byte offsets from base; C = capacity, the number of slots)
+ *
+ *   0      +-----------------------------------------------------------+
+ *          | sb_header                                  8192 B, 64-al. |
+ *          |    0 magic "SHMBATCH" (u64, stored last with release)     |
+ *          |    8 layout_version u32     12 header_bytes u32           |
+ *          |   16 incarnation u64 (random per creation)                |
+ *          |   24 capacity u32           28 max_batch u32              |
+ *          |   32 input_slot_bytes u64   40 output_slot_bytes u64      |
+ *          |   48 total_bytes u64                                      |
+ *          |   64 off_ctl  72 off_meta  80 off_errmsg  88 off_input    |
+ *          |   96 off_output            (u64 each)                     |
+ *          |  128 config: 2048 B of UTF-8 JSON (the engine's settings) |
+ *          | 2176 work_seq u32 (futex)  2180 batchers_sleeping u32     |
+ *          | 2240 done_seq u32 (futex)  2244 done_waiters u32          |
+ *          | 2304 alloc_cursor u32                                     |
+ *          | 2368 words[128] u64: engine state, pids, counters (SB_W_*)|
+ *          | 3392 hist[3][128] u64: queue wait, service, batch size    |
+ *   8192   +-----------------------------------------------------------+
+ *          | ctl[C]      u64 per slot, dense for the batcher's scan    |
+ *          +------------------------------------------- 64-aligned ----+
+ *          | meta[C]     sb_slot_meta, 64 B per slot                   |
+ *          +------------------------------------------- 64-aligned ----+
+ *          | errmsg[C]   SB_ERRMSG_BYTES per slot                      |
+ *          +------------------------------------------- 4096-aligned --+
+ *          | input[C]    input_slot_bytes per slot: ONE C-order array  |
+ *          |             [C, *max_input_shape] of the input dtype      |
+ *          +------------------------------------------- 4096-aligned --+
+ *          | output[C]   output_slot_bytes per slot: [C, *output_shape]|
+ *          +-----------------------------------------------------------+
+ *
+ * THE CONTROL WORD (ctl[slot], u64; each transition is ONE CAS on it)
+ *
+ *   63            32 31          10 9       5 4       3     0
+ *   +---------------+--------------+---------+---------+-------+
+ *   |  generation   |  owner pid   | batcher | waiting | state |
+ *   +---------------+--------------+---------+---------+-------+
+ *   The low 32 bits are the futex word a blocked client sleeps on (little-
+ *   endian: they sit at the word's own address). "waiting" says a client
+ *   sleeps there, so the batcher makes the wake syscall only when needed.
+ *
+ * SLOT STATE MACHINE (g = generation; a ticket is (slot, g))
+ *
+ *           acquire (client CAS)            publish (client CAS)
+ *   FREE(g) --------------------> WRITING(g) -------------------> READY(g)
+ *     ^                             |  cancel (client) / reap       |
+ *     |<---------- FREE(g+1) -------+                               | claim
+ *     |                                                             v (batcher CAS)
+ *     |<-- release (client) --- DONE(g) <----- complete ------ CLAIMED(g, b)
+ *     |<-- release (client) --- FAILED(g) <--- fail / reap b --+    |
+ *     |                                                             | abandon (client
+ *     |<-- batcher completes it: FREE(g+1) ---- ABANDONED(g, b) <---+ timeout) / reap
+ *     |<-- abandon (client) or reap: READY(g) / DONE(g) / FAILED(g) -> FREE(g+1)
+ *
+ *   Every transition that leaves a slot FREE bumps the generation, so a late
+ *   actor holding an old ticket fails its CAS and changes nothing. Each state
+ *   names who may move it on: WRITING/READY/DONE/FAILED the owner (or the
+ *   reaper once the owner is proven dead), CLAIMED/ABANDONED the batcher
+ *   (or the reaper once that batcher is proven dead).
+ *
+ * WHY LOCK-FREE AND NOT A ROBUST MUTEX
+ *   A queue of positions (Disruptor, Vyukov, ck_ring's MP enqueue) blocks
+ *   every consumer behind a producer killed between taking a position and
+ *   publishing it. A robust mutex recovers, but its EOWNERDEAD path must then
+ *   repair a half-updated multi-word structure. Here the whole shared state
+ *   of a request is its one control word: a process killed at any
+ *   instruction leaves every slot in one well-defined state whose actor is
+ *   named in the word, and one CAS by the reaper moves it on. The batcher
+ *   scans ctl[] for READY slots (8 bytes a slot, C <= 65536) instead of
+ *   following a list, so a dead writer is simply never READY. Slots are
+ *   handed out from a rotating cursor, so consecutive requests take
+ *   consecutive slots and most batches are one contiguous run of rows.
+ *
+ * BLOCKING: futexes on shared words, never polling. Clients sleep on their
+ * slot's ctl (low half); batchers sleep on work_seq, which every publish
+ * bumps; async waiters sleep on done_seq, which every finished batch bumps.
+ * A wake is a hint: every waiter re-reads the word it waits for.
+ *
+ * C holds no policy: when to flush, whether a process is dead, and what an
+ * error means are decided in Python (engine/).
+ */
+#ifndef SB_RING_H
+#define SB_RING_H
+
+#include <stdint.h>
+
+/* --- cdef: everything from here to "cdef end" is read by cffi --------- */
+#define SB_LAYOUT_VERSION 1
+#define SB_HEADER_BYTES 8192
+#define SB_CONFIG_BYTES 2048
+#define SB_ERRMSG_BYTES 256
+#define SB_MAX_CAPACITY 65536
+#define SB_MAX_INSTANCES 32
+#define SB_HIST_BUCKETS 128
+
+/* slot states (ctl bits 0-3) */
+#define SB_FREE 0
+#define SB_WRITING 1
+#define SB_READY 2
+#define SB_CLAIMED 3
+#define SB_DONE 4
+#define SB_FAILED 5
+#define SB_ABANDONED 6
+
+/* results */
+#define SB_OK 0
+#define SB_EFULL 1
+#define SB_ESTALE 2
+#define SB_ETIMEOUT 3
+#define SB_EBADARG 4
+#define SB_ECORRUPT 5
+#define SB_EVERSION 6
+#define SB_EBUSY 7
+#define SB_EFAILED 8
+
+/* header fields for sb_header_field() */
+#define SB_F_CAPACITY 0
+#define SB_F_MAX_BATCH 1
+#define SB_F_INPUT_SLOT_BYTES 2
+#define SB_F_OUTPUT_SLOT_BYTES 3
+#define SB_F_TOTAL_BYTES 4
+#define SB_F_INCARNATION 5
+#define SB_F_OFF_CONFIG 6
+#define SB_F_OFF_INPUT 7
+#define SB_F_OFF_OUTPUT 8
+
+/* words[]: identities and counters, all u64 */
+#define SB_W_ENGINE_STATE 0
+#define SB_W_SUPERVISOR_PID 1
+#define SB_W_SUPERVISOR_START 2
+#define SB_W_INSTANCES 3
+#define SB_W_REQUESTS 8
+#define SB_W_REJECTED 9
+#define SB_W_TIMEOUTS 10
+#define SB_W_ERRORS 11
+#define SB_W_ANSWERED 12
+#define SB_W_BATCHES 13
+#define SB_W_ITEMS 14
+#define SB_W_ZERO_COPY 15
+#define SB_W_GATHERED 16
+#define SB_W_RECLAIMED 17
+#define SB_W_STALE 18
+#define SB_W_RESTARTS 19
+#define SB_W_QUEUE_WAIT_MAX_NS 20
+#define SB_W_SERVICE_MAX_NS 21
+#define SB_W_INVALID 22
+#define SB_W_BATCHER_PID 64
+#define SB_W_BATCHER_START 96
+#define SB_WORDS 128
+
+#define SB_ENGINE_STARTING 0
+#define SB_ENGINE_RUNNING 1
+#define SB_ENGINE_STOPPING 2
+#define SB_ENGINE_STOPPED 3
+
+/* histograms */
+#define SB_H_QUEUE_WAIT 0
+#define SB_H_SERVICE 1
+#define SB_H_BATCH_SIZE 2
+
+/* error status of a FAILED slot */
+#define SB_STATUS_OK 0
+#define SB_STATUS_BACKEND 1
+#define SB_STATUS_BATCHER_DIED 2
+
+/* setup (supervisor) */
+uint64_t sb_layout_bytes(uint32_t capacity, uint64_t input_slot_bytes,
+			 uint64_t output_slot_bytes);
+int sb_init(void *base, uint64_t total_bytes, uint32_t capacity,
+	    uint32_t max_batch, uint64_t input_slot_bytes,
+	    uint64_t output_slot_bytes, uint64_t incarnation);
+int sb_validate(const void *base, uint64_t mapped_bytes);
+uint64_t sb_header_field(const void *base, int field);
+uint64_t sb_word_get(const void *base, int word);
+void sb_word_set(void *base, int word, uint64_t value);
+void sb_word_add(void *base, int word, uint64_t delta);
+
+/* client */
+int sb_acquire(void *base, uint32_t pid, uint64_t start_ticks,
+	       uint32_t *slot, uint32_t *gen);
+int sb_publish(void *base, uint32_t slot, uint32_t gen, uint32_t length);
+int sb_cancel(void *base, uint32_t slot, uint32_t gen);
+int sb_wait_slot(void *base, uint32_t slot, uint32_t gen, int64_t timeout_ns);
+int sb_release(void *base, uint32_t slot, uint32_t gen);
+int sb_abandon(void *base, uint32_t slot, uint32_t gen);
+int sb_poll(const void *base, const uint32_t *slots, const uint32_t *gens,
+	    uint32_t n, int32_t *states);
+uint32_t sb_slot_error(const void *base, uint32_t slot, char *msg,
+		       uint32_t msg_cap, uint32_t *msg_len);
+uint32_t sb_done_seq(const void *base);
+int sb_wait_done_seq(void *base, uint32_t seen, int64_t timeout_ns);
+
+/* batcher */
+uint32_t sb_work_seq(const void *base);
+int sb_wait_work(void *base, uint32_t seen, int64_t timeout_ns);
+void sb_wake_work(void *base);
+uint32_t sb_scan(const void *base, uint64_t *oldest_arrival_ns);
+uint32_t sb_claim(void *base, uint32_t batcher, uint32_t max_n,
+		  uint64_t *scratch, uint32_t *slots, uint32_t *gens,
+		  uint32_t *lengths, uint64_t *claim_ns);
+int sb_complete(void *base, uint32_t slot, uint32_t gen, uint32_t batcher,
+		uint32_t status, const char *msg, uint32_t msg_len);
+void sb_finish_batch(void *base, const uint32_t *slots, uint32_t n,
+		     uint64_t claim_ns, uint64_t done_ns);
+
+/* reaper (supervisor) */
+uint32_t sb_snapshot(const void *base, uint64_t *ctl, uint64_t *owner_start);
+int sb_reap_slot(void *base, uint32_t slot, uint64_t expected_ctl);
+uint32_t sb_reap_batcher(void *base, uint32_t batcher, const char *msg,
+			 uint32_t msg_len);
+void sb_histogram(const void *base, int which, uint64_t *buckets);
+
+/* time */
+uint64_t sb_now_ns(void);
+void sb_spin_ns(uint64_t ns);
+/* --- cdef end --------------------------------------------------------- */
+
+#define SB_MAGIC 0x48435441424d4853ull /* "SHMBATCH" as little-endian bytes */
+
+#define SB_STATE_MASK 0xFull
+#define SB_WAITING_BIT 0x10ull
+#define SB_BATCHER_SHIFT 5
+#define SB_BATCHER_MASK 0x1Full
+#define SB_PID_SHIFT 10
+#define SB_PID_MASK 0x3FFFFFull
+#define SB_CTL(gen, pid, batcher, state)                                       \
+	(((uint64_t)(gen) << 32) | ((uint64_t)(pid) << SB_PID_SHIFT) |         \
+	 ((uint64_t)(batcher) << SB_BATCHER_SHIFT) | (uint64_t)(state))
+#define SB_CTL_STATE(c) ((uint32_t)((c) & SB_STATE_MASK))
+#define SB_CTL_BATCHER(c) ((uint32_t)(((c) >> SB_BATCHER_SHIFT) & SB_BATCHER_MASK))
+#define SB_CTL_PID(c) ((uint32_t)(((c) >> SB_PID_SHIFT) & SB_PID_MASK))
+#define SB_CTL_GEN(c) ((uint32_t)((c) >> 32))
+
+typedef struct {
+	uint64_t magic;
+	uint32_t layout_version;
+	uint32_t header_bytes;
+	uint64_t incarnation;
+	uint32_t capacity;
+	uint32_t max_batch;
+	uint64_t input_slot_bytes;
+	uint64_t output_slot_bytes;
+	uint64_t total_bytes;
+	uint64_t _pad0;
+	uint64_t off_ctl, off_meta, off_errmsg, off_input, off_output;
+	uint64_t _pad1[3];
+	char config[SB_CONFIG_BYTES];
+	/* each futex word on its own cache line: clients and batchers both
+	 * write them, and they must not false-share with the counters */
+	uint32_t work_seq, batchers_sleeping, _pad2[14];
+	uint32_t done_seq, done_waiters, _pad3[14];
+	uint32_t alloc_cursor, _pad4[15];
+	uint64_t words[SB_WORDS];
+	uint64_t hist[3][SB_HIST_BUCKETS];
+} sb_header;
+
+typedef struct {
+	uint64_t arrival_ns;  /* CLOCK_MONOTONIC, stamped at publish */
+	uint64_t owner_start; /* owner's start time (/proc ticks), vs pid reuse */
+	uint64_t claim_ns;    /* when a batcher claimed it */
+	uint32_t owner_pid;
+	uint32_t length;      /* real length of the variable dim, else 0 */
+	uint32_t status;      /* SB_STATUS_* of a FAILED slot */
+	uint32_t errmsg_len;
+	uint64_t _pad[3];
+} sb_slot_meta;
+
+#endif

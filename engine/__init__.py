@@ -1,0 +1,19 @@
+"""shmbatch: multiprocess shared-memory dynamic batching for Python and numpy.
+
+    eng = engine.Engine("demo", input_shape=(16,), output_shape=(16,)).start()
+    with engine.Client("demo") as c:
+        y = c.infer(x)
+    eng.stop()
+"""
+from engine.client import Client as Client
+from engine.errors import BackendError as BackendError
+from engine.errors import EngineAlreadyRunning as EngineAlreadyRunning
+from engine.errors import EngineError as EngineError
+from engine.errors import EngineUnavailable as EngineUnavailable
+from engine.errors import InvalidInput as InvalidInput
+from engine.errors import QueueFull as QueueFull
+from engine.errors import RequestTimeout as RequestTimeout
+from engine.supervisor import Engine as Engine
+
+__all__ = ["Engine", "Client", "EngineError", "InvalidInput", "QueueFull", "RequestTimeout",
+           "BackendError", "EngineUnavailable", "EngineAlreadyRunning"]

@@ -1,0 +1,335 @@
+"""The client handle: validate, write the input once into a slot, wait for its answer.
+
+A request is a ticket (slot, generation) in the engine's ring. The caller's
+thread validates the input (InvalidInput before anything is enqueued), takes
+a free slot (QueueFull at once when there is none), copies the input into the
+slot's row of the shared input region and publishes it. Then:
+
+- infer() sleeps on the slot's futex in the calling thread (the GIL is
+  released in C), in slices, to notice an engine that died meanwhile;
+- submit() and infer_async() hand the ticket to one completion thread per
+  client and process, which sleeps on the ring's done_seq word and settles
+  every finished ticket after each batch: no thread per request.
+
+A timed-out request is abandoned with a CAS on its ticket, so a late answer
+can never reach a newer request that reuses the slot. A Client is shared by
+threads freely; after os.fork() the child rebinds its process identity and
+drops the parent's pending tickets, which stay the parent's.
+"""
+import asyncio
+import concurrent.futures
+import itertools
+import os
+import threading
+import weakref
+from typing import Optional
+
+import numpy as np
+
+from engine import liveness, ring
+from engine.errors import (BackendError, EngineError, EngineUnavailable, QueueFull,
+                           RequestTimeout)
+from engine.layout import Segment
+
+# How often a waiting client checks that the engine still lives (its lock).
+LIVENESS_SLICE_NS = 100_000_000
+
+_clients = weakref.WeakSet()
+
+
+def _deadline_ns(timeout: Optional[float]) -> Optional[int]:
+    if timeout is None:
+        return None
+    if timeout < 0:
+        raise ValueError(f"timeout must be >= 0 or None, got {timeout}")
+    return ring.now_ns() + int(timeout * 1e9)
+
+
+def _backend_error(status: int, text: str) -> BackendError:
+    if status == ring.STATUS_BATCHER_DIED:
+        return BackendError("BatcherDied", text)
+    exc_type, _, message = text.partition(": ")
+    return BackendError(exc_type, message)
+
+
+class Client:
+    """A handle on the running engine called ``name`` (contract section 2)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._seg: Optional[Segment] = Segment.attach(name)
+        if self._seg.engine_state() != ring.ENGINE_RUNNING or not self._seg.holder_alive():
+            self._seg = None
+            raise EngineUnavailable(f"engine {name!r} is not running")
+        self._checked_ns = ring.now_ns()
+        self._bind_process()
+        _clients.add(self)
+
+    def _bind_process(self) -> None:
+        self._pid = os.getpid()
+        self._start_ticks = liveness.start_ticks(self._pid) or 0
+        self._lock = threading.Lock()
+        self._completer: Optional[_Completer] = None
+
+    # -- public API ---------------------------------------------------------
+    def infer(self, x, timeout: Optional[float] = 1.0) -> np.ndarray:
+        """Blocks until the answer to x comes; returns it as a new array."""
+        deadline = _deadline_ns(timeout)
+        seg, slot, gen = self._enqueue(x)
+        return self._await(seg, slot, gen, deadline, timeout)
+
+    def submit(self, x, timeout: Optional[float] = 1.0) -> concurrent.futures.Future:
+        """Enqueues x now; the Future resolves to its answer (or error)."""
+        deadline = _deadline_ns(timeout)
+        seg, slot, gen = self._enqueue(x)
+        future = concurrent.futures.Future()
+        future.set_running_or_notify_cancel()
+        self._completer_for().add(seg, slot, gen, deadline, timeout,
+                                  future.set_result, future.set_exception)
+        return future
+
+    async def infer_async(self, x, timeout: Optional[float] = 1.0) -> np.ndarray:
+        """infer() for asyncio: awaits the answer without blocking the loop."""
+        deadline = _deadline_ns(timeout)
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        seg, slot, gen = self._enqueue(x)
+
+        def settle(value, error):
+            if not future.done():
+                future.set_exception(error) if error is not None else future.set_result(value)
+
+        self._completer_for().add(
+            seg, slot, gen, deadline, timeout,
+            lambda v: loop.call_soon_threadsafe(settle, v, None),
+            lambda e: loop.call_soon_threadsafe(settle, None, e))
+        return await future
+
+    def close(self) -> None:
+        """Fails what is pending here with EngineUnavailable and detaches."""
+        completer, self._completer = self._completer, None
+        if completer is not None:
+            completer.close()
+        self._seg = None
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- the request path ---------------------------------------------------
+    def _enqueue(self, x):
+        if os.getpid() != self._pid:  # a forked child: it is a new owner
+            self._bind_process()
+        seg = self._segment()
+        cfg = seg.config
+        try:
+            array, length = cfg.check_input(x)
+        except EngineError:
+            seg.ring.add_word(ring.W_INVALID)
+            raise
+        code, slot, gen = seg.ring.acquire(self._pid, self._start_ticks)
+        if code == ring.EFULL:
+            raise QueueFull(f"queue_capacity {seg.capacity} reached: expected a free slot, "
+                            f"got {seg.capacity} requests queued or in flight")
+        if code != ring.OK:
+            raise EngineUnavailable(f"cannot enqueue on engine {self.name!r} (code {code})")
+        try:
+            row = seg.inputs[slot]
+            if cfg.var_axis is None:
+                row[...] = array
+            else:  # zero the padding, so the batch needs no per-request fill
+                head = (slice(None),) * cfg.var_axis
+                row[head + (slice(0, length),)] = array
+                row[head + (slice(length, None),)] = 0
+        except BaseException:
+            seg.ring.cancel(slot, gen)
+            raise
+        if seg.ring.publish(slot, gen, length) != ring.OK:
+            raise EngineUnavailable(f"engine {self.name!r} reclaimed the request before it was queued")
+        return seg, slot, gen
+
+    def _segment(self) -> Segment:
+        """The running engine's segment; re-attaches after a restart of the engine."""
+        seg = self._seg
+        if seg is None:
+            raise EngineUnavailable(f"client of {self.name!r} is closed")
+        if seg.engine_state() == ring.ENGINE_RUNNING:
+            now = ring.now_ns()
+            if now - self._checked_ns < LIVENESS_SLICE_NS:
+                return seg
+            if seg.holder_alive():
+                self._checked_ns = now
+                return seg
+        with self._lock:
+            if self._seg is seg:
+                self._seg = self._reattach(seg)
+            return self._seg
+
+    def _reattach(self, old: Segment) -> Segment:
+        try:
+            new = Segment.attach(self.name)
+        except EngineUnavailable:
+            raise EngineUnavailable(f"engine {self.name!r} is not running") from None
+        if (new.incarnation == old.incarnation or new.engine_state() != ring.ENGINE_RUNNING
+                or not new.holder_alive()):
+            new.close()
+            raise EngineUnavailable(f"engine {self.name!r} is stopping or not running")
+        self._checked_ns = ring.now_ns()
+        return new
+
+    @staticmethod
+    def _lives(seg: Segment) -> bool:
+        return seg.engine_state() != ring.ENGINE_STOPPED and seg.holder_alive()
+
+    def _await(self, seg, slot, gen, deadline, timeout):
+        r = seg.ring
+        while True:
+            slice_ns = LIVENESS_SLICE_NS
+            if deadline is not None:
+                slice_ns = max(0, min(slice_ns, deadline - ring.now_ns()))
+            code = r.wait_slot(slot, gen, slice_ns)
+            if code != ring.ETIMEOUT:
+                return self._collect(seg, slot, gen, code)
+            if deadline is not None and ring.now_ns() >= deadline:
+                if r.abandon(slot, gen) == ring.EBUSY:
+                    continue  # answered meanwhile: take it
+                raise RequestTimeout(f"expected an answer within {timeout} s, got none "
+                                     f"(request abandoned)")
+            if not self._lives(seg):
+                if r.abandon(slot, gen) == ring.EBUSY:
+                    continue
+                raise EngineUnavailable(f"engine {self.name!r} stopped or died while the request waited")
+
+    def _collect(self, seg, slot, gen, code) -> np.ndarray:
+        r = seg.ring
+        if code == ring.OK:
+            out = seg.outputs[slot].copy()
+            r.release_slot(slot, gen)
+            return out
+        if code == ring.EFAILED:
+            status, text = r.slot_error(slot)
+            r.release_slot(slot, gen)
+            raise _backend_error(status, text)
+        raise EngineUnavailable(f"engine {self.name!r} reclaimed the request (code {code})")
+
+    def _completer_for(self) -> "_Completer":
+        with self._lock:
+            if self._completer is None:
+                self._completer = _Completer(self)
+                self._completer.start()
+            return self._completer
+
+
+class _Ticket:
+    __slots__ = ("seg", "slot", "gen", "deadline", "timeout", "on_value", "on_error")
+
+    def __init__(self, seg, slot, gen, deadline, timeout, on_value, on_error):
+        self.seg, self.slot, self.gen = seg, slot, gen
+        self.deadline, self.timeout = deadline, timeout
+        self.on_value, self.on_error = on_value, on_error
+
+
+class _Completer(threading.Thread):
+    """Settles the submit()/infer_async() tickets of one client in one process."""
+
+    def __init__(self, client: Client):
+        super().__init__(name=f"shmbatch-completer-{client.name}", daemon=True)
+        self.client = client
+        self.cond = threading.Condition()
+        self.pending = {}
+        self.ids = itertools.count()
+        self.closed = False
+        self.checked_ns = ring.now_ns()
+
+    def add(self, seg, slot, gen, deadline, timeout, on_value, on_error) -> None:
+        with self.cond:
+            self.pending[next(self.ids)] = _Ticket(seg, slot, gen, deadline, timeout,
+                                                   on_value, on_error)
+            self.cond.notify()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify()
+        self.join(timeout=5.0)
+
+    def run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.pending and not self.closed:
+                    self.cond.wait(timeout=1.0)
+                if self.closed:
+                    self._fail_all(EngineUnavailable(f"client of {self.client.name!r} closed"))
+                    return
+                tickets = dict(self.pending)
+            seg = next(iter(tickets.values())).seg
+            seen = seg.ring.done_seq()  # before polling: a later batch wakes us
+            settled, next_deadline = self._settle(tickets)
+            with self.cond:
+                for key in settled:
+                    del self.pending[key]
+                if len(settled) < len(tickets):
+                    wait_ns = LIVENESS_SLICE_NS
+                    if next_deadline is not None:
+                        wait_ns = max(0, min(wait_ns, next_deadline - ring.now_ns()))
+                else:
+                    continue
+            seg.ring.wait_done_seq(seen, wait_ns)
+
+    def _settle(self, tickets):
+        settled, next_deadline = [], None
+        by_seg = {}
+        for key, t in tickets.items():
+            by_seg.setdefault(id(t.seg), []).append((key, t))
+        now = ring.now_ns()
+        for group in by_seg.values():
+            seg = group[0][1].seg
+            slots = np.fromiter((t.slot for _, t in group), np.uint32, len(group))
+            gens = np.fromiter((t.gen for _, t in group), np.uint32, len(group))
+            codes = np.empty(len(group), np.int32)
+            seg.ring.poll(slots, gens, codes)
+            lives = None
+            for (key, t), code in zip(group, codes.tolist()):
+                if code == ring.EBUSY:
+                    if t.deadline is not None and now >= t.deadline:
+                        if seg.ring.abandon(t.slot, t.gen) == ring.EBUSY:
+                            continue  # answered meanwhile: next pass takes it
+                        t.on_error(RequestTimeout(f"expected an answer within {t.timeout} s, "
+                                                  f"got none (request abandoned)"))
+                        settled.append(key)
+                        continue
+                    if lives is None:  # probe at most once a slice: it costs 2 syscalls
+                        lives = now - self.checked_ns < LIVENESS_SLICE_NS
+                        if not lives:
+                            lives, self.checked_ns = Client._lives(seg), now
+                    if not lives and seg.ring.abandon(t.slot, t.gen) != ring.EBUSY:
+                        t.on_error(EngineUnavailable(f"engine {self.client.name!r} stopped or "
+                                                     f"died while the request waited"))
+                        settled.append(key)
+                    elif t.deadline is not None:
+                        next_deadline = min(next_deadline or t.deadline, t.deadline)
+                    continue
+                try:
+                    t.on_value(self.client._collect(seg, t.slot, t.gen, code))
+                except EngineError as e:
+                    t.on_error(e)
+                settled.append(key)
+        return settled, next_deadline
+
+    def _fail_all(self, error: EngineError) -> None:
+        for t in self.pending.values():
+            if t.seg.ring.abandon(t.slot, t.gen) == ring.EBUSY:
+                t.seg.ring.release_slot(t.slot, t.gen)
+            t.on_error(error)
+        self.pending.clear()
+
+
+def _after_fork_in_child() -> None:
+    # the parent's threads and locks do not exist here; its tickets stay its own
+    for client in list(_clients):
+        client._bind_process()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,42 @@
+"""The errors of contract section 3: one class per way a request can fail.
+
+Every message names what was expected and what came, so a caller can act on
+it without reading the engine's logs.
+"""
+
+
+class EngineError(Exception):
+    """Base of every error shmbatch raises."""
+
+
+class InvalidInput(EngineError, ValueError):
+    """The input does not match the engine's input spec; nothing was enqueued."""
+
+
+class QueueFull(EngineError):
+    """queue_capacity requests are queued or in flight; nothing was enqueued."""
+
+
+class RequestTimeout(EngineError, TimeoutError):
+    """No answer came within the timeout; the request was abandoned."""
+
+
+class BackendError(EngineError):
+    """The backend raised or returned a malformed result, or its batcher died.
+
+    ``exc_type`` is the name of the backend's exception type (or
+    ``"BatcherDied"``) and ``message`` its message.
+    """
+
+    def __init__(self, exc_type: str, message: str):
+        super().__init__(f"{exc_type}: {message}")
+        self.exc_type = exc_type
+        self.message = message
+
+
+class EngineUnavailable(EngineError):
+    """No running engine of that name, or it is stopping or gone."""
+
+
+class EngineAlreadyRunning(EngineError):
+    """start() found a live engine of the same name."""

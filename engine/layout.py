@@ -1,0 +1,318 @@
+"""The engine's settings and the segment that holds them, seen from Python.
+
+This is the only module that knows where things are in the segment: it asks
+the C ring for each region's offset (csrc/ring.h draws the layout) and builds
+the numpy views of the input and output regions over them. It also owns the
+engine's settings (EngineConfig): their validation, the per-request input
+spec, and their JSON copy in the segment's header, which is how a client
+learns the spec of the engine it attaches to.
+"""
+import dataclasses
+import fcntl
+import json
+import mmap
+import os
+import re
+import secrets
+from typing import Optional, Tuple
+
+import numpy as np
+import posix_ipc
+
+from engine import ring
+from engine.errors import EngineAlreadyRunning, EngineUnavailable, InvalidInput
+
+NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}\Z")
+DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+          "uint64", "float16", "float32", "float64", "complex64", "complex128")
+
+
+def segment_name(name: str) -> str:
+    return f"/shmbatch-{name}"
+
+
+def _shape(value, what: str, allow_none: bool = False) -> Tuple:
+    if isinstance(value, (int, np.integer)) or value is None:
+        value = (value,)
+    dims = tuple(None if d is None else int(d) for d in value)
+    for d in dims:
+        if d is None and not allow_none:
+            raise ValueError(f"{what} must have fixed dims, got {dims}")
+        if d is not None and d < 1:
+            raise ValueError(f"{what} dims must be >= 1, got {dims}")
+    return dims
+
+
+def shape_text(shape) -> str:
+    return "[" + ", ".join("*" if d is None else str(d) for d in shape) + "]"
+
+
+def describe(x: np.ndarray) -> str:
+    return f"{x.dtype}{shape_text(x.shape)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """What Engine(...) was given, validated; immutable once the engine runs."""
+
+    name: str
+    input_shape: Tuple
+    input_dtype: str = "float32"
+    output_shape: Tuple = ()
+    output_dtype: str = "float32"
+    max_input_shape: Optional[Tuple] = None
+    max_batch_size: int = 32
+    max_delay_ms: float = 0.0
+    queue_capacity: int = 1024
+    instances: int = 1
+
+    def __post_init__(self):
+        put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen)
+        if not isinstance(self.name, str) or not NAME_RE.match(self.name):
+            raise ValueError(f"name must match [A-Za-z0-9_.-]{{1,64}}, got {self.name!r}")
+        put("input_shape", _shape(self.input_shape, "input_shape", allow_none=True))
+        put("output_shape", _shape(self.output_shape, "output_shape"))
+        for key in ("input_dtype", "output_dtype"):
+            dtype = np.dtype(getattr(self, key)).name
+            if dtype not in DTYPES:
+                raise ValueError(f"{key} must be one of {', '.join(DTYPES)}, got {dtype}")
+            put(key, dtype)
+        var = [i for i, d in enumerate(self.input_shape) if d is None]
+        if len(var) > 1:
+            raise ValueError(f"input_shape may have one variable (None) dim, got {self.input_shape}")
+        if var:
+            if self.max_input_shape is None:
+                raise ValueError(f"input_shape {self.input_shape} has a None dim: "
+                                 "max_input_shape (the padding bound) is required")
+            bound = _shape(self.max_input_shape, "max_input_shape")
+            fixed_ok = all(d is None or d == b for d, b in zip(self.input_shape, bound))
+            if len(bound) != len(self.input_shape) or not fixed_ok:
+                raise ValueError(f"max_input_shape {bound} must match input_shape "
+                                 f"{self.input_shape} in rank and fixed dims")
+            put("max_input_shape", bound)
+        elif self.max_input_shape is not None:
+            raise ValueError("max_input_shape is only for an input_shape with a None dim")
+        for key, low in (("max_batch_size", 1), ("queue_capacity", 1), ("instances", 1)):
+            if int(getattr(self, key)) < low:
+                raise ValueError(f"{key} must be >= {low}, got {getattr(self, key)}")
+            put(key, int(getattr(self, key)))
+        if self.queue_capacity > ring.MAX_CAPACITY:
+            raise ValueError(f"queue_capacity must be <= {ring.MAX_CAPACITY}, got {self.queue_capacity}")
+        if self.max_batch_size > self.queue_capacity:
+            raise ValueError(f"max_batch_size ({self.max_batch_size}) must be <= "
+                             f"queue_capacity ({self.queue_capacity})")
+        if self.instances > ring.MAX_INSTANCES:
+            raise ValueError(f"instances must be <= {ring.MAX_INSTANCES}, got {self.instances}")
+        if not float(self.max_delay_ms) >= 0:
+            raise ValueError(f"max_delay_ms must be >= 0, got {self.max_delay_ms}")
+        put("max_delay_ms", float(self.max_delay_ms))
+
+    # -- derived ------------------------------------------------------------
+    @property
+    def var_axis(self) -> Optional[int]:
+        """The index of the variable dim, or None."""
+        return next((i for i, d in enumerate(self.input_shape) if d is None), None)
+
+    @property
+    def padded_shape(self) -> Tuple:
+        return self.max_input_shape if self.var_axis is not None else self.input_shape
+
+    @property
+    def input_slot_bytes(self) -> int:
+        return int(np.prod(self.padded_shape, dtype=np.int64)) * np.dtype(self.input_dtype).itemsize
+
+    @property
+    def output_slot_bytes(self) -> int:
+        return int(np.prod(self.output_shape, dtype=np.int64)) * np.dtype(self.output_dtype).itemsize
+
+    def input_spec(self) -> str:
+        if self.var_axis is None:
+            return f"{self.input_dtype}{shape_text(self.input_shape)}"
+        dims = [f"1..{b}" if d is None else str(d)
+                for d, b in zip(self.input_shape, self.max_input_shape)]
+        return f"{self.input_dtype}[{', '.join(dims)}]"
+
+    def check_input(self, x) -> Tuple[np.ndarray, int]:
+        """(array, real length of the variable dim or 0); InvalidInput otherwise."""
+        spec = self.input_spec()
+        if not isinstance(x, np.ndarray):
+            try:
+                x = np.asarray(x, dtype=self.input_dtype)
+            except (TypeError, ValueError) as e:
+                raise InvalidInput(f"expected {spec}, got {type(x).__name__} not "
+                                   f"convertible to {self.input_dtype} ({e})") from None
+        elif x.dtype != self.input_dtype:
+            raise InvalidInput(f"expected {spec}, got {describe(x)}")
+        if x.ndim != len(self.input_shape):
+            raise InvalidInput(f"expected {spec}, got {describe(x)}")
+        length = 0
+        for axis, (got, want) in enumerate(zip(x.shape, self.input_shape)):
+            if want is None:
+                if not 1 <= got <= self.max_input_shape[axis]:
+                    raise InvalidInput(f"expected {spec}, got {describe(x)}")
+                length = got
+            elif got != want:
+                raise InvalidInput(f"expected {spec}, got {describe(x)}")
+        return x, length
+
+    def to_json(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self)).encode()
+
+    @classmethod
+    def from_json(cls, blob: bytes) -> "EngineConfig":
+        return cls(**json.loads(blob.decode()))
+
+
+class Segment:
+    """One mapping of an engine's segment: ring, settings, region views.
+
+    The creator holds an exclusive flock(2) on the segment for as long as the
+    engine lives; the kernel drops it when that process dies, however it dies.
+    A live lock is how anyone tells a running engine from a crashed one.
+    """
+
+    def __init__(self, shm, mapping, owner: bool):
+        self._shm = shm
+        self._mapping = mapping
+        self.owner = owner
+        self.ring = ring.Ring(mapping)
+        size = mapping.size()
+        code = self.ring.validate(size)
+        if code != ring.OK:
+            what = "layout version" if code == ring.EVERSION else "header"
+            self._close_mapping()
+            raise EngineUnavailable(f"{shm.name} is not a shmbatch segment of layout "
+                                    f"version {ring.LAYOUT_VERSION} (bad {what})")
+        off = self.ring.field(ring.F_OFF_CONFIG)
+        self.config = EngineConfig.from_json(bytes(mapping[off:off + ring.CONFIG_BYTES]).rstrip(b"\0"))
+        self.capacity = self.ring.field(ring.F_CAPACITY)
+        self.incarnation = self.ring.field(ring.F_INCARNATION)
+        cfg = self.config
+        self.inputs = np.ndarray((self.capacity, *cfg.padded_shape), cfg.input_dtype,
+                                 buffer=mapping, offset=self.ring.field(ring.F_OFF_INPUT))
+        self.outputs = np.ndarray((self.capacity, *cfg.output_shape), cfg.output_dtype,
+                                  buffer=mapping, offset=self.ring.field(ring.F_OFF_OUTPUT))
+
+    @classmethod
+    def create(cls, config: EngineConfig) -> "Segment":
+        """Creates the segment (owner-only) and takes its lock; a crashed
+        engine's segment of the same name is removed first, a live one refused."""
+        name = segment_name(config.name)
+        size = ring.layout_bytes(config.queue_capacity, config.input_slot_bytes,
+                                 config.output_slot_bytes)
+        if size == 0:
+            raise ValueError(f"an engine of {config.queue_capacity} slots of "
+                             f"{config.input_slot_bytes} B input is too large")
+        for _ in range(2):
+            try:
+                shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
+                break
+            except posix_ipc.ExistentialError:
+                remove_if_dead(config.name)
+        else:
+            raise EngineAlreadyRunning(f"engine {config.name!r} could not be created: "
+                                       f"{name} keeps reappearing")
+        fcntl.flock(shm.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        mapping = mmap.mmap(shm.fd, size)
+        raw = ring.Ring(mapping)
+        code = raw.init(size, config.queue_capacity, config.max_batch_size,
+                        config.input_slot_bytes, config.output_slot_bytes,
+                        secrets.randbits(64))
+        off = raw.field(ring.F_OFF_CONFIG)
+        blob = config.to_json()
+        if code != ring.OK or len(blob) > ring.CONFIG_BYTES:
+            raw.release()
+            mapping.close()
+            shm.close_fd()
+            posix_ipc.unlink_shared_memory(name)
+            raise ValueError(f"cannot lay out engine {config.name!r} (code {code})")
+        mapping[off:off + len(blob)] = blob
+        raw.release()
+        return cls(shm, mapping, owner=True)
+
+    @classmethod
+    def attach(cls, name: str) -> "Segment":
+        if not isinstance(name, str) or not NAME_RE.match(name):
+            raise ValueError(f"name must match [A-Za-z0-9_.-]{{1,64}}, got {name!r}")
+        try:
+            shm = posix_ipc.SharedMemory(segment_name(name))
+        except posix_ipc.ExistentialError:
+            raise EngineUnavailable(f"no engine named {name!r} is running "
+                                    f"(no /dev/shm{segment_name(name)})") from None
+        st = os.fstat(shm.fd)
+        if st.st_uid != os.getuid() or st.st_mode & 0o077:
+            shm.close_fd()
+            raise EngineUnavailable(f"/dev/shm{segment_name(name)} is not owner-only "
+                                    f"(uid {st.st_uid}, mode {st.st_mode & 0o777:o})")
+        if st.st_size < ring.HEADER_BYTES:
+            shm.close_fd()
+            raise EngineUnavailable(f"engine {name!r} is not initialised yet")
+        mapping = mmap.mmap(shm.fd, st.st_size)
+        try:
+            return cls(shm, mapping, owner=False)
+        except EngineUnavailable:
+            shm.close_fd()
+            raise
+
+    # -- state -------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    def engine_state(self) -> int:
+        return self.ring.word(ring.W_ENGINE_STATE)
+
+    def holder_alive(self) -> bool:
+        """True while the engine that created the segment holds its lock."""
+        if self.owner:
+            return True
+        try:
+            fcntl.flock(self._shm.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(self._shm.fd, fcntl.LOCK_UN)
+        return False
+
+    # -- teardown ------------------------------------------------------------
+    def _close_mapping(self) -> None:
+        self.ring.release()
+        try:
+            self._mapping.close()
+        except BufferError:  # a view is still held (e.g. by a backend): leave it mapped
+            pass
+
+    def close(self) -> None:
+        """Unmaps (views must be dropped first) and closes the fd (and its lock)."""
+        if self._shm is None:
+            return
+        self.inputs = self.outputs = None
+        self._close_mapping()
+        self._shm.close_fd()
+        self._shm = None
+
+    def unlink(self) -> None:
+        try:
+            posix_ipc.unlink_shared_memory(segment_name(self.config.name))
+        except posix_ipc.ExistentialError:
+            pass
+
+
+def remove_if_dead(name: str) -> bool:
+    """Unlinks the segment of a crashed engine; EngineAlreadyRunning if it lives.
+    Returns whether there was one."""
+    try:
+        shm = posix_ipc.SharedMemory(segment_name(name))
+    except posix_ipc.ExistentialError:
+        return False
+    try:
+        fcntl.flock(shm.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise EngineAlreadyRunning(f"engine {name!r} is already running "
+                                   f"(/dev/shm{segment_name(name)} is locked by a live process)") from None
+    finally:
+        shm.close_fd()
+    try:
+        posix_ipc.unlink_shared_memory(segment_name(name))
+    except posix_ipc.ExistentialError:
+        pass
+    return True

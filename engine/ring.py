@@ -1,0 +1,163 @@
+"""The one module that calls the C ring (engine._ringc) through cffi.
+
+It turns the mapping of a segment into a base pointer and wraps each C
+function in a method that returns plain ints, so that no other module sees
+cffi objects. Codes are returned, not raised: what an outcome means for a
+request is decided by the client and batcher modules.
+
+The SB_* constants of csrc/ring.h are re-exported without their prefix
+(``ring.READY``, ``ring.ETIMEOUT``, ``ring.W_REQUESTS`` ...).
+"""
+import numpy as np
+
+from engine._ringc import ffi, lib
+
+globals().update({n[3:]: getattr(lib, n) for n in dir(lib) if n.startswith("SB_")})
+
+now_ns = lib.sb_now_ns
+spin_ns = lib.sb_spin_ns  # busy-waits in C, without the GIL
+
+
+def layout_bytes(capacity: int, input_slot_bytes: int, output_slot_bytes: int) -> int:
+    return lib.sb_layout_bytes(capacity, input_slot_bytes, output_slot_bytes)
+
+
+def _ptr(array: np.ndarray, ctype: str):
+    return ffi.cast(ctype, array.ctypes.data)
+
+
+class Ring:
+    """The C ring over one mapping (an mmap of the segment)."""
+
+    def __init__(self, mapping):
+        self._base_buf = ffi.from_buffer(mapping)
+        self.base = ffi.cast("void *", self._base_buf)
+
+    def release(self) -> None:
+        """Drops the buffer export, so that the mmap can be closed."""
+        self.base = ffi.NULL
+        ffi.release(self._base_buf)
+
+    # -- setup ------------------------------------------------------------
+    def init(self, total_bytes, capacity, max_batch, in_bytes, out_bytes, incarnation):
+        return lib.sb_init(self.base, total_bytes, capacity, max_batch,
+                           in_bytes, out_bytes, incarnation)
+
+    def validate(self, mapped_bytes: int) -> int:
+        return lib.sb_validate(self.base, mapped_bytes)
+
+    def field(self, field: int) -> int:
+        return lib.sb_header_field(self.base, field)
+
+    def word(self, word: int) -> int:
+        return lib.sb_word_get(self.base, word)
+
+    def set_word(self, word: int, value: int) -> None:
+        lib.sb_word_set(self.base, word, value)
+
+    def add_word(self, word: int, delta: int = 1) -> None:
+        lib.sb_word_add(self.base, word, delta)
+
+    # -- client -----------------------------------------------------------
+    def acquire(self, pid: int, start_ticks: int):
+        """(code, slot, generation)."""
+        out = ffi.new("uint32_t[2]")
+        code = lib.sb_acquire(self.base, pid, start_ticks, out, out + 1)
+        return code, out[0], out[1]
+
+    def publish(self, slot: int, gen: int, length: int) -> int:
+        return lib.sb_publish(self.base, slot, gen, length)
+
+    def cancel(self, slot: int, gen: int) -> int:
+        return lib.sb_cancel(self.base, slot, gen)
+
+    def wait_slot(self, slot: int, gen: int, timeout_ns: int) -> int:
+        return lib.sb_wait_slot(self.base, slot, gen, timeout_ns)
+
+    def release_slot(self, slot: int, gen: int) -> int:
+        return lib.sb_release(self.base, slot, gen)
+
+    def abandon(self, slot: int, gen: int) -> int:
+        return lib.sb_abandon(self.base, slot, gen)
+
+    def poll(self, slots: np.ndarray, gens: np.ndarray, states: np.ndarray) -> int:
+        """Fills states (int32) with each ticket's answer code; returns how many pend."""
+        return lib.sb_poll(self.base, _ptr(slots, "uint32_t *"), _ptr(gens, "uint32_t *"),
+                           len(slots), _ptr(states, "int32_t *"))
+
+    def slot_error(self, slot: int):
+        """(status, message) of a FAILED slot."""
+        buf = ffi.new("char[]", ERRMSG_BYTES)
+        length = ffi.new("uint32_t *")
+        status = lib.sb_slot_error(self.base, slot, buf, ERRMSG_BYTES, length)
+        return status, ffi.unpack(buf, length[0]).decode("utf-8", "replace")
+
+    def done_seq(self) -> int:
+        return lib.sb_done_seq(self.base)
+
+    def wait_done_seq(self, seen: int, timeout_ns: int) -> int:
+        return lib.sb_wait_done_seq(self.base, seen, timeout_ns)
+
+    # -- batcher ----------------------------------------------------------
+    def work_seq(self) -> int:
+        return lib.sb_work_seq(self.base)
+
+    def wait_work(self, seen: int, timeout_ns: int) -> int:
+        return lib.sb_wait_work(self.base, seen, timeout_ns)
+
+    def wake_work(self) -> None:
+        lib.sb_wake_work(self.base)
+
+    def scan(self):
+        """(number of READY slots, arrival_ns of the oldest)."""
+        oldest = ffi.new("uint64_t *")
+        n = lib.sb_scan(self.base, oldest)
+        return n, oldest[0]
+
+    def claim(self, batcher, max_n, scratch, slots, gens, lengths):
+        """Claims up to max_n of the oldest READY slots into the uint32 arrays
+        (sorted by slot); returns (n, claim_ns)."""
+        claim_ns = ffi.new("uint64_t *")
+        n = lib.sb_claim(self.base, batcher, max_n, _ptr(scratch, "uint64_t *"),
+                         _ptr(slots, "uint32_t *"), _ptr(gens, "uint32_t *"),
+                         _ptr(lengths, "uint32_t *"), claim_ns)
+        return n, claim_ns[0]
+
+    def complete(self, slot, gen, batcher, status=0, message: bytes = b"") -> int:
+        return lib.sb_complete(self.base, slot, gen, batcher, status, message, len(message))
+
+    def finish_batch(self, slots: np.ndarray, n: int, claim_ns: int, done_ns: int) -> None:
+        lib.sb_finish_batch(self.base, _ptr(slots, "uint32_t *"), n, claim_ns, done_ns)
+
+    # -- reaper -----------------------------------------------------------
+    def snapshot(self, ctl: np.ndarray, owner_start: np.ndarray) -> int:
+        return lib.sb_snapshot(self.base, _ptr(ctl, "uint64_t *"), _ptr(owner_start, "uint64_t *"))
+
+    def reap_slot(self, slot: int, expected_ctl: int) -> int:
+        return lib.sb_reap_slot(self.base, slot, expected_ctl)
+
+    def reap_batcher(self, batcher: int, message: bytes) -> int:
+        return lib.sb_reap_batcher(self.base, batcher, message, len(message))
+
+    def histogram(self, which: int) -> np.ndarray:
+        out = np.zeros(HIST_BUCKETS, dtype=np.uint64)
+        lib.sb_histogram(self.base, which, _ptr(out, "uint64_t *"))
+        return out
+
+
+def ctl_state(ctl: np.ndarray) -> np.ndarray:
+    """The state field of control words (vectorised; ring.h's bit layout)."""
+    return ctl & np.uint64(0xF)
+
+
+def ctl_pid(ctl: np.ndarray) -> np.ndarray:
+    return (ctl >> np.uint64(10)) & np.uint64(0x3FFFFF)
+
+
+def hist_bounds_ns():
+    """(lower, upper) of each histogram bucket in ns: ring.c's bucket_of, inverted."""
+    b = np.arange(HIST_BUCKETS + 1)
+    octave, step = b // 4 + 8, b % 4
+    edges = ((4 + step) << (octave - 2)).astype(np.float64)
+    edges[0] = 0.0
+    return edges[:-1], edges[1:]

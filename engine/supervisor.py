@@ -1,0 +1,327 @@
+"""The Engine: creates the segment, runs and watches the batchers, reaps, stops.
+
+It lives in the process that calls Engine.start(). One monitor thread per
+engine spawns the batcher processes (each dies with that thread, by the
+kernel's parent-death signal, so nothing outlives a killed supervisor) and
+then wakes on any batcher's exit or every REAP_INTERVAL_S:
+
+- a dead batcher's claimed slots are failed (BackendError "BatcherDied": its
+  batch is NOT retried, since a request that crashed one batcher would crash
+  the next) and a new batcher takes its instance number; the requests still
+  queued are served by it or by the other instances;
+- the slots of dead clients are reclaimed: their owner is named in each
+  slot's control word, and death is judged by pid + start time.
+
+stop() refuses new requests (EngineUnavailable), serves what is queued,
+stops the batchers and unlinks the segment.
+"""
+import atexit
+import logging
+import multiprocessing.connection
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import weakref
+from typing import Optional
+
+import numpy as np
+
+from engine import batcher, liveness, metrics, ring
+from engine.errors import BackendError, EngineUnavailable
+from engine.layout import EngineConfig, Segment
+
+log = logging.getLogger("shmbatch")
+
+REAP_INTERVAL_S = 0.1
+_RESTART_BACKOFF_MAX_S = 10.0
+_live_engines = weakref.WeakSet()
+
+
+def _per_instance(value, instances: int, what: str):
+    if value is None:
+        return [None] * instances
+    value = list(value)
+    if len(value) != instances:
+        raise ValueError(f"{what} must give one entry per instance ({instances}), got {len(value)}")
+    return value
+
+
+class Engine:
+    """A dynamic batching engine serving one backend (contract section 1)."""
+
+    def __init__(self, name: str, backend="engine.backends:synthetic", backend_args=None,
+                 input_shape=(16,), input_dtype="float32", max_input_shape=None,
+                 output_shape=(16,), output_dtype="float32", max_batch_size: int = 32,
+                 max_delay_ms: float = 0.0, queue_capacity: int = 1024, instances: int = 1,
+                 cpus=None, gpus=None, start_timeout_s: float = 120.0,
+                 drain_timeout_s: float = 30.0):
+        self.config = EngineConfig(
+            name=name, input_shape=input_shape, input_dtype=input_dtype,
+            output_shape=output_shape, output_dtype=output_dtype,
+            max_input_shape=max_input_shape, max_batch_size=max_batch_size,
+            max_delay_ms=max_delay_ms, queue_capacity=queue_capacity, instances=instances)
+        if not callable(backend) and ":" not in str(backend):
+            raise ValueError(f"backend must be 'module:factory' or a callable, got {backend!r}")
+        self.backend = backend
+        self.backend_args = dict(backend_args or {})
+        self.cpus = [None if c is None else ([c] if isinstance(c, int) else list(c))
+                     for c in _per_instance(cpus, instances, "cpus")]
+        self.gpus = _per_instance(gpus, instances, "gpus")
+        self.start_timeout_s = start_timeout_s
+        self.drain_timeout_s = drain_timeout_s
+        self._seg: Optional[Segment] = None
+        self._procs = [None] * instances
+        self._restart_at_ns = [0] * instances
+        self._backoff_s = [0.0] * instances
+        self._monitor: Optional[threading.Thread] = None
+        self._started = threading.Event()
+        self._start_error: Optional[BaseException] = None
+        self._stopping = threading.Event()
+        self._wake_r = self._wake_w = None
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    # -- lifecycle ------------------------------------------------------------
+    def start(self) -> "Engine":
+        """Creates the segment, starts the batchers; returns once clients can attach."""
+        if self._seg is not None:
+            raise RuntimeError(f"engine {self.name!r} is already started")
+        self._seg = Segment.create(self.config)
+        r = self._seg.ring
+        pid = os.getpid()
+        r.set_word(ring.W_SUPERVISOR_START, liveness.start_ticks(pid) or 0)
+        r.set_word(ring.W_SUPERVISOR_PID, pid)
+        r.set_word(ring.W_INSTANCES, self.config.instances)
+        self._ctl = np.zeros(self._seg.capacity, dtype=np.uint64)
+        self._owner_start = np.zeros(self._seg.capacity, dtype=np.uint64)
+        self._wake_r, self._wake_w = os.pipe()
+        self._stopping.clear()
+        self._started.clear()
+        self._start_error = None
+        # the batchers are spawned by the monitor thread: they die with it
+        self._monitor = threading.Thread(target=self._monitor_main, daemon=True,
+                                         name=f"shmbatch-supervisor-{self.name}")
+        self._monitor.start()
+        if not self._started.wait(self.start_timeout_s * self.config.instances + 10):
+            self._start_error = BackendError("StartTimeout", "batchers did not start in time")
+        if self._start_error is not None:
+            error = self._start_error
+            self._teardown()
+            raise error
+        r.set_word(ring.W_ENGINE_STATE, ring.ENGINE_RUNNING)
+        _live_engines.add(self)
+        log.info("engine %s started: %d instance(s), batcher pids %s", self.name,
+                 self.config.instances, [p.pid for p in self._procs])
+        return self
+
+    def stop(self) -> None:
+        """Stops accepting, answers what is queued, stops the batchers, unlinks."""
+        seg = self._seg
+        if seg is None:
+            return
+        _live_engines.discard(self)
+        r = seg.ring
+        r.set_word(ring.W_ENGINE_STATE, ring.ENGINE_STOPPING)
+        r.wake_work()  # a batcher waiting for a deadline flushes now
+        self._drain(self.drain_timeout_s)
+        self._teardown()
+        log.info("engine %s stopped", self.name)
+
+    def _drain(self, timeout_s: float) -> None:
+        r = self._seg.ring
+        deadline = ring.now_ns() + int(timeout_s * 1e9)
+        while ring.now_ns() < deadline:
+            seen = r.done_seq()
+            r.snapshot(self._ctl, self._owner_start)
+            states = ring.ctl_state(self._ctl)
+            if not np.isin(states, (ring.WRITING, ring.READY, ring.CLAIMED)).any():
+                return
+            alive = any(p is not None and p.is_alive() for p in self._procs)
+            if not alive:
+                log.error("engine %s: no batcher left to drain the queue", self.name)
+                return
+            r.wait_done_seq(seen, int(REAP_INTERVAL_S * 1e9))
+        log.warning("engine %s: drain timed out after %.1f s", self.name, timeout_s)
+
+    def _teardown(self) -> None:
+        self._stopping.set()
+        self._seg.ring.set_word(ring.W_ENGINE_STATE, ring.ENGINE_STOPPED)
+        self._seg.ring.wake_work()  # batchers see STOPPED and exit once idle
+        if self._wake_w is not None:
+            os.write(self._wake_w, b"x")
+        if self._monitor is not None:
+            self._monitor.join(timeout=30)
+        for proc in self._procs:
+            if proc is None:
+                continue
+            proc.join(timeout=10)
+            if proc.is_alive():
+                log.warning("engine %s: batcher pid %d did not stop; killing it", self.name, proc.pid)
+                proc.kill()
+                proc.join(timeout=10)
+            proc.close()
+        self._procs = [None] * self.config.instances
+        for fd in (self._wake_r, self._wake_w):
+            if fd is not None:
+                os.close(fd)
+        self._wake_r = self._wake_w = None
+        self._seg.unlink()
+        self._seg.close()
+        self._seg = None
+
+    def __enter__(self) -> "Engine":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- figures -------------------------------------------------------------
+    def stats(self) -> dict:
+        if self._seg is None:
+            raise EngineUnavailable(f"engine {self.name!r} is not running")
+        return metrics.read_stats(self._seg)
+
+    # -- the monitor thread --------------------------------------------------
+    def _spawn(self, i: int) -> "_Batcher":
+        """Starts batcher i and waits until it serves (or its factory fails)."""
+        read_fd, write_fd = os.pipe()
+        reader = multiprocessing.connection.Connection(read_fd, writable=False)
+        proc = None
+        try:
+            args = dict(name=self.name, instance=i, backend=self.backend,
+                        backend_args=self.backend_args, cpus=self.cpus[i], gpu=self.gpus[i],
+                        ready_fd=write_fd)
+            try:
+                payload = pickle.dumps(list(sys.path)) + pickle.dumps(args)
+            except Exception as e:
+                raise BackendError(type(e).__name__, f"cannot pass the backend to a "
+                                   f"batcher process: {e}") from None
+            proc = _Batcher([sys.executable, "-c", "from engine.batcher import _entry; _entry()"], stdin=subprocess.PIPE,
+                            pass_fds=(write_fd,))
+            os.close(write_fd)
+            write_fd = None
+            try:
+                proc.stdin.write(payload)
+                proc.stdin.close()
+            except BrokenPipeError:
+                pass  # it died at once: the recv below says so
+            if not reader.poll(self.start_timeout_s):
+                raise BackendError("StartTimeout", f"batcher {i} not ready within "
+                                   f"{self.start_timeout_s} s")
+            try:
+                msg = reader.recv()
+            except EOFError:
+                proc.join(10)
+                msg = ("error", "BatcherDied", f"batcher {i} exited during start "
+                       f"(exit code {proc.exitcode})", "")
+            if msg[0] != "ready":
+                log.error("engine %s: batcher %d failed to start:\n%s", self.name, i, msg[3])
+                raise BackendError(msg[1], msg[2])
+            return proc
+        except BaseException:
+            if proc is not None:
+                proc.kill()
+                proc.join(10)
+                proc.close()
+            raise
+        finally:
+            reader.close()
+            if write_fd is not None:
+                os.close(write_fd)
+
+    def _monitor_main(self) -> None:
+        try:
+            for i in range(self.config.instances):
+                self._procs[i] = self._spawn(i)
+        except BaseException as e:
+            self._start_error = e
+            self._started.set()
+            return
+        self._started.set()
+        while not self._stopping.is_set():
+            waitables = [p.sentinel for p in self._procs if p is not None] + [self._wake_r]
+            multiprocessing.connection.wait(waitables, timeout=REAP_INTERVAL_S)
+            if self._stopping.is_set():
+                break
+            for i, proc in enumerate(self._procs):
+                if proc is None or not proc.is_alive():
+                    self._replace(i, proc)
+            self._reap_clients()
+
+    def _replace(self, i: int, proc) -> None:
+        r = self._seg.ring
+        if proc is not None:
+            proc.join(0)
+            why = (f"killed by signal {-proc.exitcode}" if proc.exitcode and proc.exitcode < 0
+                   else f"exit code {proc.exitcode}")
+            failed = r.reap_batcher(i, f"batcher {i} (pid {proc.pid}) died ({why}) "
+                                       f"while serving this request".encode())
+            r.set_word(ring.W_BATCHER_PID + i, 0)
+            r.add_word(ring.W_RESTARTS)
+            log.warning("engine %s: batcher %d (pid %d) died (%s); failed %d claimed "
+                        "request(s); restarting", self.name, i, proc.pid, why, failed)
+            proc.close()
+            self._procs[i] = None
+        if ring.now_ns() < self._restart_at_ns[i]:
+            return
+        try:
+            self._procs[i] = self._spawn(i)
+            self._backoff_s[i] = 0.0
+        except BackendError as e:
+            backoff = self._backoff_s[i] = min(_RESTART_BACKOFF_MAX_S, 2 * self._backoff_s[i] or 0.5)
+            self._restart_at_ns[i] = ring.now_ns() + int(backoff * 1e9)
+            log.error("engine %s: batcher %d did not restart (%s); next try in %.1f s",
+                      self.name, i, e, backoff)
+
+    def _reap_clients(self) -> None:
+        """Frees the slots of clients that died (pid gone, or reused by another)."""
+        r = self._seg.ring
+        r.snapshot(self._ctl, self._owner_start)
+        states = ring.ctl_state(self._ctl)
+        pids = ring.ctl_pid(self._ctl)
+        owned = np.nonzero((states != ring.FREE) & (states != ring.ABANDONED) & (pids != 0))[0]
+        verdicts = {}
+        for slot in owned.tolist():
+            owner = (int(pids[slot]), int(self._owner_start[slot]))
+            if owner not in verdicts:
+                verdicts[owner] = not liveness.is_alive(*owner)
+            if verdicts[owner] and r.reap_slot(slot, int(self._ctl[slot])) == ring.OK:
+                log.info("engine %s: reclaimed slot %d of dead client pid %d",
+                         self.name, slot, owner[0])
+
+
+class _Batcher(subprocess.Popen):
+    """A batcher process, with the few multiprocessing.Process names used here."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sentinel = os.pidfd_open(self.pid)  # readable once the process exits
+
+    def is_alive(self) -> bool:
+        return self.poll() is None
+
+    @property
+    def exitcode(self):
+        return self.poll()
+
+    def join(self, timeout: float) -> None:
+        try:
+            self.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def close(self) -> None:
+        if self.sentinel is not None:
+            os.close(self.sentinel)
+            self.sentinel = None
+
+
+@atexit.register
+def _stop_live_engines() -> None:
+    # runs before multiprocessing's own exit handler, which would join the batchers
+    for engine in list(_live_engines):
+        engine.stop()
