@@ -49,7 +49,10 @@ def read_stats(segment) -> dict:
     r = segment.ring
     w = r.word
     batches, items = w(ring.W_BATCHES), w(ring.W_ITEMS)
+    sizes = r.histogram(ring.H_BATCH_SIZE)  # bucket n counts batches of n (n < 127)
     pids = batcher_pids(r, segment.config.instances)
+    ctl = np.zeros(segment.capacity, dtype=np.uint64)
+    r.snapshot(ctl, np.zeros_like(ctl))
     return {
         "name": segment.name,
         "requests_total": w(ring.W_REQUESTS),
@@ -59,8 +62,10 @@ def read_stats(segment) -> dict:
         "errors_total": w(ring.W_ERRORS),
         "invalid_total": w(ring.W_INVALID),
         "batches_total": batches,
-        "queue_depth": r.scan()[0],
+        "queue_depth": int((ring.ctl_state(ctl) == ring.READY).sum()),
+        "slots_in_use": int((ring.ctl_state(ctl) != ring.FREE).sum()),
         "avg_batch_size": items / batches if batches else 0.0,
+        "batch_size_counts": {int(n): int(c) for n, c in enumerate(sizes) if c},
         "queue_wait_ms": _summary_ms(r.histogram(ring.H_QUEUE_WAIT), w(ring.W_QUEUE_WAIT_MAX_NS)),
         "service_ms": _summary_ms(r.histogram(ring.H_SERVICE), w(ring.W_SERVICE_MAX_NS)),
         "zero_copy_batches": w(ring.W_ZERO_COPY),

@@ -1,0 +1,65 @@
+import itertools
+import multiprocessing
+import os
+import pathlib
+
+import psutil
+import pytest
+
+import engine
+from engine import ring
+
+_names = itertools.count()
+
+
+def unique_name(tag: str) -> str:
+    return f"t{os.getpid()}-{tag}-{next(_names)}"
+
+
+def shm_entries():
+    return sorted(p.name for p in pathlib.Path("/dev/shm").glob("*shmbatch-*"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_leaks():
+    """After the whole suite: no /dev/shm entry and no child process left."""
+    before = set(shm_entries())
+    yield
+    mine = [n for n in set(shm_entries()) - before if f"shmbatch-t{os.getpid()}-" in n]
+    children = psutil.Process().children(recursive=True)
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert not mine, f"left in /dev/shm: {mine}"
+    assert not alive, f"child processes left: {[p.pid for p in alive]}"
+
+
+@pytest.fixture
+def make_engine():
+    """Starts engines with unique names; stops them after the test."""
+    engines = []
+
+    def make(tag="e", **kwargs):
+        kwargs.setdefault("backend", "helpers:affine")
+        eng = engine.Engine(unique_name(tag), **kwargs).start()
+        engines.append(eng)
+        return eng
+
+    yield make
+    for eng in engines:
+        eng.stop()
+
+
+@pytest.fixture
+def fork_ctx():
+    return multiprocessing.get_context("fork")
+
+
+def wait_until_no_slot_in_use(eng, timeout_s=10.0) -> bool:
+    """Waits (bounded) for every slot to be FREE; wakes on each finished batch."""
+    deadline = ring.now_ns() + int(timeout_s * 1e9)
+    r = eng._seg.ring
+    while ring.now_ns() < deadline:
+        seen = r.done_seq()
+        if eng.stats()["slots_in_use"] == 0:
+            return True
+        r.wait_done_seq(seen, 100_000_000)  # the reaper frees slots without a batch
+    return False

@@ -1,0 +1,82 @@
+"""Backends and client-process bodies the tests share (importable by batchers)."""
+import os
+import time
+
+import numpy as np
+
+import engine
+from engine import ring
+
+
+def affine():
+    """y = 2x + 1: every answer can be checked against its own request."""
+    return lambda batch, lengths=None: batch * 2 + 1
+
+
+def slow_affine(fixed_ms=50.0):
+    def run(batch, lengths=None):
+        ring.spin_ns(int(fixed_ms * 1e6))
+        return batch * 2 + 1
+    return run
+
+
+def pid_tagged(fixed_ms=5.0):
+    """Answers with the batcher's pid in every element, after fixed_ms."""
+    def run(batch, lengths=None):
+        ring.spin_ns(int(fixed_ms * 1e6))
+        return np.full(batch.shape, os.getpid(), dtype=np.float32)
+    return run
+
+
+def failing():
+    """Raises on a batch that holds a negative value; else 2x + 1."""
+    def run(batch, lengths=None):
+        if (batch < 0).any():
+            raise ValueError("negative input")
+        return batch * 2 + 1
+    return run
+
+
+def wrong_count():
+    return lambda batch, lengths=None: np.zeros((len(batch) + 1, *batch.shape[1:]), np.float32)
+
+
+def wrong_shape():
+    return lambda batch, lengths=None: np.zeros((len(batch), 3), np.float32)
+
+
+def masked_sum():
+    """Sums each request over its real length; fails if the padding is not zero."""
+    def run(batch, lengths):
+        for row, n in zip(batch, lengths):
+            if row[n:].any():
+                raise AssertionError("padding is not zero")
+        return batch.sum(axis=1)
+    return run
+
+
+def open_loop_client(name, client_id, n, rate_hz, seed, out_queue, width=16, timeout=10.0):
+    """Sends n requests at Poisson times (open loop: the schedule never waits for
+    answers) and reports (wrong, errors, answered) to out_queue."""
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(1.0 / rate_hz, size=n)
+    with engine.Client(name) as c:
+        start = time.monotonic()
+        due = start + np.cumsum(gaps)
+        futures = []
+        for k in range(n):
+            delay = due[k] - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)  # the arrival schedule itself, not a wait for a condition
+            x = np.full(width, client_id * 100000 + k, dtype=np.float32)
+            futures.append((x, c.submit(x, timeout=timeout)))
+        wrong = errors = answered = 0
+        for x, f in futures:
+            try:
+                y = f.result(timeout=timeout + 5)
+            except engine.EngineError:
+                errors += 1
+                continue
+            answered += 1
+            wrong += not np.array_equal(y, x * 2 + 1)
+    out_queue.put((client_id, wrong, errors, answered))

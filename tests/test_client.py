@@ -1,0 +1,121 @@
+"""The client handle: threads, fork, asyncio, several instances, idle, drain."""
+import asyncio
+import os
+import threading
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+import engine
+
+X = np.arange(16, dtype=np.float32)
+
+
+def test_threads_sharing_one_client_each_get_their_own_answers(make_engine):
+    eng = make_engine("threads", max_batch_size=8)
+    wrong = []
+    with engine.Client(eng.name) as c:
+        def worker(t):
+            for k in range(200):
+                x = np.full(16, t * 1000 + k, np.float32)
+                wrong.append(not np.array_equal(c.infer(x, timeout=10), x * 2 + 1))
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert len(wrong) == 1600 and not any(wrong)
+    assert eng.stats()["avg_batch_size"] > 1.0  # threads of one process batch together
+
+
+def _child_uses_inherited(client, out):
+    try:
+        ys = [client.infer(X + 1000 + k, timeout=10) for k in range(50)]
+        ys += [f.result(10) for f in [client.submit(X + 2000 + k) for k in range(50)]]
+        expect = [(X + 1000 + k) * 2 + 1 for k in range(50)] + [(X + 2000 + k) * 2 + 1 for k in range(50)]
+        out.put(all(np.array_equal(a, b) for a, b in zip(ys, expect)))
+    except Exception as e:
+        out.put(repr(e))
+
+
+def test_forked_child_uses_an_inherited_client_without_disturbing_the_parent(make_engine, fork_ctx):
+    eng = make_engine("fork", backend="helpers:slow_affine", backend_args={"fixed_ms": 2},
+                      max_batch_size=8)
+    with engine.Client(eng.name) as c:
+        parents = [c.submit(X + k, timeout=20) for k in range(40)]  # in flight across the fork
+        out = fork_ctx.Queue()
+        child = fork_ctx.Process(target=_child_uses_inherited, args=(c, out))
+        child.start()
+        assert out.get(timeout=60) is True
+        child.join(10)
+        assert child.exitcode == 0
+        for k, f in enumerate(parents):
+            assert np.array_equal(f.result(timeout=20), (X + k) * 2 + 1)
+
+
+def test_infer_async_serves_many_requests_with_no_thread_per_request(make_engine):
+    eng = make_engine("async", backend="helpers:slow_affine", backend_args={"fixed_ms": 5},
+                      max_batch_size=32)
+
+    async def main(c):
+        return await asyncio.gather(*[c.infer_async(X + k, timeout=20) for k in range(200)])
+
+    with engine.Client(eng.name) as c:
+        threads_before = threading.active_count()
+        ys = asyncio.run(main(c))
+        assert threading.active_count() <= threads_before + 1  # the one completer thread
+    assert all(np.array_equal(y, (X + k) * 2 + 1) for k, y in enumerate(ys))
+    assert eng.stats()["avg_batch_size"] > 4
+
+
+def test_two_instances_share_one_queue_and_are_pinned(make_engine):
+    cpus = sorted(psutil.Process().cpu_affinity())
+    pins = [[cpus[0]], [cpus[-1]]]
+    eng = make_engine("inst", backend="helpers:pid_tagged", backend_args={"fixed_ms": 20},
+                      instances=2, cpus=pins, max_batch_size=2)
+    pids = eng.stats()["batcher_pids"]
+    assert len(pids) == 2
+    assert sorted(psutil.Process(p).cpu_affinity() for p in pids) == sorted(pins)
+    with engine.Client(eng.name) as c:
+        answers = [f.result(timeout=30) for f in [c.submit(X, timeout=30) for _ in range(40)]]
+    served_by = {int(y[0]) for y in answers}
+    assert served_by == set(pids)  # both batchers took work from the one queue
+
+
+def test_an_idle_engine_does_not_spin(make_engine):
+    eng = make_engine("idle", max_delay_ms=5.0)
+    with engine.Client(eng.name) as c:
+        c.infer(X, timeout=10)
+    batcher = psutil.Process(eng.stats()["batcher_pids"][0])
+    before = sum(batcher.cpu_times()[:2])
+    time.sleep(1.0)  # the measured interval itself
+    assert sum(batcher.cpu_times()[:2]) - before < 0.05
+
+
+def test_stop_answers_what_is_queued_then_refuses(make_engine):
+    eng = make_engine("drain", backend="helpers:slow_affine", backend_args={"fixed_ms": 20},
+                      max_batch_size=4)
+    c = engine.Client(eng.name)
+    futures = [c.submit(X + k, timeout=30) for k in range(40)]
+    eng.stop()
+    for k, f in enumerate(futures):
+        assert np.array_equal(f.result(timeout=1), (X + k) * 2 + 1)
+    with pytest.raises(engine.EngineUnavailable):
+        c.infer(X)
+    assert not os.path.exists(f"/dev/shm/shmbatch-{eng.name}")
+    c.close()
+
+
+def test_variable_length_inputs_are_zero_padded_to_the_longest_with_lengths(make_engine):
+    eng = make_engine("ragged", backend="helpers:masked_sum", input_shape=(None, 4),
+                      max_input_shape=(32, 4), output_shape=(4,), max_batch_size=16,
+                      max_delay_ms=20)
+    rng = np.random.default_rng(1)
+    xs = [rng.random((int(n), 4)).astype(np.float32) for n in rng.integers(1, 33, 64)]
+    with engine.Client(eng.name) as c:
+        ys = [f.result(timeout=30) for f in [c.submit(x, timeout=30) for x in xs]]
+    for x, y in zip(xs, ys):
+        np.testing.assert_allclose(y, x.sum(axis=0), rtol=1e-5)
+    assert eng.stats()["avg_batch_size"] > 1

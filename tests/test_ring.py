@@ -1,0 +1,174 @@
+"""The C ring alone: its layout, its state machine, and many processes at once."""
+import multiprocessing
+import os
+
+import numpy as np
+import pytest
+
+from engine import ring
+from engine.layout import EngineConfig, Segment
+from conftest import unique_name
+
+
+@pytest.fixture
+def segment():
+    seg = Segment.create(EngineConfig(name=unique_name("ring"), input_shape=(4,),
+                                      output_shape=(4,), queue_capacity=64, max_batch_size=8))
+    seg.ring.set_word(ring.W_ENGINE_STATE, ring.ENGINE_RUNNING)
+    yield seg
+    seg.unlink()
+    seg.close()
+
+
+def claim_all(r, max_n=64, batcher=0, capacity=64):
+    scratch = np.zeros(2 * capacity, np.uint64)
+    slots, gens, lengths = (np.zeros(max_n, np.uint32) for _ in range(3))
+    n, _ = r.claim(batcher, max_n, scratch, slots, gens, lengths)
+    return slots[:n].tolist(), gens[:n].tolist(), lengths[:n].tolist()
+
+
+def test_segment_is_owner_only_and_named_for_the_engine(segment):
+    path = f"/dev/shm/shmbatch-{segment.name}"
+    assert os.stat(path).st_mode & 0o777 == 0o600
+
+
+def test_regions_are_aligned_and_inside_the_segment(segment):
+    r = segment.ring
+    assert r.field(ring.F_OFF_INPUT) % 4096 == 0
+    assert r.field(ring.F_OFF_OUTPUT) % 4096 == 0
+    assert r.field(ring.F_OFF_OUTPUT) >= r.field(ring.F_OFF_INPUT) + 64 * 16
+    assert r.field(ring.F_TOTAL_BYTES) >= r.field(ring.F_OFF_OUTPUT) + 64 * 16
+    assert r.validate(r.field(ring.F_TOTAL_BYTES) - 1) == ring.ECORRUPT
+
+
+def test_slot_walks_free_writing_ready_claimed_done_free(segment):
+    r = segment.ring
+    code, slot, gen = r.acquire(os.getpid(), 0)
+    assert code == ring.OK
+    assert r.wait_slot(slot, gen, 0) == ring.ESTALE  # WRITING is not waitable
+    assert r.publish(slot, gen, 0) == ring.OK
+    assert r.scan()[0] == 1
+    assert r.wait_slot(slot, gen, 1000) == ring.ETIMEOUT
+    slots, gens, _ = claim_all(r)
+    assert (slots, gens) == ([slot], [gen])
+    assert r.complete(slot, gen, 0) == ring.OK
+    assert r.wait_slot(slot, gen, 0) == ring.OK
+    assert r.release_slot(slot, gen) == ring.OK
+    code, slot2, gen2 = r.acquire(os.getpid(), 0)
+    assert code == ring.OK and (slot2 != slot or gen2 == gen + 1)
+
+
+def test_late_completion_after_abandon_never_reaches_the_next_owner(segment):
+    r = segment.ring
+    _, slot, gen = r.acquire(os.getpid(), 0)
+    r.publish(slot, gen, 0)
+    claim_all(r)
+    assert r.abandon(slot, gen) == ring.OK          # CLAIMED -> ABANDONED
+    assert r.complete(slot, gen, 0) == ring.ESTALE  # the batcher frees it, answer dropped
+    # the same slot, reused: the old ticket can touch nothing
+    for _ in range(64):
+        code, s, g = r.acquire(os.getpid(), 0)
+        if s == slot:
+            break
+    assert (s, g) == (slot, gen + 1)
+    assert r.complete(slot, gen, 0) == ring.ESTALE
+    assert r.release_slot(slot, gen) == ring.ESTALE
+    assert r.abandon(slot, gen) == ring.ESTALE
+    assert r.publish(s, g, 0) == ring.OK
+    assert r.word(ring.W_STALE) >= 1
+
+
+def test_abandon_of_a_queued_request_frees_the_slot_at_once(segment):
+    r = segment.ring
+    _, slot, gen = r.acquire(os.getpid(), 0)
+    r.publish(slot, gen, 0)
+    assert r.abandon(slot, gen) == ring.OK
+    assert r.scan()[0] == 0
+    assert claim_all(r)[0] == []
+
+
+def test_claim_takes_the_oldest_first_and_at_most_max_n(segment):
+    r = segment.ring
+    tickets = []
+    for _ in range(10):
+        _, slot, gen = r.acquire(os.getpid(), 0)
+        r.publish(slot, gen, 0)
+        tickets.append(slot)
+    slots, _, _ = claim_all(r, max_n=4)
+    assert slots == sorted(tickets[:4])
+
+
+def test_full_ring_rejects_and_counts(segment):
+    r = segment.ring
+    for _ in range(64):
+        assert r.acquire(os.getpid(), 0)[0] == ring.OK
+    assert r.acquire(os.getpid(), 0)[0] == ring.EFULL
+    assert r.word(ring.W_REJECTED) == 1
+
+
+def test_reaping_a_dead_batcher_fails_its_claims_only(segment):
+    r = segment.ring
+    mine = []
+    for _ in range(3):
+        _, slot, gen = r.acquire(os.getpid(), 0)
+        r.publish(slot, gen, 0)
+        mine.append((slot, gen))
+    claim_all(r, max_n=2, batcher=5)
+    assert r.reap_batcher(5, b"gone") == 2
+    codes = sorted(r.wait_slot(s, g, 0) for s, g in mine)
+    assert codes == sorted([ring.EFAILED, ring.EFAILED, ring.ETIMEOUT])
+    failed = [s for s, g in mine if r.wait_slot(s, g, 0) == ring.EFAILED]
+    assert r.slot_error(failed[0]) == (ring.STATUS_BATCHER_DIED, "gone")
+
+
+def _ring_client(name, client_id, n, results):
+    seg = Segment.attach(name)
+    r = seg.ring
+    wrong = 0
+    for k in range(n):
+        while True:
+            code, slot, gen = r.acquire(os.getpid(), 0)
+            if code == ring.OK:
+                break
+        seg.inputs[slot][:] = client_id * 1_000_000 + k
+        r.publish(slot, gen, 0)
+        assert r.wait_slot(slot, gen, 10_000_000_000) == ring.OK
+        wrong += not np.array_equal(seg.outputs[slot], seg.inputs[slot] * 2 + 1)
+        wrong += seg.outputs[slot][0] != (client_id * 1_000_000 + k) * 2 + 1
+        r.release_slot(slot, gen)
+    results.put(wrong)
+
+
+def _ring_batcher(name, batcher, stop):
+    seg = Segment.attach(name)
+    r = seg.ring
+    scratch = np.zeros(2 * seg.capacity, np.uint64)
+    slots, gens, lengths = (np.zeros(8, np.uint32) for _ in range(3))
+    while not stop.is_set():
+        seen = r.work_seq()
+        n, claim_ns = r.claim(batcher, 8, scratch, slots, gens, lengths)
+        if n == 0:
+            r.wait_work(seen, 50_000_000)
+            continue
+        for s, g in zip(slots[:n].tolist(), gens[:n].tolist()):
+            seg.outputs[s] = seg.inputs[s] * 2 + 1
+            assert r.complete(s, g, batcher) == ring.OK
+        r.finish_batch(slots, n, claim_ns, ring.now_ns())
+
+
+def test_many_client_processes_and_two_batchers_get_their_own_answers(segment):
+    ctx = multiprocessing.get_context("fork")
+    results, stop = ctx.Queue(), ctx.Event()
+    batchers = [ctx.Process(target=_ring_batcher, args=(segment.name, b, stop)) for b in (0, 1)]
+    clients = [ctx.Process(target=_ring_client, args=(segment.name, c, 500, results))
+               for c in range(6)]
+    for p in batchers + clients:
+        p.start()
+    wrong = [results.get(timeout=60) for _ in clients]
+    stop.set()
+    for p in batchers + clients:
+        p.join(10)
+        assert p.exitcode == 0
+    assert wrong == [0] * 6
+    assert segment.ring.word(ring.W_ITEMS) == 3000
+    assert segment.ring.word(ring.W_REQUESTS) == 3000
