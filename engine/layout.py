@@ -134,26 +134,28 @@ class EngineConfig:
 
     def check_input(self, x) -> Tuple[np.ndarray, int]:
         """(array, real length of the variable dim or 0); InvalidInput otherwise."""
-        spec = self.input_spec()
         if not isinstance(x, np.ndarray):
             try:
                 x = np.asarray(x, dtype=self.input_dtype)
             except (TypeError, ValueError) as e:
-                raise InvalidInput(f"expected {spec}, got {type(x).__name__} not "
-                                   f"convertible to {self.input_dtype} ({e})") from None
+                raise InvalidInput(f"expected {self.input_spec()}, got {type(x).__name__} "
+                                   f"not convertible to {self.input_dtype} ({e})") from None
         elif x.dtype != self.input_dtype:
-            raise InvalidInput(f"expected {spec}, got {describe(x)}")
+            raise self._mismatch(x)
         if x.ndim != len(self.input_shape):
-            raise InvalidInput(f"expected {spec}, got {describe(x)}")
+            raise self._mismatch(x)
         length = 0
         for axis, (got, want) in enumerate(zip(x.shape, self.input_shape)):
             if want is None:
                 if not 1 <= got <= self.max_input_shape[axis]:
-                    raise InvalidInput(f"expected {spec}, got {describe(x)}")
+                    raise self._mismatch(x)
                 length = got
             elif got != want:
-                raise InvalidInput(f"expected {spec}, got {describe(x)}")
+                raise self._mismatch(x)
         return x, length
+
+    def _mismatch(self, x: np.ndarray) -> InvalidInput:
+        return InvalidInput(f"expected {self.input_spec()}, got {describe(x)}")
 
     def to_json(self) -> bytes:
         return json.dumps(dataclasses.asdict(self)).encode()
