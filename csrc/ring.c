@@ -558,8 +558,8 @@ static void put_error(const void *base, uint32_t slot, uint32_t status,
 	m->status = status;
 }
 
-int sb_complete(void *base, uint32_t slot, uint32_t gen, uint32_t batcher,
-		uint32_t status, const char *msg, uint32_t msg_len)
+static int complete_one(void *base, uint32_t slot, uint32_t gen, uint32_t batcher,
+			uint32_t status, const char *msg, uint32_t msg_len)
 {
 	sb_header *h = hdr(base);
 	if (slot >= h->capacity)
@@ -594,6 +594,17 @@ int sb_complete(void *base, uint32_t slot, uint32_t gen, uint32_t batcher,
 	}
 }
 
+uint32_t sb_complete(void *base, uint32_t batcher, const uint32_t *slots,
+		     const uint32_t *gens, uint32_t n, uint32_t status,
+		     const char *msg, uint32_t msg_len)
+{
+	uint32_t delivered = 0;
+	for (uint32_t k = 0; k < n; k++)
+		delivered += complete_one(base, slots[k], gens[k], batcher, status,
+					  msg, msg_len) == SB_OK;
+	return delivered;
+}
+
 static uint32_t bucket_of(uint64_t v)
 {
 	/* 4 linear steps per power of two from 256 ns: <= 25 % error, up to
@@ -615,10 +626,10 @@ static void record_max(uint64_t *word, uint64_t v)
 }
 
 void sb_finish_batch(void *base, const uint32_t *slots, uint32_t n,
-		     uint64_t claim_ns, uint64_t done_ns)
+		     uint64_t claim_ns, uint64_t done_ns, uint32_t zero_copy)
 {
 	sb_header *h = hdr(base);
-	uint64_t worst = 0;
+	uint64_t worst = 0, total_wait = 0;
 	for (uint32_t k = 0; k < n; k++) {
 		if (slots[k] >= h->capacity)
 			continue;
@@ -627,6 +638,7 @@ void sb_finish_batch(void *base, const uint32_t *slots, uint32_t n,
 		uint64_t arrival = meta_at(base, slots[k])->arrival_ns;
 		uint64_t wait = claim_ns > arrival ? claim_ns - arrival : 0;
 		sb_add_relaxed(&h->hist[SB_H_QUEUE_WAIT][bucket_of(wait)], 1);
+		total_wait += wait;
 		if (wait > worst)
 			worst = wait;
 	}
@@ -635,6 +647,9 @@ void sb_finish_batch(void *base, const uint32_t *slots, uint32_t n,
 	sb_add_relaxed(&h->hist[SB_H_BATCH_SIZE][n < SB_HIST_BUCKETS ? n : SB_HIST_BUCKETS - 1], 1);
 	record_max(&h->words[SB_W_QUEUE_WAIT_MAX_NS], worst);
 	record_max(&h->words[SB_W_SERVICE_MAX_NS], service);
+	sb_add_relaxed(&h->words[SB_W_QUEUE_WAIT_SUM_NS], total_wait);
+	sb_add_relaxed(&h->words[SB_W_SERVICE_SUM_NS], service);
+	sb_add_relaxed(&h->words[zero_copy ? SB_W_ZERO_COPY : SB_W_GATHERED], 1);
 	sb_add_relaxed(&h->words[SB_W_BATCHES], 1);
 	sb_add_relaxed(&h->words[SB_W_ITEMS], n);
 	bump_done_seq(h);

@@ -151,6 +151,8 @@
 #define SB_W_QUEUE_WAIT_MAX_NS 20
 #define SB_W_SERVICE_MAX_NS 21
 #define SB_W_INVALID 22
+#define SB_W_QUEUE_WAIT_SUM_NS 23
+#define SB_W_SERVICE_SUM_NS 24
 #define SB_W_BATCHER_PID 64
 #define SB_W_BATCHER_START 96
 #define SB_WORDS 128
@@ -205,10 +207,11 @@ uint32_t sb_scan(const void *base, uint64_t *oldest_arrival_ns);
 uint32_t sb_claim(void *base, uint32_t batcher, uint32_t max_n,
 		  uint64_t *scratch, uint32_t *slots, uint32_t *gens,
 		  uint32_t *lengths, uint64_t *claim_ns);
-int sb_complete(void *base, uint32_t slot, uint32_t gen, uint32_t batcher,
-		uint32_t status, const char *msg, uint32_t msg_len);
+uint32_t sb_complete(void *base, uint32_t batcher, const uint32_t *slots,
+		     const uint32_t *gens, uint32_t n, uint32_t status,
+		     const char *msg, uint32_t msg_len);
 void sb_finish_batch(void *base, const uint32_t *slots, uint32_t n,
-		     uint64_t claim_ns, uint64_t done_ns);
+		     uint64_t claim_ns, uint64_t done_ns, uint32_t zero_copy);
 
 /* reaper (supervisor) */
 uint32_t sb_snapshot(const void *base, uint64_t *ctl, uint64_t *owner_start);

@@ -84,10 +84,8 @@ class Batcher:
         contiguous = int(slots[-1]) - first == n - 1
         if contiguous:
             batch = self.seg.inputs[first:first + n]
-            self.ring.add_word(ring.W_ZERO_COPY)
         else:
             batch = np.take(self.seg.inputs, slots, axis=0, out=self.gather[:n])
-            self.ring.add_word(ring.W_GATHERED)
         try:
             if self.var_axis is None:
                 result = self.fn(batch)
@@ -105,11 +103,13 @@ class Batcher:
         except Exception as e:  # the backend's fault fails this batch only
             status = ring.STATUS_BACKEND
             message = f"{type(e).__name__}: {e}".encode("utf-8", "replace")[:ring.ERRMSG_BYTES]
-        for k in range(n):
-            self.ring.complete(int(slots[k]), int(gens[k]), self.instance, status, message)
-        self.ring.finish_batch(self.slots, n, claim_ns, ring.now_ns())
+        self.ring.complete(self.instance, self.slots, self.gens, n, status, message)
+        self.ring.finish_batch(self.slots, n, claim_ns, ring.now_ns(), contiguous)
 
     def check_result(self, result, n: int) -> np.ndarray:
+        if (type(result) is np.ndarray and result.dtype == self.out_dtype
+                and result.shape == (n, *self.out_shape)):
+            return result  # the common case, checked cheaply
         try:
             out = np.asarray(result)
         except Exception as e:

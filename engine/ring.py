@@ -8,6 +8,8 @@ request is decided by the client and batcher modules.
 The SB_* constants of csrc/ring.h are re-exported without their prefix
 (``ring.READY``, ``ring.ETIMEOUT``, ``ring.W_REQUESTS`` ...).
 """
+import threading
+
 import numpy as np
 
 from engine._ringc import ffi, lib
@@ -23,7 +25,8 @@ def layout_bytes(capacity: int, input_slot_bytes: int, output_slot_bytes: int) -
 
 
 def _ptr(array: np.ndarray, ctype: str):
-    return ffi.cast(ctype, array.ctypes.data)
+    # a typed view of the array's own buffer: ~0.3 us, where .ctypes costs ~2 us
+    return ffi.from_buffer(ctype.replace(" *", "[]"), array)
 
 
 class Ring:
@@ -32,6 +35,7 @@ class Ring:
     def __init__(self, mapping):
         self._base_buf = ffi.from_buffer(mapping)
         self.base = ffi.cast("void *", self._base_buf)
+        self._tls = threading.local()
 
     def release(self) -> None:
         """Drops the buffer export, so that the mmap can be closed."""
@@ -61,7 +65,9 @@ class Ring:
     # -- client -----------------------------------------------------------
     def acquire(self, pid: int, start_ticks: int):
         """(code, slot, generation)."""
-        out = ffi.new("uint32_t[2]")
+        out = getattr(self._tls, "ticket", None)
+        if out is None:  # one buffer per thread: ffi.new per call costs ~1 us
+            out = self._tls.ticket = ffi.new("uint32_t[2]")
         code = lib.sb_acquire(self.base, pid, start_ticks, out, out + 1)
         return code, out[0], out[1]
 
@@ -123,11 +129,14 @@ class Ring:
                          _ptr(lengths, "uint32_t *"), claim_ns)
         return n, claim_ns[0]
 
-    def complete(self, slot, gen, batcher, status=0, message: bytes = b"") -> int:
-        return lib.sb_complete(self.base, slot, gen, batcher, status, message, len(message))
+    def complete(self, batcher, slots, gens, n, status=0, message: bytes = b"") -> int:
+        """Answers slots[:n] (DONE, or FAILED with message); returns how many
+        reached a waiting client (the others were abandoned or stale)."""
+        return lib.sb_complete(self.base, batcher, _ptr(slots, "uint32_t *"),
+                               _ptr(gens, "uint32_t *"), n, status, message, len(message))
 
-    def finish_batch(self, slots: np.ndarray, n: int, claim_ns: int, done_ns: int) -> None:
-        lib.sb_finish_batch(self.base, _ptr(slots, "uint32_t *"), n, claim_ns, done_ns)
+    def finish_batch(self, slots, n, claim_ns, done_ns, zero_copy: bool) -> None:
+        lib.sb_finish_batch(self.base, _ptr(slots, "uint32_t *"), n, claim_ns, done_ns, zero_copy)
 
     # -- reaper -----------------------------------------------------------
     def snapshot(self, ctl: np.ndarray, owner_start: np.ndarray) -> int:

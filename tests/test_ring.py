@@ -27,6 +27,11 @@ def claim_all(r, max_n=64, batcher=0, capacity=64):
     return slots[:n].tolist(), gens[:n].tolist(), lengths[:n].tolist()
 
 
+def complete(r, slot, gen, batcher=0):
+    """Completes one slot; True if it reached its client."""
+    return r.complete(batcher, np.array([slot], np.uint32), np.array([gen], np.uint32), 1) == 1
+
+
 def test_segment_is_owner_only_and_named_for_the_engine(segment):
     path = f"/dev/shm/shmbatch-{segment.name}"
     assert os.stat(path).st_mode & 0o777 == 0o600
@@ -51,7 +56,7 @@ def test_slot_walks_free_writing_ready_claimed_done_free(segment):
     assert r.wait_slot(slot, gen, 1000) == ring.ETIMEOUT
     slots, gens, _ = claim_all(r)
     assert (slots, gens) == ([slot], [gen])
-    assert r.complete(slot, gen, 0) == ring.OK
+    assert complete(r, slot, gen)
     assert r.wait_slot(slot, gen, 0) == ring.OK
     assert r.release_slot(slot, gen) == ring.OK
     code, slot2, gen2 = r.acquire(os.getpid(), 0)
@@ -64,14 +69,14 @@ def test_late_completion_after_abandon_never_reaches_the_next_owner(segment):
     r.publish(slot, gen, 0)
     claim_all(r)
     assert r.abandon(slot, gen) == ring.OK          # CLAIMED -> ABANDONED
-    assert r.complete(slot, gen, 0) == ring.ESTALE  # the batcher frees it, answer dropped
+    assert not complete(r, slot, gen)  # the batcher frees it, answer dropped
     # the same slot, reused: the old ticket can touch nothing
     for _ in range(64):
         code, s, g = r.acquire(os.getpid(), 0)
         if s == slot:
             break
     assert (s, g) == (slot, gen + 1)
-    assert r.complete(slot, gen, 0) == ring.ESTALE
+    assert not complete(r, slot, gen)
     assert r.release_slot(slot, gen) == ring.ESTALE
     assert r.abandon(slot, gen) == ring.ESTALE
     assert r.publish(s, g, 0) == ring.OK
@@ -150,10 +155,10 @@ def _ring_batcher(name, batcher, stop):
         if n == 0:
             r.wait_work(seen, 50_000_000)
             continue
-        for s, g in zip(slots[:n].tolist(), gens[:n].tolist()):
+        for s in slots[:n].tolist():
             seg.outputs[s] = seg.inputs[s] * 2 + 1
-            assert r.complete(s, g, batcher) == ring.OK
-        r.finish_batch(slots, n, claim_ns, ring.now_ns())
+        assert r.complete(batcher, slots, gens, n) == n
+        r.finish_batch(slots, n, claim_ns, ring.now_ns(), False)
 
 
 def test_many_client_processes_and_two_batchers_get_their_own_answers(segment):
