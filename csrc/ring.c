@@ -104,6 +104,30 @@ static void futex_wake(uint32_t *addr, int n)
 	syscall(SYS_futex, addr, FUTEX_WAKE, n, NULL, NULL, 0);
 }
 
+uint32_t sb_pingpong(void *word, uint32_t role, uint32_t rounds, uint64_t *round_trip_ns)
+{
+	uint32_t *w = word;
+	for (uint32_t r = 0; r < rounds; r++) {
+		uint32_t ping = 2 * r + 1, pong = 2 * r + 2;
+		uint64_t t0 = sb_now_ns();
+		if (role == 0) { /* release/acquire: the same pairing as publish/claim */
+			sb_store_release(w, ping);
+			futex_wake(w, 1);
+		}
+		uint32_t want = role == 0 ? pong : ping;
+		for (uint32_t cur; (cur = sb_load_acquire(w)) != want;)
+			if (futex_wait(w, cur, 1000000000ll) == SB_ETIMEOUT)
+				return r; /* the peer is gone: stop, bounded */
+		if (role == 1) {
+			sb_store_release(w, pong);
+			futex_wake(w, 1);
+		} else if (round_trip_ns) {
+			round_trip_ns[r] = sb_now_ns() - t0;
+		}
+	}
+	return rounds;
+}
+
 static inline int64_t remaining_ns(uint64_t deadline_ns)
 {
 	uint64_t now = sb_now_ns();

@@ -220,9 +220,11 @@ uint32_t sb_reap_batcher(void *base, uint32_t batcher, const char *msg,
 			 uint32_t msg_len);
 void sb_histogram(const void *base, int which, uint64_t *buckets);
 
-/* time */
+/* time; and the floor a cross-process request cannot beat: a futex
+ * ping-pong on word[0] of a shared mapping (role 0 pings, role 1 answers) */
 uint64_t sb_now_ns(void);
 void sb_spin_ns(uint64_t ns);
+uint32_t sb_pingpong(void *word, uint32_t role, uint32_t rounds, uint64_t *round_trip_ns);
 /* --- cdef end --------------------------------------------------------- */
 
 #define SB_MAGIC 0x48435441424d4853ull /* "SHMBATCH" as little-endian bytes */

@@ -20,6 +20,23 @@ now_ns = lib.sb_now_ns
 spin_ns = lib.sb_spin_ns  # busy-waits in C, without the GIL
 
 
+def pingpong_floor_ns(rounds: int = 5000) -> np.ndarray:
+    """Round trips of a raw futex ping-pong between this process and a forked
+    child on one shared word: the floor of any cross-process request."""
+    import mmap
+    import os
+    shared = mmap.mmap(-1, 64)
+    word = ffi.from_buffer(shared)
+    out = np.zeros(rounds, dtype=np.uint64)
+    pid = os.fork()
+    if pid == 0:
+        lib.sb_pingpong(word, 1, rounds, ffi.NULL)
+        os._exit(0)
+    done = lib.sb_pingpong(word, 0, rounds, _ptr(out, "uint64_t *"))
+    os.waitpid(pid, 0)
+    return out[:done]
+
+
 def layout_bytes(capacity: int, input_slot_bytes: int, output_slot_bytes: int) -> int:
     return lib.sb_layout_bytes(capacity, input_slot_bytes, output_slot_bytes)
 
