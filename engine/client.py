@@ -245,9 +245,11 @@ class _Completer(threading.Thread):
 
     def add(self, seg, slot, gen, deadline, timeout, on_value, on_error) -> None:
         with self.cond:
+            idle = not self.pending
             self.pending[next(self.ids)] = _Ticket(seg, slot, gen, deadline, timeout,
                                                    on_value, on_error)
-            self.cond.notify()
+            if idle:  # else it sleeps on done_seq and takes this ticket on its next pass:
+                self.cond.notify()  # waking it per request would cost a context switch each
 
     def close(self) -> None:
         with self.cond:

@@ -28,11 +28,13 @@ def percentile_ns(counts: np.ndarray, q: float) -> float:
     return float(_LOWER_NS[b] + within * (_UPPER_NS[b] - _LOWER_NS[b]))
 
 
-def _summary_ms(counts: np.ndarray, max_ns: int) -> dict:
+def _summary_ms(counts: np.ndarray, max_ns: int, sum_ns: int) -> dict:
     clamp = lambda v: min(v, max_ns) / 1e6  # noqa: E731
+    n = int(counts.sum())
     return {"p50": clamp(percentile_ns(counts, 0.50)),
             "p99": clamp(percentile_ns(counts, 0.99)),
-            "max": max_ns / 1e6}
+            "max": max_ns / 1e6,
+            "mean": sum_ns / n / 1e6 if n else 0.0}
 
 
 def batcher_pids(r: ring.Ring, instances: int):
@@ -66,8 +68,10 @@ def read_stats(segment) -> dict:
         "slots_in_use": int((ring.ctl_state(ctl) != ring.FREE).sum()),
         "avg_batch_size": items / batches if batches else 0.0,
         "batch_size_counts": {int(n): int(c) for n, c in enumerate(sizes) if c},
-        "queue_wait_ms": _summary_ms(r.histogram(ring.H_QUEUE_WAIT), w(ring.W_QUEUE_WAIT_MAX_NS)),
-        "service_ms": _summary_ms(r.histogram(ring.H_SERVICE), w(ring.W_SERVICE_MAX_NS)),
+        "queue_wait_ms": _summary_ms(r.histogram(ring.H_QUEUE_WAIT), w(ring.W_QUEUE_WAIT_MAX_NS),
+                                     w(ring.W_QUEUE_WAIT_SUM_NS)),
+        "service_ms": _summary_ms(r.histogram(ring.H_SERVICE), w(ring.W_SERVICE_MAX_NS),
+                                  w(ring.W_SERVICE_SUM_NS)),
         "zero_copy_batches": w(ring.W_ZERO_COPY),
         "gathered_batches": w(ring.W_GATHERED),
         "reclaimed_slots_total": w(ring.W_RECLAIMED),

@@ -174,7 +174,7 @@ class Engine:
         self._seg = None
 
     def __enter__(self) -> "Engine":
-        return self.start()
+        return self if self._seg is not None else self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()

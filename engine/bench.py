@@ -1,0 +1,572 @@
+"""`shmbatch bench`: throughput and latency versus max_batch_size (contract section 6).
+
+Each row starts an engine, forks client processes, and drives it OPEN LOOP:
+every client sends at Poisson times fixed in advance from a seeded generator,
+whether or not its earlier requests were answered, and each request's
+latency is counted from its SCHEDULED arrival (a late sender never hides
+queueing). Every answer is checked against its own request. The engine's
+own figures give queue wait and service time apart.
+"""
+import dataclasses
+import json
+import os
+import platform
+import sys
+import time
+from multiprocessing.connection import wait as wait_any
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from engine import ring
+from engine.baselines import Caller, Server
+from engine.client import Client
+from engine.errors import EngineError, QueueFull, RequestTimeout
+from engine.supervisor import Engine
+
+DEFAULT_ROWS = [(1, 0.0), (32, 0.0), (8, 1.0), (32, 2.0), (32, 5.0)]
+
+# outcome codes of one request
+PENDING, OK, WRONG, ERROR, REJECTED, TIMEOUT = range(6)
+
+
+@dataclasses.dataclass
+class Load:
+    """What a row offers the engine: the backend, the inputs and the arrivals."""
+
+    backend: str = "engine.backends:synthetic"
+    backend_args: dict = dataclasses.field(
+        default_factory=lambda: {"fixed_ms": 2.0, "per_item_us": 100.0})
+    input_shape: Tuple[int, ...] = (16,)
+    dtype: str = "float32"
+    clients: int = 4
+    rate: float = 1500.0
+    requests: int = 1600
+    queue_capacity: Optional[int] = None  # None: room for every request (the seed's unbounded queue)
+    timeout_s: float = 60.0
+    seed: int = 1
+    pin: bool = True  # batchers on the last cores, clients on the others (when there are >= 2)
+
+
+# -- pure helpers (tested on their own) -----------------------------------------
+
+def poisson_offsets_ns(rate_hz: float, n: int, seed: int) -> np.ndarray:
+    """Arrival times (ns from the start) of n Poisson arrivals at rate_hz."""
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate_hz, size=n)
+    return (np.cumsum(gaps) * 1e9).astype(np.int64)
+
+
+def split_requests(total: int, clients: int) -> List[int]:
+    """total requests over clients, as evenly as whole numbers allow."""
+    return [total // clients + (c < total % clients) for c in range(clients)]
+
+
+def percentiles_ms(latency_ns: np.ndarray) -> Dict[str, float]:
+    if len(latency_ns) == 0:
+        return {"p50": float("nan"), "p99": float("nan"), "max": float("nan")}
+    ms = latency_ns / 1e6
+    return {"p50": float(np.percentile(ms, 50)), "p99": float(np.percentile(ms, 99)),
+            "max": float(ms.max())}
+
+
+def tag_value(client: int, k: int) -> float:
+    """A value exact in float32 (< 2**23) that names request k of a client."""
+    return float((client % 16) * (1 << 19) + k % (1 << 19))
+
+
+def expected_fn(backend: str) -> Optional[Callable[[np.ndarray], np.ndarray]]:
+    """What the built-in backends answer, so every answer can be checked."""
+    return {"engine.backends:synthetic": lambda x: x * 2 + 1,
+            "engine.backends:identity": lambda x: x}.get(backend)
+
+
+def sample_index(shape: Tuple[int, ...]) -> np.ndarray:
+    """Flat positions checked in each answer: all of a small input, a strided
+    sample (first, last and every 4096th) of a large one."""
+    size = int(np.prod(shape))
+    if size <= 4096:
+        return np.arange(size)
+    return np.unique(np.r_[np.arange(0, size, 4096), size - 1])
+
+
+def check_answer(x: np.ndarray, y: np.ndarray, expect, index: np.ndarray) -> bool:
+    if expect is None:
+        return True
+    if y.shape != x.shape:
+        return False
+    return bool(np.array_equal(y.reshape(-1)[index], expect(x.reshape(-1)[index])))
+
+
+def theoretical_rps(n: int, fixed_ms: float, per_item_us: float) -> float:
+    """Capacity n / S(n) of the seed's cost model S(n) = F + n c."""
+    return n / ((fixed_ms + n * per_item_us / 1000.0) / 1000.0)
+
+
+# -- the client processes ----------------------------------------------------------
+
+def _open_loop_client(cid, n, load: Load, conn, server=None) -> None:
+    """Runs in a forked process: attach (to the engine, or to a baseline
+    server), report ready, wait for the common start time, send n requests
+    at their scheduled times, and report every request's outcome."""
+    _fine_timer_slack()
+    offsets = poisson_offsets_ns(load.rate / load.clients, n, load.seed * 1000 + cid)
+    expect, index = expected_fn(load.backend), sample_index(load.input_shape)
+    scheduled, sent, answered = (np.zeros(n, np.int64) for _ in range(3))
+    outcome = np.full(n, PENDING, np.int8)
+    copies = [None] * n
+    x = np.zeros(load.input_shape, load.dtype)
+    flat = x.reshape(-1)
+    small = flat.size <= 4096
+    if not conn.poll(120):
+        return
+    name, cpus = conn.recv()  # the engine's name, once it runs
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+
+    def settle(k, get_answer):
+        answered[k] = ring.now_ns()
+        try:
+            outcome[k] = OK if check_answer(copies[k], get_answer(), expect, index) else WRONG
+        except RequestTimeout:
+            outcome[k] = TIMEOUT
+        except EngineError:
+            outcome[k] = ERROR
+
+    if server is None:
+        client = Client(name)
+        futures = []
+
+        def send(k):
+            f = client.submit(x, timeout=load.timeout_s)
+            f.add_done_callback(lambda f, k=k: settle(k, f.result))
+            futures.append(f)
+
+        def finish():
+            for f in futures:
+                try:
+                    f.exception(timeout=load.timeout_s + 10)
+                except Exception:
+                    pass
+            client.close()
+    else:
+        caller = Caller(server, cid, lambda k, y: settle(k, lambda: y))
+        caller.receive_in_background(n, load.timeout_s)
+
+        def send(k):
+            caller.send(k, x)
+
+        def finish():
+            caller.wait_received(load.timeout_s + 10)
+
+    conn.send("ready")
+    if not conn.poll(60):
+        return
+    start_ns = conn.recv()
+    for k in range(n):
+        scheduled[k] = start_ns + offsets[k]
+        delay_ns = scheduled[k] - ring.now_ns()
+        if delay_ns > 0:
+            time.sleep(delay_ns / 1e9)  # the arrival schedule; lateness is counted in latency
+        if small:
+            flat[:] = tag_value(cid, k)
+        else:  # the tag where the answer is checked; the input is copied on send
+            flat[index] = tag_value(cid, k)
+        copies[k] = x.copy() if small else _sampled_copy(x, index)
+        try:
+            send(k)
+        except QueueFull:
+            outcome[k] = REJECTED
+        sent[k] = ring.now_ns()
+    finish()
+    conn.send((scheduled, answered, outcome, sent))
+    conn.close()
+
+
+def _fine_timer_slack() -> None:
+    """Sleeps wake within ~1 us of their time instead of the default 50 us
+    slack: the arrival schedule is the measurement's clock."""
+    import ctypes
+    ctypes.CDLL(None).prctl(29, 1, 0, 0, 0)  # PR_SET_TIMERSLACK
+
+
+def _sampled_copy(x: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """A copy holding only the sampled positions (the rest zero): cheap to keep."""
+    out = np.zeros_like(x)
+    out.reshape(-1)[index] = x.reshape(-1)[index]
+    return out
+
+
+def _fork_clients(target, args_of, count):
+    import multiprocessing
+    ctx = multiprocessing.get_context("fork")
+    procs, conns = [], []
+    for cid in range(count):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=target, args=args_of(cid, child), daemon=True)
+        p.start()
+        child.close()
+        procs.append(p)
+        conns.append(parent)
+    return procs, conns
+
+
+def _collect(conns, procs, timeout_s, progress=None) -> list:
+    """Waits (bounded) for one result per client, updating progress meanwhile."""
+    results, pending = {}, dict(enumerate(conns))
+    deadline = time.monotonic() + timeout_s
+    while pending and time.monotonic() < deadline:
+        for conn in wait_any(list(pending.values()), timeout=0.2):
+            cid = next(i for i, c in pending.items() if c is conn)
+            results[cid] = conn.recv()
+            del pending[cid]
+        if progress:
+            progress()
+    for p in procs:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+            p.join(10)
+    if pending:
+        raise RuntimeError(f"{len(pending)} client(s) gave no result within {timeout_s} s")
+    return [results[i] for i in range(len(conns))]
+
+
+class _Progress:
+    """A one-line progress bar on a terminal's stderr; silent otherwise."""
+
+    def __init__(self, label: str, total: int, count: Callable[[], int]):
+        self.label, self.total, self.count = label, total, count
+        self.on = sys.stderr.isatty()
+
+    def __call__(self) -> None:
+        if self.on:
+            done = min(self.total, self.count())
+            bar = "#" * (30 * done // max(1, self.total))
+            sys.stderr.write(f"\r  {self.label} [{bar:<30}] {done}/{self.total}")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.on:
+            sys.stderr.write("\r" + " " * 78 + "\r")
+            sys.stderr.flush()
+
+
+def placement(instances: int, pin: bool):
+    """(cpus of each batcher, cpus of the clients): as a deployment would pin
+    them, the batchers get cores of their own when the machine has enough."""
+    cores = sorted(os.sched_getaffinity(0))
+    if not pin or len(cores) <= instances:
+        return None, None
+    return [[c] for c in cores[-instances:]], cores[:-instances]
+
+
+SYSTEMS = ("shmbatch", "mpq-per-request", "mpq-batcher")
+
+
+def run_row(max_batch_size: int, max_delay_ms: float, load: Load, instances: int = 1,
+            system: str = "shmbatch") -> dict:
+    """One row: shmbatch (or a baseline) at these knobs under the load; its figures."""
+    name = f"bench-{os.getpid()}-{max_batch_size}-{int(max_delay_ms * 1000)}"
+    batcher_cpus, client_cpus = placement(instances, load.pin)
+    per_client = split_requests(load.requests, load.clients)
+    capacity = load.queue_capacity or max(load.requests, max_batch_size)
+    server = None
+    if system != "shmbatch":
+        server = Server(load.backend, load.backend_args, load.clients,
+                        1 if system == "mpq-per-request" else max_batch_size, max_delay_ms)
+        if batcher_cpus:
+            os.sched_setaffinity(server.proc.pid, batcher_cpus[0])
+    procs, conns = _fork_clients(_open_loop_client,
+                                 lambda cid, conn: (cid, per_client[cid], load, conn, server),
+                                 load.clients)
+    eng = None
+    try:
+        if server is None:
+            eng = Engine(name, backend=load.backend, backend_args=load.backend_args,
+                         input_shape=load.input_shape, input_dtype=load.dtype,
+                         output_shape=load.input_shape, output_dtype=load.dtype,
+                         max_batch_size=max_batch_size, max_delay_ms=max_delay_ms,
+                         queue_capacity=max(capacity, max_batch_size), instances=instances,
+                         cpus=batcher_cpus).start()
+        for conn in conns:
+            conn.send((name, client_cpus))  # the server runs: attach
+        for conn in conns:
+            if not conn.poll(30) or conn.recv() != "ready":
+                raise RuntimeError("a bench client did not attach")
+        start_ns = ring.now_ns() + 20_000_000
+        for conn in conns:
+            conn.send(start_ns)
+        count = (lambda: eng.stats()["answered_total"]) if eng else (lambda: 0)
+        bar = _Progress(f"{system} batch {max_batch_size} delay {max_delay_ms:g} ms",
+                        load.requests, count)
+        results = _collect(conns, procs, load.requests / load.rate * 20 + load.timeout_s + 60, bar)
+        bar.close()
+        stats = eng.stats() if eng else None
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        if eng is not None:
+            eng.stop()
+        if server is not None:
+            server.stop()
+    scheduled, answered, outcome, sent = (np.concatenate([r[i] for r in results]) for i in range(4))
+    good = outcome == OK
+    latency = percentiles_ms(answered[good] - scheduled[good])
+    end_ns = answered[outcome != PENDING].max() if (outcome != PENDING).any() else start_ns
+    span_s = max(1e-9, (end_ns - start_ns) / 1e9)
+    row = {
+        "system": system, "max_batch_size": max_batch_size, "max_delay_ms": max_delay_ms,
+        "offered_rps": load.rate, "achieved_rps": int(good.sum()) / span_s,
+        "requests": int(len(outcome)), "answered": int(good.sum()),
+        "wrong": int((outcome == WRONG).sum()), "errors": int((outcome == ERROR).sum()),
+        "rejected": int((outcome == REJECTED).sum()), "timeouts": int((outcome == TIMEOUT).sum()),
+        "lost": int((outcome == PENDING).sum()),
+        "p50_ms": latency["p50"], "p99_ms": latency["p99"], "max_ms": latency["max"],
+        # how late the load generator itself sent (included in the latency)
+        "send_lateness_p99_ms": percentiles_ms(sent - scheduled)["p99"],
+        "avg_batch": float("nan"), "max_queue_wait_ms": float("nan"),
+        "queue_wait_p99_ms": float("nan"), "mean_service_ms": float("nan"),
+    }
+    if stats is not None:
+        row.update({
+            "avg_batch": stats["avg_batch_size"],
+            "max_queue_wait_ms": stats["queue_wait_ms"]["max"],
+            "queue_wait_p99_ms": stats["queue_wait_ms"]["p99"],
+            "mean_service_ms": stats["service_ms"]["mean"],
+            "zero_copy_share": stats["zero_copy_batches"] / max(1, stats["batches_total"]),
+        })
+    return row
+
+
+def row_line(row: dict) -> str:
+    return (f"max_batch {row['max_batch_size']:>3} delay {row['max_delay_ms']:>4g} ms | "
+            f"offered {row['offered_rps']:>6.0f} | {row['achieved_rps']:>6.0f} req/s | "
+            f"avg batch {row['avg_batch']:>5.1f} | p50 {row['p50_ms']:>8.2f} ms "
+            f"p99 {row['p99_ms']:>8.2f} ms | max queue wait {row['max_queue_wait_ms']:>8.2f} ms | "
+            f"mean service {row['mean_service_ms']:>5.2f} ms | "
+            f"wrong {row['wrong']} rejected {row['rejected']}")
+
+
+def compare_line(mine: dict, base: dict) -> str:
+    ratio = mine["achieved_rps"] / max(1e-9, base["achieved_rps"])
+    return (f"max_batch {base['max_batch_size']:>3} delay {base['max_delay_ms']:>4g} ms | "
+            f"{base['system']:>15}: {base['achieved_rps']:>6.0f} req/s p50 {base['p50_ms']:>8.2f} ms "
+            f"p99 {base['p99_ms']:>8.2f} ms | shmbatch {mine['achieved_rps']:>6.0f} req/s "
+            f"p99 {mine['p99_ms']:>7.2f} ms | throughput x{ratio:.2f}, "
+            f"p99 x{base['p99_ms'] / max(1e-9, mine['p99_ms']):.2f} lower | wrong {base['wrong']}")
+
+
+def environment() -> dict:
+    import cffi
+    return {"machine": platform.machine(), "cpus": os.cpu_count(),
+            "python": platform.python_version(), "numpy": np.__version__,
+            "cffi": cffi.__version__, "kernel": platform.release()}
+
+
+# -- the engine's own overhead: closed loops on the identity backend --------------------
+
+def _closed_loop_client(cid, load: Load, seconds: float, window: int, conn, server=None) -> None:
+    """Sends back to back for `seconds`: one at a time (window 1, blocking) or
+    keeping `window` submitted requests in flight; reports count, round trips, wrong."""
+    expect, index = expected_fn(load.backend), sample_index(load.input_shape)
+    x = np.full(load.input_shape, tag_value(cid, 1), load.dtype)
+    if not conn.poll(120):
+        return
+    name, cpus = conn.recv()
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    client = Client(name) if server is None else None
+    caller = Caller(server, cid, None) if server is not None else None
+    conn.send("ready")
+    if not conn.poll(60):
+        return
+    start_ns = conn.recv()
+    while ring.now_ns() < start_ns:
+        time.sleep(max(0.0, (start_ns - ring.now_ns()) / 1e9))
+    end_ns = start_ns + int(seconds * 1e9)
+    round_trips, wrong, count = [], 0, 0
+    if window == 1:
+        while ring.now_ns() < end_ns:
+            t = ring.now_ns()
+            y = client.infer(x, timeout=load.timeout_s) if client else caller.call(x, load.timeout_s)
+            round_trips.append(ring.now_ns() - t)
+            wrong += not check_answer(x, y, expect, index)
+            count += 1
+    else:
+        from collections import deque
+        inflight = deque()
+        while ring.now_ns() < end_ns:
+            if len(inflight) >= window:
+                y = inflight.popleft().result(timeout=load.timeout_s)
+                wrong += not check_answer(x, y, expect, index)
+                count += 1
+            inflight.append(client.submit(x, timeout=load.timeout_s))
+        for f in inflight:
+            wrong += not check_answer(x, f.result(timeout=load.timeout_s), expect, index)
+            count += 1
+    elapsed_s = (ring.now_ns() - start_ns) / 1e9
+    if client:
+        client.close()
+    conn.send((count, elapsed_s, np.array(round_trips, np.int64), wrong))
+    conn.close()
+
+
+def closed_loop(system: str, clients: int, window: int, load: Load, seconds: float = 2.0,
+                max_batch_size: int = 32) -> dict:
+    name = f"bench-cl-{os.getpid()}"
+    server = None
+    if system != "shmbatch":
+        server = Server(load.backend, load.backend_args, clients,
+                        1 if system == "mpq-per-request" else max_batch_size, 0.0)
+    procs, conns = _fork_clients(_closed_loop_client,
+                                 lambda cid, conn: (cid, load, seconds, window, conn, server), clients)
+    eng = None
+    try:
+        if server is None:
+            eng = Engine(name, backend=load.backend, backend_args=load.backend_args,
+                         input_shape=load.input_shape, input_dtype=load.dtype,
+                         output_shape=load.input_shape, output_dtype=load.dtype,
+                         max_batch_size=max_batch_size,
+                         queue_capacity=max(1024, clients * window)).start()
+        for conn in conns:
+            conn.send((name, None))
+        for conn in conns:
+            if not conn.poll(30) or conn.recv() != "ready":
+                raise RuntimeError("a bench client did not attach")
+        start_ns = ring.now_ns() + 50_000_000
+        for conn in conns:
+            conn.send(start_ns)
+        results = _collect(conns, procs, seconds + load.timeout_s + 60)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        if eng is not None:
+            eng.stop()
+        if server is not None:
+            server.stop()
+    count = sum(r[0] for r in results)
+    elapsed = max(r[1] for r in results)
+    rtt = np.concatenate([r[2] for r in results])
+    return {"system": system, "clients": clients, "window": window, "requests": count,
+            "rps": count / elapsed, "wrong": sum(r[3] for r in results),
+            "rtt_p50_us": float(np.percentile(rtt, 50) / 1e3) if len(rtt) else None,
+            "rtt_p99_us": float(np.percentile(rtt, 99) / 1e3) if len(rtt) else None}
+
+
+def copy_once_rps(shape, dtype, repeats: int = 2000) -> float:
+    """The copy-once bound: requests/s if each cost one memcpy of its input."""
+    src, dst = np.ones(shape, dtype), np.empty(shape, dtype)
+    repeats = max(20, min(repeats, int(2e9 / max(1, src.nbytes))))
+    np.copyto(dst, src)
+    t = time.perf_counter_ns()
+    for _ in range(repeats):
+        np.copyto(dst, src)
+    return 1e9 * repeats / (time.perf_counter_ns() - t)
+
+
+def overhead(load: Load, seconds: float = 2.0, log=print) -> dict:
+    """The engine's own cost, side by side with the baselines, in one run."""
+    floor = ring.pingpong_floor_ns(5000)
+    out = {"floor_p50_us": float(np.percentile(floor, 50) / 1e3),
+           "floor_p99_us": float(np.percentile(floor, 99) / 1e3),
+           "copy_once_rps": copy_once_rps(load.input_shape, load.dtype), "runs": []}
+    log(f"futex ping-pong floor (C, 2 processes): p50 {out['floor_p50_us']:.1f} us, "
+        f"p99 {out['floor_p99_us']:.1f} us; copy-once bound "
+        f"{out['copy_once_rps']:,.0f} req/s for {load.dtype}{list(load.input_shape)}")
+    plan = [(s, 1, 1) for s in SYSTEMS] + [(s, 8, 1) for s in SYSTEMS] + [("shmbatch", 2, 256)]
+    for system, clients, window in plan:
+        run = closed_loop(system, clients, window, load, seconds)
+        out["runs"].append(run)
+        rtt = (f" | round trip p50 {run['rtt_p50_us']:8.1f} us p99 {run['rtt_p99_us']:8.1f} us"
+               if clients == 1 else "")
+        log(f"{system:>16} {clients} client(s) x {window:>3} in flight: {run['rps']:>9,.0f} req/s"
+            f"{rtt} | wrong {run['wrong']}")
+    return out
+
+
+# -- saturation -------------------------------------------------------------------------
+
+def stable(row: dict, max_delay_ms: float) -> bool:
+    """A rate is served when nearly all of it is answered, promptly, with no
+    backlog: a growing queue shows as queue waits far beyond one batch."""
+    bound_ms = max_delay_ms + 4 * max(row["mean_service_ms"], 0.1) + 10.0
+    return (row["answered"] >= 0.99 * row["requests"] and row["wrong"] == 0
+            and row["achieved_rps"] >= 0.95 * row["offered_rps"]
+            and row["queue_wait_p99_ms"] <= bound_ms)
+
+
+def saturate(max_batch_size: int, max_delay_ms: float, load: Load, seconds: float = 1.5,
+             start_rps: float = 400.0, refinements: int = 4, log=print) -> dict:
+    """The highest offered rate served stably: doubles until it fails, then bisects."""
+    def probe(rate):
+        trial = dataclasses.replace(load, rate=rate, requests=max(200, int(rate * seconds)))
+        row = run_row(max_batch_size, max_delay_ms, trial)
+        ok = stable(row, max_delay_ms)
+        log(f"  probe {rate:>7.0f} req/s: {'served' if ok else 'not served'} "
+            f"({row['achieved_rps']:.0f} req/s, queue wait p99 {row['queue_wait_p99_ms']:.1f} ms)")
+        return ok, row
+
+    good, bad, best = 0.0, None, None
+    rate = start_rps
+    while bad is None:
+        ok, row = probe(rate)
+        if ok:
+            good, best, rate = rate, row, rate * 2
+        else:
+            bad = rate
+        if rate > 1e6:
+            break
+    for _ in range(refinements if bad is not None else 0):
+        mid = (good + bad) / 2
+        ok, row = probe(mid)
+        if ok:
+            good, best = mid, row
+        else:
+            bad = mid
+    return {"max_batch_size": max_batch_size, "max_delay_ms": max_delay_ms,
+            "capacity_rps": good, "row": best}
+
+
+# -- output -----------------------------------------------------------------------------
+
+def write_outputs(out_dir: str, result: dict, load: Load) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "bench.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    plot(os.path.join(out_dir, "bench.png"), result["rows"], load)
+
+
+def plot(path: str, rows: Sequence[dict], load: Load) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    delays = sorted({r["max_delay_ms"] for r in rows})
+    for d in delays:
+        sel = sorted((r for r in rows if r["max_delay_ms"] == d), key=lambda r: r["max_batch_size"])
+        xs = [r["max_batch_size"] for r in sel]
+        ax1.plot(xs, [r["achieved_rps"] for r in sel], "o-", label=f"measured, delay {d:g} ms")
+        ax2.plot(xs, [r["p50_ms"] for r in sel], "o-", label=f"p50, delay {d:g} ms")
+        ax2.plot(xs, [r["p99_ms"] for r in sel], "s--", label=f"p99, delay {d:g} ms")
+    top = max(r["max_batch_size"] for r in rows)
+    if load.backend == "engine.backends:synthetic":
+        n = np.arange(1, top + 1)
+        args = {"fixed_ms": 2.0, "per_item_us": 100.0, **load.backend_args}
+        ax1.plot(n, [theoretical_rps(int(k), float(args["fixed_ms"]), float(args["per_item_us"]))
+                     for k in n], "k:", label="capacity n / S(n)")
+    offered = rows[0]["offered_rps"] if all(r["offered_rps"] == rows[0]["offered_rps"] for r in rows) else None
+    if offered:
+        ax1.axhline(offered, color="grey", lw=0.8, label=f"offered {offered:g} req/s")
+    ax1.set(xlabel="max_batch_size", ylabel="requests / s", title="throughput")
+    ax2.set(xlabel="max_batch_size", ylabel="latency (ms)", title="latency from scheduled arrival",
+            yscale="log")
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+    ax1.legend(fontsize=8)
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,79 @@
+"""The benchmark's own logic on small fast runs (no timing is asserted)."""
+import json
+
+import numpy as np
+import pytest
+
+from engine import bench, cli
+
+
+def test_poisson_arrivals_are_seeded_increasing_and_at_the_rate():
+    a = bench.poisson_offsets_ns(1000.0, 20000, seed=3)
+    assert np.array_equal(a, bench.poisson_offsets_ns(1000.0, 20000, seed=3))
+    assert not np.array_equal(a, bench.poisson_offsets_ns(1000.0, 20000, seed=4))
+    assert (np.diff(a) >= 0).all()
+    assert a[-1] / 1e9 == pytest.approx(20.0, rel=0.03)  # n / rate seconds
+    gaps = np.diff(a) / 1e9
+    assert gaps.std() / gaps.mean() == pytest.approx(1.0, rel=0.05)  # exponential: cv = 1
+
+
+def test_requests_split_over_clients_add_up():
+    assert bench.split_requests(1600, 4) == [400] * 4
+    assert bench.split_requests(10, 3) == [4, 3, 3]
+
+
+def test_percentiles_of_known_latencies():
+    ns = np.arange(1, 101) * 1_000_000  # 1..100 ms
+    p = bench.percentiles_ms(ns)
+    assert p["max"] == 100.0
+    assert p["p50"] == pytest.approx(50.5)
+    assert p["p99"] == pytest.approx(99.01)
+
+
+def test_answer_check_catches_a_wrong_or_misrouted_answer():
+    expect = bench.expected_fn("engine.backends:synthetic")
+    idx = bench.sample_index((16,))
+    x = np.full(16, bench.tag_value(2, 7), np.float32)
+    assert bench.check_answer(x, x * 2 + 1, expect, idx)
+    other = np.full(16, bench.tag_value(3, 7), np.float32)
+    assert not bench.check_answer(x, other * 2 + 1, expect, idx)
+    assert not bench.check_answer(x, (x * 2 + 1)[:8], expect, idx)
+
+
+def test_tags_are_distinct_and_exact_in_float32():
+    tags = {bench.tag_value(c, k) for c in range(8) for k in range(0, 1 << 19, 997)}
+    assert len(tags) == 8 * len(range(0, 1 << 19, 997))
+    assert all(float(np.float32(t)) == t and float(np.float32(2 * t + 1)) == 2 * t + 1 for t in tags)
+
+
+def test_theoretical_capacity_is_the_seed_cost_model():
+    assert bench.theoretical_rps(1, 2.0, 100.0) == pytest.approx(476.19, rel=1e-3)
+    assert bench.theoretical_rps(32, 2.0, 100.0) == pytest.approx(6153.8, rel=1e-3)
+
+
+def test_backend_args_read_as_toml_values():
+    assert cli.key_values(["fixed_ms=1.0", "n=3", 'name="x"', "name2=x", "flag=true"]) == \
+        {"fixed_ms": 1.0, "n": 3, "name": "x", "name2": "x", "flag": True}
+
+
+def test_a_small_bench_run_writes_the_contract_json_and_a_plot(tmp_path):
+    code = cli.main(["bench", "--backend", "engine.backends:identity", "--batch-sizes", "1,4",
+                     "--clients", "2", "--rate", "400", "--requests", "80", "--out", str(tmp_path)])
+    assert code == 0
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert [(r["max_batch_size"], r["max_delay_ms"]) for r in result["rows"]] == [(1, 0.0), (4, 0.0)]
+    for row in result["rows"]:
+        for key in ("max_batch_size", "max_delay_ms", "offered_rps", "achieved_rps", "requests",
+                    "answered", "avg_batch", "p50_ms", "p99_ms", "max_queue_wait_ms",
+                    "mean_service_ms"):
+            assert key in row
+        assert (row["requests"], row["answered"], row["wrong"]) == (80, 80, 0)
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_baseline_rows_answer_every_request_correctly():
+    load = bench.Load(backend="engine.backends:identity", backend_args={}, clients=2,
+                      rate=400, requests=60)
+    for system in bench.SYSTEMS[1:]:
+        row = bench.run_row(4, 1.0, load, system=system)
+        assert (row["answered"], row["wrong"], row["lost"]) == (60, 0, 0)
