@@ -1,6 +1,5 @@
 """Backends and client-process bodies the tests share (importable by batchers)."""
 import os
-import time
 
 import numpy as np
 
@@ -53,30 +52,3 @@ def masked_sum():
                 raise AssertionError("padding is not zero")
         return batch.sum(axis=1)
     return run
-
-
-def open_loop_client(name, client_id, n, rate_hz, seed, out_queue, width=16, timeout=10.0):
-    """Sends n requests at Poisson times (open loop: the schedule never waits for
-    answers) and reports (wrong, errors, answered) to out_queue."""
-    rng = np.random.default_rng(seed)
-    gaps = rng.exponential(1.0 / rate_hz, size=n)
-    with engine.Client(name) as c:
-        start = time.monotonic()
-        due = start + np.cumsum(gaps)
-        futures = []
-        for k in range(n):
-            delay = due[k] - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)  # the arrival schedule itself, not a wait for a condition
-            x = np.full(width, client_id * 100000 + k, dtype=np.float32)
-            futures.append((x, c.submit(x, timeout=timeout)))
-        wrong = errors = answered = 0
-        for x, f in futures:
-            try:
-                y = f.result(timeout=timeout + 5)
-            except engine.EngineError:
-                errors += 1
-                continue
-            answered += 1
-            wrong += not np.array_equal(y, x * 2 + 1)
-    out_queue.put((client_id, wrong, errors, answered))
