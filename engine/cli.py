@@ -3,11 +3,12 @@ and cleanup come with the sidecar."""
 import argparse
 import dataclasses
 import itertools
-import json
+import signal
 import sys
 import tomllib
 
 from engine import bench
+from engine.errors import EngineError
 
 
 def toml_value(text: str):
@@ -121,18 +122,47 @@ def cmd_bench(args) -> int:
     return 1 if bad else 0
 
 
+def _tune_parser(sub):
+    p = sub.add_parser("tune", help="measure S(n) and recommend max_batch_size / max_delay_ms")
+    p.add_argument("--backend", default="engine.backends:synthetic")
+    p.add_argument("--backend-arg", action="append", metavar="KEY=VALUE")
+    p.add_argument("--input-shape", type=shape, default=(16,))
+    p.add_argument("--input-dtype", default="float32")
+    p.add_argument("--slo-ms", type=float, required=True, help="the latency budget")
+    p.add_argument("--max-batch", type=int, default=64, help="largest batch size measured")
+    p.add_argument("--out", metavar="DIR", help="write DIR/tune.json and DIR/tune.png")
+
+
+def cmd_tune(args) -> int:
+    from engine import tune
+    if None in args.input_shape:
+        raise ValueError("tune needs a fixed --input-shape (the padded shape of a batch)")
+    tune.run(args.backend, key_values(args.backend_arg), args.input_shape, args.input_dtype,
+             args.slo_ms, limit=args.max_batch, out_dir=args.out)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="shmbatch", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _bench_parser(sub)
+    _tune_parser(sub)
     args = parser.parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so engines stop and their segments go
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        return {"bench": cmd_bench}[args.command](args)
+        return {"bench": cmd_bench, "tune": cmd_tune}[args.command](args)
     except KeyboardInterrupt:
         return 130
-    except (ValueError, RuntimeError, OSError) as e:
+    except (EngineError, ValueError, RuntimeError, OSError) as e:
         print(f"shmbatch {args.command}: {e}", file=sys.stderr)
         return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

@@ -77,3 +77,25 @@ def test_baseline_rows_answer_every_request_correctly():
     for system in bench.SYSTEMS[1:]:
         row = bench.run_row(4, 1.0, load, system=system)
         assert (row["answered"], row["wrong"], row["lost"]) == (60, 0, 0)
+
+
+def test_tune_fits_the_cost_model_and_recommends_within_the_slo():
+    from engine import tune
+    service = {n: 2.0 + 0.1 * n for n in tune.batch_sizes(64)}  # the seed's S(n), exact
+    f_ms, c_ms = tune.fit(service)
+    assert (f_ms, c_ms) == (pytest.approx(2.0), pytest.approx(0.1))
+    rec = tune.recommend(service, slo_ms=20.0)
+    n = rec["max_batch_size"]
+    assert rec["fits_slo"] and 2 * service[n] + rec["margin_ms"] <= 20.0
+    assert rec["max_delay_ms"] == pytest.approx(20.0 - 2 * service[n] - rec["margin_ms"])
+    assert n > 1  # batching pays with a 2 ms fixed cost
+    assert not tune.recommend(service, slo_ms=3.0)["fits_slo"]
+
+
+def test_tune_measures_the_synthetic_backend(tmp_path):
+    code = cli.main(["tune", "--backend-arg", "fixed_ms=0.2", "--backend-arg", "per_item_us=20",
+                     "--slo-ms", "10", "--max-batch", "8", "--out", str(tmp_path)])
+    assert code == 0
+    result = json.loads((tmp_path / "tune.json").read_text())
+    assert result["fit"]["fixed_ms"] == pytest.approx(0.2, abs=0.15)
+    assert (tmp_path / "tune.png").exists()

@@ -1,0 +1,125 @@
+"""`shmbatch tune`: choose max_batch_size and max_delay_ms from the backend's cost.
+
+Measures the backend's service time S(n) for batch sizes up to a limit (in
+this process, median of repeated calls on random inputs), fits the seed's
+cost model S(n) = F + n c, and recommends:
+
+- max_batch_size: where throughput n / S(n) flattens (the smallest n within
+  10 % of the best measured) among the n whose tail fits the SLO. Under load a
+  request can wait for the batch in service and then be served in the next,
+  so the tail is about 2 S(n): we need 2 S(n) + margin <= SLO;
+- max_delay_ms: what is left of the SLO, SLO - 2 S(n) - margin (never more than
+  the seed's SLO - S(max_batch) - margin), with margin = max(1 ms, 10 % of SLO).
+"""
+import os
+import time
+from typing import Dict, List, Sequence
+
+import numpy as np
+
+from engine import backends
+
+
+def batch_sizes(limit: int) -> List[int]:
+    sizes, n = [], 1
+    while n < limit:
+        sizes.append(n)
+        n *= 2
+    return sizes + [limit]
+
+
+def measure(backend: str, backend_args: dict, input_shape: Sequence[int], dtype: str,
+            sizes: Sequence[int], repeats: int = 15) -> Dict[int, float]:
+    """S(n) in ms for each n: the median of `repeats` calls after one warm-up."""
+    fn = backends.resolve(backend)(**(backend_args or {}))
+    rng = np.random.default_rng(0)
+    out = {}
+    for n in sizes:
+        batch = rng.random((n, *input_shape)).astype(dtype)
+        fn(batch)
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter_ns()
+            fn(batch)
+            times.append(time.perf_counter_ns() - t)
+        out[n] = float(np.median(times)) / 1e6
+    return out
+
+
+def fit(service_ms: Dict[int, float]):
+    """(F ms, c ms per item) of S(n) = F + n c, least squares."""
+    n = np.array(sorted(service_ms), dtype=float)
+    s = np.array([service_ms[int(k)] for k in n])
+    if len(n) < 2:
+        return float(s[0]), 0.0
+    c, f = np.polyfit(n, s, 1)
+    return float(f), float(c)
+
+
+def recommend(service_ms: Dict[int, float], slo_ms: float) -> dict:
+    margin_ms = max(1.0, 0.1 * slo_ms)
+    throughput = {n: n / (s / 1000.0) for n, s in service_ms.items()}
+    fitting = [n for n in sorted(service_ms) if 2 * service_ms[n] + margin_ms <= slo_ms]
+    if not fitting:
+        n = min(service_ms)
+        return {"max_batch_size": n, "max_delay_ms": 0.0, "margin_ms": margin_ms,
+                "fits_slo": False, "throughput_rps": throughput[n]}
+    best = max(throughput[n] for n in fitting)
+    n = next(k for k in fitting if throughput[k] >= 0.9 * best)
+    delay = max(0.0, slo_ms - 2 * service_ms[n] - margin_ms)
+    return {"max_batch_size": n, "max_delay_ms": round(delay, 3), "margin_ms": margin_ms,
+            "fits_slo": True, "throughput_rps": throughput[n]}
+
+
+def run(backend, backend_args, input_shape, dtype, slo_ms, limit=64, out_dir=None, log=print):
+    sizes = batch_sizes(limit)
+    service = measure(backend, backend_args, input_shape, dtype, sizes)
+    f_ms, c_ms = fit(service)
+    rec = recommend(service, slo_ms)
+    log(f"backend {backend} {backend_args or ''}, input {dtype}{list(input_shape)}")
+    log(f"{'n':>5} {'S(n) ms':>9} {'fit ms':>9} {'n/S(n) req/s':>13}")
+    for n in sizes:
+        log(f"{n:>5} {service[n]:>9.3f} {f_ms + n * c_ms:>9.3f} {n / service[n] * 1000:>13,.0f}")
+    log(f"fit: S(n) = {f_ms:.3f} ms + n x {c_ms * 1000:.1f} us")
+    if rec["fits_slo"]:
+        log(f"recommend for SLO {slo_ms:g} ms: max_batch_size={rec['max_batch_size']} "
+            f"max_delay_ms={rec['max_delay_ms']:g} (2 S(n) + margin {rec['margin_ms']:g} ms "
+            f"within the SLO; ~{rec['throughput_rps']:,.0f} req/s per instance)")
+    else:
+        log(f"no batch size fits SLO {slo_ms:g} ms (2 S(1) + margin > SLO): "
+            f"max_batch_size={rec['max_batch_size']} max_delay_ms=0, and add instances")
+    result = {"service_ms": service, "fit": {"fixed_ms": f_ms, "per_item_ms": c_ms},
+              "slo_ms": slo_ms, "recommendation": rec}
+    if out_dir:
+        _write(out_dir, result)
+        log(f"wrote {out_dir}/tune.json and {out_dir}/tune.png")
+    return result
+
+
+def _write(out_dir: str, result: dict) -> None:
+    import json
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "tune.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    service = result["service_ms"]
+    n = np.array(sorted(service))
+    s = np.array([service[k] for k in n])
+    fit_s = result["fit"]["fixed_ms"] + n * result["fit"]["per_item_ms"]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    a1.plot(n, s, "o", label="measured S(n)")
+    a1.plot(n, fit_s, "k:", label="fit F + n c")
+    a1.axhline(result["slo_ms"] / 2, color="r", lw=0.8, label="SLO / 2")
+    a1.set(xlabel="batch size n", ylabel="ms", title="service time")
+    a2.plot(n, n / s * 1000, "o-", label="n / S(n)")
+    a2.axvline(result["recommendation"]["max_batch_size"], color="g", lw=0.8, label="recommended")
+    a2.set(xlabel="batch size n", ylabel="requests / s", title="throughput per instance")
+    for a in (a1, a2):
+        a.set_xscale("log", base=2)
+        a.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "tune.png"), dpi=110)
+    plt.close(fig)
