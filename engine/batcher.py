@@ -79,7 +79,7 @@ class Batcher:
 
     def serve(self, n: int, claim_ns: int) -> None:
         """Runs one claimed batch: slots[:n] in ascending slot order."""
-        slots, gens = self.slots[:n], self.gens[:n]
+        slots = self.slots[:n]
         first = int(slots[0])
         contiguous = int(slots[-1]) - first == n - 1
         if contiguous:

@@ -1,14 +1,22 @@
-"""The `shmbatch` command (contract section 4): bench and tune; serve, status
-and cleanup come with the sidecar."""
+"""The `shmbatch` command (contract section 4): serve, status, cleanup, bench, tune."""
 import argparse
 import dataclasses
 import itertools
+import json
+import os
 import signal
 import sys
 import tomllib
 
 from engine import bench
 from engine.errors import EngineError
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad flags: one line on stderr, exit 2 (argparse would add its usage)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: {message}\n")
 
 
 def toml_value(text: str):
@@ -122,6 +130,196 @@ def cmd_bench(args) -> int:
     return 1 if bad else 0
 
 
+ENGINE_KEYS = ("name", "backend", "backend_args", "input_shape", "input_dtype", "max_input_shape",
+               "output_shape", "output_dtype", "max_batch_size", "max_delay_ms", "queue_capacity",
+               "instances", "cpus", "gpus")
+SERVE_KEYS = ENGINE_KEYS + ("metrics_port", "metrics_host")
+
+
+def cpu_list(text: str):
+    return numbers(int)(text)
+
+
+def _serve_parser(sub):
+    p = sub.add_parser("serve", help="run an engine in the foreground until SIGINT/SIGTERM")
+    p.add_argument("--config", metavar="FILE.toml", help="the keys of engine.Engine(...); flags override")
+    p.add_argument("--name")
+    p.add_argument("--backend", help="MOD:FACTORY")
+    p.add_argument("--backend-arg", action="append", metavar="KEY=VALUE")
+    p.add_argument("--input-shape", type=shape)
+    p.add_argument("--input-dtype")
+    p.add_argument("--max-input-shape", type=shape)
+    p.add_argument("--output-shape", type=shape)
+    p.add_argument("--output-dtype")
+    p.add_argument("--max-batch-size", type=int)
+    p.add_argument("--max-delay-ms", type=float)
+    p.add_argument("--queue-capacity", type=int)
+    p.add_argument("--instances", type=int)
+    p.add_argument("--cpus", action="append", type=cpu_list, metavar="0[,1...]",
+                   help="CPU affinity of the next instance; repeat per instance")
+    p.add_argument("--gpus", metavar="0,1", help="CUDA_VISIBLE_DEVICES of each instance")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    p.add_argument("--metrics-host", help="address for /metrics (default 0.0.0.0)")
+    p.add_argument("--log-level", default="INFO")
+
+
+def _config_shape(value, key):
+    if value is None or isinstance(value, (list, tuple)):
+        return None if value is None else tuple(
+            None if d is None or (isinstance(d, str) and d.lower() == "none") else int(d)
+            for d in value)
+    if isinstance(value, int):
+        return (value,)
+    return shape(str(value))
+
+
+def serve_settings(args) -> dict:
+    """The engine's settings: the TOML file's keys, overridden by flags."""
+    settings = {}
+    if args.config:
+        with open(args.config, "rb") as f:
+            try:
+                settings = tomllib.load(f)
+            except tomllib.TOMLDecodeError as e:
+                raise ValueError(f"{args.config}: {e}") from None
+        unknown = sorted(set(settings) - set(SERVE_KEYS))
+        if unknown:
+            raise ValueError(f"{args.config}: unknown key(s) {', '.join(unknown)}; "
+                             f"expected some of {', '.join(SERVE_KEYS)}")
+    for key in SERVE_KEYS:
+        value = getattr(args, key, None)
+        if value is not None and key != "backend_args":
+            settings[key] = value
+    settings["backend_args"] = {**settings.get("backend_args", {}), **key_values(args.backend_arg)}
+    for key in ("input_shape", "max_input_shape", "output_shape"):
+        if key in settings:
+            settings[key] = _config_shape(settings[key], key)
+    if isinstance(settings.get("gpus"), str):
+        settings["gpus"] = [g.strip() for g in settings["gpus"].split(",") if g.strip()]
+    missing = [k for k in ("name", "backend", "input_shape", "output_shape") if k not in settings]
+    if missing:
+        raise ValueError("missing " + ", ".join(f"--{k.replace('_', '-')}" for k in missing)
+                         + " (or the key in --config)")
+    return settings
+
+
+def cmd_serve(args) -> int:
+    import logging
+    import threading
+
+    from engine import metrics
+    from engine.supervisor import Engine
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("shmbatch")
+    settings = serve_settings(args)
+    port = settings.pop("metrics_port", None)
+    host = settings.pop("metrics_host", None) or "0.0.0.0"
+    eng = Engine(**settings)  # validates everything before anything is created
+    stop = threading.Event()
+    handler = lambda signum, frame: stop.set()  # noqa: E731
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    eng.start()
+    try:
+        if port is not None:
+            metrics.serve_http(eng.segment, port, host)
+            log.info("metrics on http://%s:%d/metrics", host, port)
+        print(f"shmbatch serve: engine {eng.name!r} ready (pid {os.getpid()}, batchers "
+              f"{eng.stats()['batcher_pids']})", flush=True)
+        while not stop.wait(1.0):
+            pass
+        log.info("engine %s: signal received; draining", eng.name)
+    finally:
+        eng.stop()
+    return 0
+
+
+def _status_parser(sub):
+    p = sub.add_parser("status", help="live figures of a running engine")
+    p.add_argument("name")
+    p.add_argument("--json", action="store_true")
+
+
+def cmd_status(args) -> int:
+    from engine import metrics, ring
+    from engine.layout import Segment
+    seg = Segment.attach(args.name)
+    try:
+        stats = metrics.read_stats(seg)
+        alive = seg.holder_alive()
+        state = {ring.ENGINE_STARTING: "starting", ring.ENGINE_RUNNING: "running",
+                 ring.ENGINE_STOPPING: "stopping", ring.ENGINE_STOPPED: "stopped"}[seg.engine_state()]
+        stats["state"] = state if alive else "dead (run: shmbatch cleanup NAME)"
+        stats["supervisor_pid"] = seg.ring.word(ring.W_SUPERVISOR_PID)
+    finally:
+        seg.close()
+    if args.json:
+        print(json.dumps(stats, indent=2))
+    else:
+        print(status_table(stats))
+    return 0 if alive else 1
+
+
+def status_table(s: dict) -> str:
+    q, sv = s["queue_wait_ms"], s["service_ms"]
+    rows = [
+        ("engine", f"{s['name']} ({s['state']}, supervisor pid {s['supervisor_pid']})"),
+        ("batchers", f"{s['instances_alive']} of {s['instances']} alive, pids {s['batcher_pids']}"),
+        ("knobs", f"max_batch_size {s['max_batch_size']}, max_delay_ms {s['max_delay_ms']:g}, "
+                  f"queue_capacity {s['queue_capacity']}"),
+        ("requests", f"{s['requests_total']} queued in all, {s['answered_total']} answered, "
+                     f"{s['rejected_total']} rejected, {s['timeouts_total']} timed out, "
+                     f"{s['errors_total']} failed, {s['invalid_total']} invalid"),
+        ("queue", f"{s['queue_depth']} waiting, {s['slots_in_use']} slots in use"),
+        ("batches", f"{s['batches_total']} run, avg size {s['avg_batch_size']:.2f}, "
+                    f"{s['zero_copy_batches']} zero-copy, {s['gathered_batches']} gathered"),
+        ("queue wait", f"p50 {q['p50']:.3f} ms  p99 {q['p99']:.3f} ms  max {q['max']:.3f} ms"),
+        ("service", f"p50 {sv['p50']:.3f} ms  p99 {sv['p99']:.3f} ms  max {sv['max']:.3f} ms"),
+        ("faults", f"{s['batcher_restarts_total']} batcher restarts, "
+                   f"{s['reclaimed_slots_total']} slots reclaimed from dead clients"),
+    ]
+    return "\n".join(f"{k:>11}  {v}" for k, v in rows)
+
+
+def _cleanup_parser(sub):
+    p = sub.add_parser("cleanup", help="remove the segment of a dead engine")
+    p.add_argument("name")
+
+
+def cmd_cleanup(args) -> int:
+    import psutil
+
+    from engine import layout, liveness, ring
+    from engine.errors import EngineUnavailable
+    try:
+        seg = layout.Segment.attach(args.name)
+    except EngineUnavailable:
+        seg = None  # absent, or not a valid segment: the lock decides below
+    if seg is not None:
+        try:
+            if seg.holder_alive():
+                raise layout.EngineAlreadyRunning(
+                    f"engine {args.name!r} is already running (supervisor pid "
+                    f"{seg.ring.word(ring.W_SUPERVISOR_PID)}); stop it instead")
+            r = seg.ring
+            batchers = [(r.word(ring.W_BATCHER_PID + i), r.word(ring.W_BATCHER_START + i))
+                        for i in range(seg.config.instances)]
+        finally:
+            seg.close()
+        live = [pid for pid, ticks in batchers if pid and liveness.is_alive(pid, ticks)]
+        if live:  # they die with their supervisor (parent-death signal): give them a moment
+            _, still = psutil.wait_procs([psutil.Process(p) for p in live if psutil.pid_exists(p)],
+                                         timeout=3)
+            if still:
+                raise layout.EngineAlreadyRunning(f"engine {args.name!r} still has live "
+                                                  f"batchers {[p.pid for p in still]}")
+    if not layout.remove_if_dead(args.name):
+        raise EngineUnavailable(f"no engine named {args.name!r} (nothing in /dev/shm)")
+    print(f"removed /dev/shm{layout.segment_name(args.name)}")
+    return 0
+
+
 def _tune_parser(sub):
     p = sub.add_parser("tune", help="measure S(n) and recommend max_batch_size / max_delay_ms")
     p.add_argument("--backend", default="engine.backends:synthetic")
@@ -143,20 +341,27 @@ def cmd_tune(args) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="shmbatch", description=__doc__)
+    parser = _Parser(prog="shmbatch", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    _status_parser(sub)
+    _cleanup_parser(sub)
     _bench_parser(sub)
     _tune_parser(sub)
     args = parser.parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so engines stop and their segments go
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        return {"bench": cmd_bench, "tune": cmd_tune}[args.command](args)
+        return {"serve": cmd_serve, "status": cmd_status, "cleanup": cmd_cleanup,
+                "bench": cmd_bench, "tune": cmd_tune}[args.command](args)
     except KeyboardInterrupt:
         return 130
     except (EngineError, ValueError, RuntimeError, OSError) as e:
         print(f"shmbatch {args.command}: {e}", file=sys.stderr)
-        return 2
+        return 1
+    except Exception as e:  # still one line: the reason, not a traceback
+        print(f"shmbatch {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
 

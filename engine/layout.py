@@ -215,7 +215,10 @@ class Segment:
             raise EngineAlreadyRunning(f"engine {config.name!r} could not be created: "
                                        f"{name} keeps reappearing")
         fcntl.flock(shm.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        mapping = mmap.mmap(shm.fd, size)
+        # commit every page now: a first touch on the request path costs a page
+        # allocation per 4 KiB (3.6 ms per 1 MiB request was measured without it)
+        os.posix_fallocate(shm.fd, 0, size)
+        mapping = _map(shm.fd, size)
         raw = ring.Ring(mapping)
         code = raw.init(size, config.queue_capacity, config.max_batch_size,
                         config.input_slot_bytes, config.output_slot_bytes,
@@ -249,7 +252,7 @@ class Segment:
         if st.st_size < ring.HEADER_BYTES:
             shm.close_fd()
             raise EngineUnavailable(f"engine {name!r} is not initialised yet")
-        mapping = mmap.mmap(shm.fd, st.st_size)
+        mapping = _map(shm.fd, st.st_size)
         try:
             return cls(shm, mapping, owner=False)
         except EngineUnavailable:
@@ -297,6 +300,12 @@ class Segment:
             posix_ipc.unlink_shared_memory(segment_name(self.config.name))
         except posix_ipc.ExistentialError:
             pass
+
+
+def _map(fd: int, size: int) -> mmap.mmap:
+    """Maps the segment with its page tables filled in up front (MAP_POPULATE),
+    so no request pays a page fault in this process."""
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
 
 
 def remove_if_dead(name: str) -> bool:

@@ -84,3 +84,86 @@ def read_stats(segment) -> dict:
         "max_batch_size": segment.config.max_batch_size,
         "max_delay_ms": segment.config.max_delay_ms,
     }
+
+
+# -- Prometheus (contract section 5) ---------------------------------------------------
+
+# seconds: from 10 us to 10 s, so both an identity backend and an overloaded
+# queue land inside the buckets
+LATENCY_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01,
+                     0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def _cumulative(counts: np.ndarray, upper: np.ndarray, bounds) -> list:
+    """Prometheus buckets from a ring histogram: a ring bucket counts under the
+    first bound at or above its upper edge (so a figure is never understated)."""
+    out = [(str(b), float(counts[upper <= b].sum())) for b in bounds]
+    return out + [("+Inf", float(counts.sum()))]
+
+
+class Collector:
+    """A prometheus_client collector that reads the engine's segment on each scrape."""
+
+    def __init__(self, segment):
+        self.segment = segment
+
+    def collect(self):
+        from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                            HistogramMetricFamily)
+        r = self.segment.ring
+        w = r.word
+        labels = {"engine": self.segment.name}
+        requests = CounterMetricFamily("shmbatch_requests", "Requests by outcome.",
+                                       labels=["engine", "outcome"])
+        for outcome, word in (("ok", ring.W_ANSWERED), ("rejected", ring.W_REJECTED),
+                              ("timeout", ring.W_TIMEOUTS), ("error", ring.W_ERRORS),
+                              ("invalid", ring.W_INVALID)):
+            requests.add_metric([labels["engine"], outcome], w(word))
+        yield requests
+        batches = CounterMetricFamily("shmbatch_batches", "Batches run.", labels=["engine"])
+        batches.add_metric([labels["engine"]], w(ring.W_BATCHES))
+        yield batches
+        restarts = CounterMetricFamily("shmbatch_batcher_restarts", "Batchers restarted.",
+                                       labels=["engine"])
+        restarts.add_metric([labels["engine"]], w(ring.W_RESTARTS))
+        yield restarts
+        sizes = r.histogram(ring.H_BATCH_SIZE)
+        hist = HistogramMetricFamily("shmbatch_batch_size", "Requests per batch.", labels=["engine"])
+        hist.add_metric([labels["engine"]],
+                        _cumulative(sizes, np.arange(len(sizes)), BATCH_BUCKETS),
+                        sum_value=float(w(ring.W_ITEMS)))
+        yield hist
+        for name, doc, which, sum_word in (
+                ("shmbatch_queue_wait_seconds", "Arrival to dispatch, per request.",
+                 ring.H_QUEUE_WAIT, ring.W_QUEUE_WAIT_SUM_NS),
+                ("shmbatch_service_seconds", "Dispatch to answers, per batch.",
+                 ring.H_SERVICE, ring.W_SERVICE_SUM_NS)):
+            h = HistogramMetricFamily(name, doc, labels=["engine"])
+            h.add_metric([labels["engine"]],
+                         _cumulative(r.histogram(which), _UPPER_NS / 1e9, LATENCY_BUCKETS_S),
+                         sum_value=w(sum_word) / 1e9)
+            yield h
+        ctl = np.zeros(self.segment.capacity, dtype=np.uint64)
+        r.snapshot(ctl, np.zeros_like(ctl))
+        states = ring.ctl_state(ctl)
+        depth = GaugeMetricFamily("shmbatch_queue_depth", "Requests queued, not yet in a batch.",
+                                  labels=["engine"])
+        depth.add_metric([labels["engine"]], int((states == ring.READY).sum()))
+        yield depth
+        busy = GaugeMetricFamily("shmbatch_slots_in_use", "Slots queued or in flight.",
+                                 labels=["engine"])
+        busy.add_metric([labels["engine"]], int((states != ring.FREE).sum()))
+        yield busy
+        alive = GaugeMetricFamily("shmbatch_instances_alive", "Live batcher processes.",
+                                  labels=["engine"])
+        alive.add_metric([labels["engine"]], len(batcher_pids(r, self.segment.config.instances)))
+        yield alive
+
+
+def serve_http(segment, port: int, host: str = "0.0.0.0"):
+    """Serves GET /metrics for this engine; returns (server, thread)."""
+    from prometheus_client import CollectorRegistry, start_http_server
+    registry = CollectorRegistry()
+    registry.register(Collector(segment))
+    return start_http_server(port, addr=host, registry=registry)

@@ -28,7 +28,7 @@ from typing import Optional
 
 import numpy as np
 
-from engine import batcher, liveness, metrics, ring
+from engine import liveness, metrics, ring
 from engine.errors import BackendError, EngineUnavailable
 from engine.layout import EngineConfig, Segment
 
@@ -84,6 +84,13 @@ class Engine:
     @property
     def name(self) -> str:
         return self.config.name
+
+    @property
+    def segment(self) -> Segment:
+        """The running engine's segment (for figures and metrics)."""
+        if self._seg is None:
+            raise EngineUnavailable(f"engine {self.name!r} is not running")
+        return self._seg
 
     # -- lifecycle ------------------------------------------------------------
     def start(self) -> "Engine":
@@ -219,7 +226,9 @@ class Engine:
                 msg = ("error", "BatcherDied", f"batcher {i} exited during start "
                        f"(exit code {proc.exitcode})", "")
             if msg[0] != "ready":
-                log.error("engine %s: batcher %d failed to start:\n%s", self.name, i, msg[3])
+                log.error("engine %s: batcher %d failed to start: %s: %s", self.name, i,
+                          msg[1], msg[2])
+                log.debug("batcher %d traceback:\n%s", i, msg[3])
                 raise BackendError(msg[1], msg[2])
             return proc
         except BaseException:

@@ -3,7 +3,6 @@ import os
 
 import numpy as np
 
-import engine
 from engine import ring
 
 
