@@ -104,11 +104,13 @@ def drive(port: int, rate: float, requests: int, senders: int) -> dict:
             "p50_ms": p["p50"], "p99_ms": p["p99"], "max_ms": p["max"]}
 
 
-def gunicorn(name: str, workers: int, in_worker: bool, fixed_ms: float, per_item_us: float):
+def gunicorn(name: str, workers: int, threads: int, in_worker: bool, fixed_ms: float,
+             per_item_us: float):
     port = free_port()
     env = {**os.environ, "SHMBATCH_NAME": name, "SHMBATCH_IN_WORKER": "1" if in_worker else "0",
            "SHMBATCH_FIXED_MS": str(fixed_ms), "SHMBATCH_PER_ITEM_US": str(per_item_us)}
     proc = subprocess.Popen([sys.executable, "-m", "gunicorn", "--preload", "-w", str(workers),
+                             "--threads", str(threads),
                              "-b", f"127.0.0.1:{port}", "--backlog", "4096", "--chdir", str(TESTS),
                              "sidecar_app:app"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -127,32 +129,37 @@ def stop(proc) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rate", type=float, default=1200.0)
+    ap.add_argument("--rate", type=float, default=800.0)
     ap.add_argument("--requests", type=int, default=2400)
     ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=8, help="gthread threads per worker")
     ap.add_argument("--senders", type=int, default=2)
     ap.add_argument("--fixed-ms", type=float, default=2.0)
     ap.add_argument("--per-item-us", type=float, default=100.0)
     ap.add_argument("--max-batch-size", type=int, default=32)
+    ap.add_argument("--max-delay-ms", type=float, default=4.0)
     ap.add_argument("--out", help="write DIR/sidecar.json and the status/metrics of the run")
     args = ap.parse_args()
     name = f"sidecar-{os.getpid()}"
     metrics_port = free_port()
-    print(f"# synthetic {args.fixed_ms} ms + {args.per_item_us} us/item; gunicorn {args.workers} "
-          f"sync workers; open-loop HTTP {args.rate:g} req/s, {args.requests} requests; "
+    print(f"# synthetic {args.fixed_ms} ms + {args.per_item_us} us/item; sidecar max_batch_size "
+          f"{args.max_batch_size} max_delay_ms {args.max_delay_ms:g}; gunicorn {args.workers} "
+          f"workers x {args.threads} threads; open-loop HTTP {args.rate:g} req/s, {args.requests} requests; "
           f"{os.cpu_count()} cpus")
     serve = subprocess.Popen(
         [sys.executable, "-m", "engine", "serve", "--name", name, "--backend",
          "engine.backends:synthetic", "--backend-arg", f"fixed_ms={args.fixed_ms}",
          "--backend-arg", f"per_item_us={args.per_item_us}", "--input-shape", "16",
          "--output-shape", "16", "--max-batch-size", str(args.max_batch_size),
+         "--max-delay-ms", str(args.max_delay_ms),
          "--metrics-port", str(metrics_port), "--metrics-host", "127.0.0.1"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     rows = {}
     try:
         wait_for(serve.stdout, "ready")
         for label, in_worker in (("sidecar (shmbatch)", False), ("model in each worker", True)):
-            web, port = gunicorn(name, args.workers, in_worker, args.fixed_ms, args.per_item_us)
+            web, port = gunicorn(name, args.workers, args.threads, in_worker, args.fixed_ms,
+                                 args.per_item_us)
             try:
                 rows[label] = drive(port, args.rate, args.requests, args.senders)
             finally:
