@@ -34,10 +34,15 @@ def test_answer_check_catches_a_wrong_or_misrouted_answer():
     expect = bench.expected_fn("engine.backends:synthetic")
     idx = bench.sample_index((16,))
     x = np.full(16, bench.tag_value(2, 7), np.float32)
-    assert bench.check_answer(x, x * 2 + 1, expect, idx)
+    assert bench.check_answer(x[idx], x * 2 + 1, expect, idx, (16,))
     other = np.full(16, bench.tag_value(3, 7), np.float32)
-    assert not bench.check_answer(x, other * 2 + 1, expect, idx)
-    assert not bench.check_answer(x, (x * 2 + 1)[:8], expect, idx)
+    assert not bench.check_answer(x[idx], other * 2 + 1, expect, idx, (16,))
+    assert not bench.check_answer(x[idx], (x * 2 + 1)[:8], expect, idx, (16,))
+    big = np.arange(1 << 16, dtype=np.float32)
+    sample = bench.sample_index(big.shape)
+    assert 0 in sample and (1 << 16) - 1 in sample and len(sample) < 100
+    assert bench.check_answer(big[sample], big * 2 + 1, expect, sample, big.shape)
+    assert not bench.check_answer(big[sample], big, expect, sample, big.shape)
 
 
 def test_tags_are_distinct_and_exact_in_float32():
