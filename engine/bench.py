@@ -270,6 +270,45 @@ def placement(instances: int, pin: bool):
 SYSTEMS = ("shmbatch", "mpq-per-request", "mpq-batcher")
 
 
+def _start_server(system: str, load: Load, clients: int, max_batch_size: int,
+                  max_delay_ms: float):
+    """The baseline server for `system` (None for shmbatch), before clients fork."""
+    if system == "shmbatch":
+        return None
+    return Server(load.backend, load.backend_args, clients,
+                  1 if system == "mpq-per-request" else max_batch_size, max_delay_ms)
+
+
+def _start_engine(name: str, load: Load, **knobs) -> Engine:
+    return Engine(name, backend=load.backend, backend_args=load.backend_args,
+                  input_shape=load.input_shape, input_dtype=load.dtype,
+                  output_shape=load.input_shape, output_dtype=load.dtype, **knobs).start()
+
+
+def _go(conns, name: str, client_cpus, lead_ns: int) -> int:
+    """Tells the clients where to attach, waits (bounded) until all are ready,
+    and gives them one common start time, lead_ns from now."""
+    for conn in conns:
+        conn.send((name, client_cpus))
+    for conn in conns:
+        if not conn.poll(30) or conn.recv() != "ready":
+            raise RuntimeError("a bench client did not attach")
+    start_ns = ring.now_ns() + lead_ns
+    for conn in conns:
+        conn.send(start_ns)
+    return start_ns
+
+
+def _shut(procs, eng, server) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    if eng is not None:
+        eng.stop()
+    if server is not None:
+        server.stop()
+
+
 def run_row(max_batch_size: int, max_delay_ms: float, load: Load, instances: int = 1,
             system: str = "shmbatch") -> dict:
     """One row: shmbatch (or a baseline) at these knobs under the load; its figures."""
@@ -277,32 +316,19 @@ def run_row(max_batch_size: int, max_delay_ms: float, load: Load, instances: int
     batcher_cpus, client_cpus = placement(instances, load.pin)
     per_client = split_requests(load.requests, load.clients)
     capacity = load.queue_capacity or max(load.requests, max_batch_size)
-    server = None
-    if system != "shmbatch":
-        server = Server(load.backend, load.backend_args, load.clients,
-                        1 if system == "mpq-per-request" else max_batch_size, max_delay_ms)
-        if batcher_cpus:
-            os.sched_setaffinity(server.proc.pid, batcher_cpus[0])
+    server = _start_server(system, load, load.clients, max_batch_size, max_delay_ms)
+    if server is not None and batcher_cpus:
+        os.sched_setaffinity(server.proc.pid, batcher_cpus[0])
     procs, conns = _fork_clients(_open_loop_client,
                                  lambda cid, conn: (cid, per_client[cid], load, conn, server),
                                  load.clients)
     eng = None
     try:
         if server is None:
-            eng = Engine(name, backend=load.backend, backend_args=load.backend_args,
-                         input_shape=load.input_shape, input_dtype=load.dtype,
-                         output_shape=load.input_shape, output_dtype=load.dtype,
-                         max_batch_size=max_batch_size, max_delay_ms=max_delay_ms,
-                         queue_capacity=max(capacity, max_batch_size), instances=instances,
-                         cpus=batcher_cpus).start()
-        for conn in conns:
-            conn.send((name, client_cpus))  # the server runs: attach
-        for conn in conns:
-            if not conn.poll(30) or conn.recv() != "ready":
-                raise RuntimeError("a bench client did not attach")
-        start_ns = ring.now_ns() + 20_000_000
-        for conn in conns:
-            conn.send(start_ns)
+            eng = _start_engine(name, load, max_batch_size=max_batch_size,
+                                max_delay_ms=max_delay_ms, instances=instances, cpus=batcher_cpus,
+                                queue_capacity=max(capacity, max_batch_size))
+        start_ns = _go(conns, name, client_cpus, 20_000_000)
         count = (lambda: eng.stats()["answered_total"]) if eng else (lambda: 0)
         bar = _Progress(f"{system} batch {max_batch_size} delay {max_delay_ms:g} ms",
                         load.requests, count)
@@ -310,13 +336,7 @@ def run_row(max_batch_size: int, max_delay_ms: float, load: Load, instances: int
         bar.close()
         stats = eng.stats() if eng else None
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        if eng is not None:
-            eng.stop()
-        if server is not None:
-            server.stop()
+        _shut(procs, eng, server)
     scheduled, answered, outcome, sent = (np.concatenate([r[i] for r in results]) for i in range(4))
     good = outcome == OK
     latency = percentiles_ms(answered[good] - scheduled[good])
@@ -430,37 +450,18 @@ def _closed_loop_client(cid, load: Load, seconds: float, window: int, conn, serv
 def closed_loop(system: str, clients: int, window: int, load: Load, seconds: float = 2.0,
                 max_batch_size: int = 32) -> dict:
     name = f"bench-cl-{os.getpid()}"
-    server = None
-    if system != "shmbatch":
-        server = Server(load.backend, load.backend_args, clients,
-                        1 if system == "mpq-per-request" else max_batch_size, 0.0)
+    server = _start_server(system, load, clients, max_batch_size, 0.0)
     procs, conns = _fork_clients(_closed_loop_client,
                                  lambda cid, conn: (cid, load, seconds, window, conn, server), clients)
     eng = None
     try:
         if server is None:
-            eng = Engine(name, backend=load.backend, backend_args=load.backend_args,
-                         input_shape=load.input_shape, input_dtype=load.dtype,
-                         output_shape=load.input_shape, output_dtype=load.dtype,
-                         max_batch_size=max_batch_size,
-                         queue_capacity=max(64, clients * window)).start()
-        for conn in conns:
-            conn.send((name, None))
-        for conn in conns:
-            if not conn.poll(30) or conn.recv() != "ready":
-                raise RuntimeError("a bench client did not attach")
-        start_ns = ring.now_ns() + 50_000_000
-        for conn in conns:
-            conn.send(start_ns)
+            eng = _start_engine(name, load, max_batch_size=max_batch_size,
+                                queue_capacity=max(64, clients * window))
+        _go(conns, name, None, 50_000_000)
         results = _collect(conns, procs, seconds + load.timeout_s + 60)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        if eng is not None:
-            eng.stop()
-        if server is not None:
-            server.stop()
+        _shut(procs, eng, server)
     count = sum(r[0] for r in results)
     elapsed = max(r[1] for r in results)
     rtt = np.concatenate([r[2] for r in results])
