@@ -119,3 +119,37 @@ def test_variable_length_inputs_are_zero_padded_to_the_longest_with_lengths(make
     for x, y in zip(xs, ys):
         np.testing.assert_allclose(y, x.sum(axis=0), rtol=1e-5)
     assert eng.stats()["avg_batch_size"] > 1
+
+
+def test_a_plain_asgi_app_serves_concurrent_requests_through_infer_async(make_engine):
+    eng = make_engine("asgi", backend="helpers:slow_affine", backend_args={"fixed_ms": 5},
+                      max_batch_size=32)
+    client = engine.Client(eng.name)
+
+    async def app(scope, receive, send):  # an ASGI app, as uvicorn would call it
+        body = (await receive())["body"]
+        y = await client.infer_async(np.frombuffer(body, np.float32), timeout=20)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": y.tobytes()})
+
+    async def request(k):
+        sent = []
+
+        async def receive():
+            return {"type": "http.request", "body": (X + k).tobytes(), "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+        await app({"type": "http", "method": "POST", "path": "/"}, receive, send)
+        return sent[0]["status"], np.frombuffer(sent[1]["body"], np.float32)
+
+    async def main():
+        return await asyncio.gather(*[request(k) for k in range(300)])
+
+    threads_before = threading.active_count()
+    responses = asyncio.run(main())
+    assert threading.active_count() <= threads_before + 1  # one completer, no thread per request
+    client.close()
+    for k, (status, y) in enumerate(responses):
+        assert status == 200 and np.array_equal(y, (X + k) * 2 + 1)
+    assert eng.stats()["avg_batch_size"] > 4
