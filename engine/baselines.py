@@ -9,6 +9,7 @@ pickled both ways, as multiprocessing does):
   or when the OLDEST queued request has waited max_delay), written with
   Queue.get(timeout=...).
 """
+import os
 import queue
 import threading
 
@@ -23,9 +24,15 @@ def serve(backend, backend_args, requests_q, reply_qs, max_batch: int, max_delay
     """The server process: requests are (client, k, x, arrival_ns)."""
     fn = backends.resolve(backend)(**(backend_args or {}))
     max_delay_ns = int(max_delay_ms * 1e6)
+    parent = os.getppid()
     stopping = False
     while not stopping:
-        item = requests_q.get()
+        try:
+            item = requests_q.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent:  # the bench died without stopping us
+                return
+            continue
         if item is STOP:
             return
         batch = [item]

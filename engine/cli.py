@@ -53,12 +53,17 @@ def numbers(kind):
     return parse
 
 
-def _bench_parser(sub):
-    p = sub.add_parser("bench", help="throughput and latency versus max_batch_size")
+def _backend_flags(p) -> None:
+    """The backend and its input, as bench and tune take them."""
     p.add_argument("--backend", default="engine.backends:synthetic")
     p.add_argument("--backend-arg", action="append", metavar="KEY=VALUE")
     p.add_argument("--input-shape", type=shape, default=(16,))
     p.add_argument("--input-dtype", default="float32")
+
+
+def _bench_parser(sub):
+    p = sub.add_parser("bench", help="throughput and latency versus max_batch_size")
+    _backend_flags(p)
     p.add_argument("--batch-sizes", type=numbers(int), help="e.g. 1,2,4,8,16,32")
     p.add_argument("--delays-ms", type=numbers(float), help="e.g. 0,1,2")
     p.add_argument("--rate", type=float, default=1500.0, help="offered requests/s, all clients")
@@ -322,10 +327,7 @@ def cmd_cleanup(args) -> int:
 
 def _tune_parser(sub):
     p = sub.add_parser("tune", help="measure S(n) and recommend max_batch_size / max_delay_ms")
-    p.add_argument("--backend", default="engine.backends:synthetic")
-    p.add_argument("--backend-arg", action="append", metavar="KEY=VALUE")
-    p.add_argument("--input-shape", type=shape, default=(16,))
-    p.add_argument("--input-dtype", default="float32")
+    _backend_flags(p)
     p.add_argument("--slo-ms", type=float, required=True, help="the latency budget")
     p.add_argument("--max-batch", type=int, default=64, help="largest batch size measured")
     p.add_argument("--out", metavar="DIR", help="write DIR/tune.json and DIR/tune.png")
