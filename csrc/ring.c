@@ -254,13 +254,11 @@ void sb_word_add(void *base, int word, uint64_t delta)
 
 /* ---- client ---- */
 
-int sb_acquire(void *base, uint32_t pid, uint64_t start_ticks,
-	       uint32_t *slot, uint32_t *gen)
+static int acquire_one(void *base, uint32_t pid, uint64_t start_ticks,
+		       uint32_t *slot, uint32_t *gen)
 {
 	sb_header *h = hdr(base);
 	uint32_t cap = h->capacity;
-	if (pid == 0 || pid > SB_PID_MASK)
-		return SB_EBADARG;
 	/* relaxed: the cursor only spreads callers over consecutive slots; the
 	 * CAS below is what makes a slot ours */
 	uint32_t i = sb_add_relaxed(&h->alloc_cursor, 1) % cap;
@@ -283,19 +281,42 @@ int sb_acquire(void *base, uint32_t pid, uint64_t start_ticks,
 		*gen = SB_CTL_GEN(cur);
 		return SB_OK;
 	}
-	sb_add_relaxed(&h->words[SB_W_REJECTED], 1);
 	return SB_EFULL;
 }
 
-int sb_publish(void *base, uint32_t slot, uint32_t gen, uint32_t length)
+int sb_acquire(void *base, uint32_t pid, uint64_t start_ticks,
+	       uint32_t *slot, uint32_t *gen)
 {
-	sb_header *h = hdr(base);
-	if (slot >= h->capacity)
+	if (pid == 0 || pid > SB_PID_MASK)
+		return SB_EBADARG;
+	int r = acquire_one(base, pid, start_ticks, slot, gen);
+	if (r == SB_EFULL)
+		sb_add_relaxed(&hdr(base)->words[SB_W_REJECTED], 1);
+	return r;
+}
+
+uint32_t sb_acquire_many(void *base, uint32_t pid, uint64_t start_ticks,
+			 uint32_t n, uint32_t *slots, uint32_t *gens)
+{
+	uint32_t k = 0;
+	if (pid == 0 || pid > SB_PID_MASK)
+		return 0;
+	while (k < n && acquire_one(base, pid, start_ticks, &slots[k], &gens[k]) == SB_OK)
+		k++;
+	if (k == 0 && n > 0)
+		sb_add_relaxed(&hdr(base)->words[SB_W_REJECTED], 1);
+	return k;
+}
+
+static int publish_one(void *base, uint32_t slot, uint32_t gen, uint32_t length,
+		       uint64_t now)
+{
+	if (slot >= hdr(base)->capacity)
 		return SB_EBADARG;
 	uint64_t *c = ctl_at(base, slot);
 	sb_slot_meta *m = meta_at(base, slot);
 	m->length = length;
-	m->arrival_ns = sb_now_ns();
+	m->arrival_ns = now;
 	uint64_t cur = sb_load_relaxed(c);
 	do {
 		if (SB_CTL_GEN(cur) != gen || SB_CTL_STATE(cur) != SB_WRITING)
@@ -303,13 +324,37 @@ int sb_publish(void *base, uint32_t slot, uint32_t gen, uint32_t length)
 		/* release: the input row and meta above are visible to the
 		 * batcher whose claim CAS reads READY */
 	} while (!sb_cas_acq_rel(c, &cur, with_state(cur, SB_READY)));
-	sb_add_relaxed(&h->words[SB_W_REQUESTS], 1);
+	return SB_OK;
+}
+
+static void work_arrived(sb_header *h, uint32_t published)
+{
+	sb_add_relaxed(&h->words[SB_W_REQUESTS], published);
 	/* seq_cst pair with sb_wait_work: bump work_seq, then look for
 	 * sleepers; the batcher counts itself asleep, then futex-checks it */
 	sb_add_seq_cst(&h->work_seq, 1);
 	if (sb_load_seq_cst(&h->batchers_sleeping))
 		futex_wake(&h->work_seq, 1);
-	return SB_OK;
+}
+
+int sb_publish(void *base, uint32_t slot, uint32_t gen, uint32_t length)
+{
+	int r = publish_one(base, slot, gen, length, sb_now_ns());
+	if (r == SB_OK)
+		work_arrived(hdr(base), 1);
+	return r;
+}
+
+uint32_t sb_publish_many(void *base, const uint32_t *slots, const uint32_t *gens,
+			 uint32_t n, uint32_t length)
+{
+	uint64_t now = sb_now_ns();
+	uint32_t published = 0;
+	for (uint32_t k = 0; k < n; k++)
+		published += publish_one(base, slots[k], gens[k], length, now) == SB_OK;
+	if (published)
+		work_arrived(hdr(base), published);
+	return published;
 }
 
 int sb_cancel(void *base, uint32_t slot, uint32_t gen)
@@ -380,6 +425,27 @@ int sb_release(void *base, uint32_t slot, uint32_t gen)
 		 * owner's acquire CAS lets it write the slot */
 	} while (!sb_cas_acq_rel(c, &cur, freed(cur)));
 	return SB_OK;
+}
+
+int sb_wait_all(void *base, const uint32_t *slots, const uint32_t *gens,
+		uint32_t n, int64_t timeout_ns)
+{
+	uint64_t deadline = timeout_ns < 0 ? 0 : sb_now_ns() + (uint64_t)timeout_ns;
+	for (uint32_t k = 0; k < n; k++) {
+		int r = sb_wait_slot(base, slots[k], gens[k], deadline ? remaining_ns(deadline) : -1);
+		if (r != SB_OK && r != SB_EFAILED)
+			return r; /* SB_ETIMEOUT, or a ticket no longer ours */
+	}
+	return SB_OK;
+}
+
+uint32_t sb_release_many(void *base, const uint32_t *slots, const uint32_t *gens,
+			 uint32_t n)
+{
+	uint32_t released = 0;
+	for (uint32_t k = 0; k < n; k++)
+		released += sb_release(base, slots[k], gens[k]) == SB_OK;
+	return released;
 }
 
 int sb_abandon(void *base, uint32_t slot, uint32_t gen)

@@ -192,6 +192,15 @@ int sb_cancel(void *base, uint32_t slot, uint32_t gen);
 int sb_wait_slot(void *base, uint32_t slot, uint32_t gen, int64_t timeout_ns);
 int sb_release(void *base, uint32_t slot, uint32_t gen);
 int sb_abandon(void *base, uint32_t slot, uint32_t gen);
+/* bulk: n requests in one call each (same real length), for Client.infer_many */
+uint32_t sb_acquire_many(void *base, uint32_t pid, uint64_t start_ticks,
+			 uint32_t n, uint32_t *slots, uint32_t *gens);
+uint32_t sb_publish_many(void *base, const uint32_t *slots, const uint32_t *gens,
+			 uint32_t n, uint32_t length);
+int sb_wait_all(void *base, const uint32_t *slots, const uint32_t *gens,
+		uint32_t n, int64_t timeout_ns);
+uint32_t sb_release_many(void *base, const uint32_t *slots, const uint32_t *gens,
+			 uint32_t n);
 int sb_poll(const void *base, const uint32_t *slots, const uint32_t *gens,
 	    uint32_t n, int32_t *states);
 uint32_t sb_slot_error(const void *base, uint32_t slot, char *msg,

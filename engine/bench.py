@@ -420,7 +420,14 @@ def _closed_loop_client(cid, load: Load, seconds: float, window: int, conn, serv
         time.sleep(max(0.0, (start_ns - ring.now_ns()) / 1e9))
     end_ns = start_ns + int(seconds * 1e9)
     round_trips, wrong, count = [], 0, 0
-    if window == 1:
+    if window < 0:  # bulk: infer_many of -window requests per call
+        xs = np.broadcast_to(x, (-window, *x.shape)).copy()
+        while ring.now_ns() < end_ns:
+            ys = client.infer_many(xs, timeout=load.timeout_s)
+            if expect is not None:  # every answer, at the sampled positions, vectorised
+                wrong += int((ys.reshape(len(ys), -1)[:, index] != expect(sent)).any(axis=1).sum())
+            count += len(ys)
+    elif window == 1:
         while ring.now_ns() < end_ns:
             t = ring.now_ns()
             y = client.infer(x, timeout=load.timeout_s) if client else caller.call(x, load.timeout_s)
@@ -457,7 +464,7 @@ def closed_loop(system: str, clients: int, window: int, load: Load, seconds: flo
     try:
         if server is None:
             eng = _start_engine(name, load, max_batch_size=max_batch_size,
-                                queue_capacity=max(64, clients * window))
+                                queue_capacity=max(64, clients * abs(window)))
         _go(conns, name, None, 50_000_000)
         results = _collect(conns, procs, seconds + load.timeout_s + 60)
     finally:
@@ -493,14 +500,16 @@ def overhead(load: Load, seconds: float = 2.0, log=print) -> dict:
         f"{out['copy_once_rps']:,.0f} req/s for {load.dtype}{list(load.input_shape)}")
     # in flight per pipelined client: 256, or fewer for big inputs (each slot is committed memory)
     window = 256 if np.prod(load.input_shape) <= 16384 else 8
-    plan = [(s, 1, 1) for s in SYSTEMS] + [(s, 8, 1) for s in SYSTEMS] + [("shmbatch", 2, window)]
+    plan = ([(s, 1, 1) for s in SYSTEMS] + [(s, 8, 1) for s in SYSTEMS]
+            + [("shmbatch", 2, window), ("shmbatch", 2, -window)])
     for system, clients, window in plan:
         run = closed_loop(system, clients, window, load, seconds)
         out["runs"].append(run)
         rtt = (f" | round trip p50 {run['rtt_p50_us']:8.1f} us p99 {run['rtt_p99_us']:8.1f} us"
                if clients == 1 else "")
-        log(f"{system:>16} {clients} client(s) x {window:>3} in flight: {run['rps']:>9,.0f} req/s"
-            f"{rtt} | wrong {run['wrong']}")
+        how = f"x {window:>3} in flight" if window > 0 else f"infer_many({-window})"
+        log(f"{system:>16} {clients} client(s) {how}: {run['rps']:>9,.0f} req/s{rtt} "
+            f"| wrong {run['wrong']}")
     return out
 
 

@@ -105,6 +105,76 @@ class Client:
             lambda e: loop.call_soon_threadsafe(settle, None, e))
         return await future
 
+    def infer_many(self, xs: np.ndarray, timeout: Optional[float] = 1.0) -> np.ndarray:
+        """Sends xs[0], xs[1], ... as len(xs) requests at once and blocks until all
+        are answered; returns the answers stacked, shape (n, *output_shape).
+
+        The requests are enqueued, waited for and released in bulk (one C call
+        each), in chunks of at most half the queue_capacity, so one bulk call
+        leaves room for other clients. QueueFull if not one slot is free when a
+        chunk starts; on any error no answer of the call is returned.
+        """
+        deadline = _deadline_ns(timeout)
+        if os.getpid() != self._pid:
+            self._bind_process()
+        seg = self._segment()
+        cfg = seg.config
+        try:
+            xs, length = cfg.check_many(xs)
+        except EngineError:
+            seg.ring.add_word(ring.W_INVALID)
+            raise
+        n, r = len(xs), seg.ring
+        out = np.empty((n, *cfg.output_shape), cfg.output_dtype)
+        chunk = min(n, max(1, seg.capacity // 2))
+        slots, gens = np.empty(chunk, np.uint32), np.empty(chunk, np.uint32)
+        codes = np.empty(chunk, np.int32)
+        done = 0
+        while done < n:
+            k = r.acquire_many(self._pid, self._start_ticks, min(chunk, n - done), slots, gens)
+            if k == 0:
+                raise QueueFull(f"queue_capacity {seg.capacity} reached: expected a free slot, "
+                                f"got {seg.capacity} requests queued or in flight")
+            s, g = slots[:k], gens[:k]
+            rows = xs[done:done + k]
+            if cfg.var_axis is not None:  # equal lengths, zero-padded to the bound
+                padded = np.zeros((k, *cfg.padded_shape), cfg.input_dtype)
+                padded[(slice(None),) * (cfg.var_axis + 1) + (slice(0, length),)] = rows
+                rows = padded
+            seg.inputs[s] = rows
+            r.publish_many(s, g, k, length)
+            self._await_all(seg, s, g, k, deadline, timeout)
+            r.poll(s, g, codes[:k])
+            failed = np.nonzero(codes[:k] == ring.EFAILED)[0]
+            if len(failed):
+                status, text = r.slot_error(int(s[failed[0]]))
+                r.release_many(s, g, k)
+                raise _backend_error(status, text)
+            out[done:done + k] = seg.outputs[s]
+            r.release_many(s, g, k)
+            done += k
+        return out
+
+    def _await_all(self, seg, slots, gens, k, deadline, timeout) -> None:
+        r = seg.ring
+        while True:
+            slice_ns = LIVENESS_SLICE_NS
+            if deadline is not None:
+                slice_ns = max(0, min(slice_ns, deadline - ring.now_ns()))
+            code = r.wait_all(slots, gens, k, slice_ns)
+            if code == ring.OK:
+                return
+            expired = deadline is not None and ring.now_ns() >= deadline
+            if code == ring.ETIMEOUT and not expired and self._lives(seg):
+                continue
+            for slot, gen in zip(slots.tolist(), gens.tolist()):
+                if r.abandon(slot, gen) == ring.EBUSY:
+                    r.release_slot(slot, gen)
+            if code == ring.ETIMEOUT and expired:
+                raise RequestTimeout(f"expected {k} answers within {timeout} s, got fewer "
+                                     f"(requests abandoned)")
+            raise EngineUnavailable(f"engine {self.name!r} stopped or died while the requests waited")
+
     def close(self) -> None:
         """Fails what is pending here with EngineUnavailable and detaches."""
         completer, self._completer = self._completer, None

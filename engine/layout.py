@@ -154,6 +154,19 @@ class EngineConfig:
                 raise self._mismatch(x)
         return x, length
 
+    def check_many(self, xs) -> Tuple[np.ndarray, int]:
+        """(array of n inputs, their common real length or 0), for infer_many."""
+        ok = isinstance(xs, np.ndarray) and xs.ndim == len(self.input_shape) + 1 and len(xs) > 0
+        try:
+            _, length = self.check_input(xs[0]) if ok else (None, 0)
+        except InvalidInput:
+            ok = False
+        if not ok:
+            got = describe(xs) if isinstance(xs, np.ndarray) else type(xs).__name__
+            raise InvalidInput(f"expected an array of n >= 1 inputs, each {self.input_spec()}, "
+                               f"got {got}")
+        return xs, length
+
     def _mismatch(self, x: np.ndarray) -> InvalidInput:
         return InvalidInput(f"expected {self.input_spec()}, got {describe(x)}")
 

@@ -88,6 +88,22 @@ class Ring:
         code = lib.sb_acquire(self.base, pid, start_ticks, out, out + 1)
         return code, out[0], out[1]
 
+    def acquire_many(self, pid, start_ticks, n, slots, gens) -> int:
+        """Takes up to n free slots into the uint32 arrays; returns how many."""
+        return lib.sb_acquire_many(self.base, pid, start_ticks, n, _ptr(slots, "uint32_t *"),
+                                   _ptr(gens, "uint32_t *"))
+
+    def publish_many(self, slots, gens, n, length) -> int:
+        return lib.sb_publish_many(self.base, _ptr(slots, "uint32_t *"), _ptr(gens, "uint32_t *"),
+                                   n, length)
+
+    def wait_all(self, slots, gens, n, timeout_ns) -> int:
+        return lib.sb_wait_all(self.base, _ptr(slots, "uint32_t *"), _ptr(gens, "uint32_t *"),
+                               n, timeout_ns)
+
+    def release_many(self, slots, gens, n) -> int:
+        return lib.sb_release_many(self.base, _ptr(slots, "uint32_t *"), _ptr(gens, "uint32_t *"), n)
+
     def publish(self, slot: int, gen: int, length: int) -> int:
         return lib.sb_publish(self.base, slot, gen, length)
 

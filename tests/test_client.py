@@ -153,3 +153,55 @@ def test_a_plain_asgi_app_serves_concurrent_requests_through_infer_async(make_en
     for k, (status, y) in enumerate(responses):
         assert status == 200 and np.array_equal(y, (X + k) * 2 + 1)
     assert eng.stats()["avg_batch_size"] > 4
+
+
+def _many_in_child(name, cid, out):
+    with engine.Client(name) as c:
+        wrong = 0
+        for k in range(20):
+            xs = (np.arange(300 * 16, dtype=np.float32).reshape(300, 16) + cid * 1e5 + k * 1e3)
+            wrong += not np.array_equal(c.infer_many(xs, timeout=20), xs * 2 + 1)
+        out.put(wrong)
+
+
+def test_infer_many_from_several_processes_returns_each_its_own_answers(make_engine, fork_ctx):
+    eng = make_engine("many", max_batch_size=32, queue_capacity=1024)
+    out = fork_ctx.Queue()
+    procs = [fork_ctx.Process(target=_many_in_child, args=(eng.name, i, out)) for i in range(3)]
+    for p in procs:
+        p.start()
+    assert [out.get(timeout=60) for _ in procs] == [0, 0, 0]
+    for p in procs:
+        p.join(10)
+    stats = eng.stats()
+    assert stats["answered_total"] == 3 * 20 * 300 and stats["slots_in_use"] == 0
+    assert stats["avg_batch_size"] > 8
+
+
+def test_infer_many_of_more_than_the_queue_holds_goes_in_chunks(make_engine):
+    eng = make_engine("chunks", max_batch_size=8, queue_capacity=16)
+    xs = np.arange(100 * 16, dtype=np.float32).reshape(100, 16)
+    with engine.Client(eng.name) as c:
+        assert np.array_equal(c.infer_many(xs, timeout=20), xs * 2 + 1)
+    assert eng.stats()["answered_total"] == 100
+
+
+def test_infer_many_validates_first_and_fails_whole_on_a_backend_error(make_engine):
+    eng = make_engine("manyerr", backend="helpers:failing", max_batch_size=4)
+    with engine.Client(eng.name) as c:
+        with pytest.raises(engine.InvalidInput, match=r"each float32\[16\], got float32\[5, 15\]"):
+            c.infer_many(np.zeros((5, 15), np.float32))
+        xs = np.ones((10, 16), np.float32)
+        xs[7] = -1
+        with pytest.raises(engine.BackendError, match="negative input"):
+            c.infer_many(xs, timeout=10)
+        assert np.array_equal(c.infer_many(xs[:4], timeout=10), xs[:4] * 2 + 1)
+    assert eng.stats()["slots_in_use"] == 0
+
+
+def test_infer_many_of_variable_length_inputs_pads_them(make_engine):
+    eng = make_engine("manyvar", backend="helpers:masked_sum", input_shape=(None, 4),
+                      max_input_shape=(8, 4), output_shape=(4,))
+    xs = np.random.default_rng(2).random((20, 5, 4)).astype(np.float32)
+    with engine.Client(eng.name) as c:
+        np.testing.assert_allclose(c.infer_many(xs, timeout=10), xs.sum(axis=1), rtol=1e-5)
