@@ -45,6 +45,11 @@ def _deadline_ns(timeout: Optional[float]) -> Optional[int]:
     return ring.now_ns() + int(timeout * 1e9)
 
 
+def _queue_full(seg) -> QueueFull:
+    return QueueFull(f"queue_capacity {seg.capacity} reached: expected a free slot, "
+                     f"got {seg.capacity} requests queued or in flight")
+
+
 def _backend_error(status: int, text: str) -> BackendError:
     if status == ring.STATUS_BATCHER_DIED:
         return BackendError("BatcherDied", text)
@@ -115,16 +120,8 @@ class Client:
         chunk starts; on any error no answer of the call is returned.
         """
         deadline = _deadline_ns(timeout)
-        if os.getpid() != self._pid:
-            self._bind_process()
-        seg = self._segment()
-        cfg = seg.config
-        try:
-            xs, length = cfg.check_many(xs)
-        except EngineError:
-            seg.ring.add_word(ring.W_INVALID)
-            raise
-        n, r = len(xs), seg.ring
+        seg, xs, length = self._validated(xs, many=True)
+        cfg, n, r = seg.config, len(xs), seg.ring
         out = np.empty((n, *cfg.output_shape), cfg.output_dtype)
         chunk = min(n, max(1, seg.capacity // 2))
         slots, gens = np.empty(chunk, np.uint32), np.empty(chunk, np.uint32)
@@ -133,8 +130,7 @@ class Client:
         while done < n:
             k = r.acquire_many(self._pid, self._start_ticks, min(chunk, n - done), slots, gens)
             if k == 0:
-                raise QueueFull(f"queue_capacity {seg.capacity} reached: expected a free slot, "
-                                f"got {seg.capacity} requests queued or in flight")
+                raise _queue_full(seg)
             s, g = slots[:k], gens[:k]
             rows = xs[done:done + k]
             if cfg.var_axis is not None:  # equal lengths, zero-padded to the bound
@@ -189,20 +185,25 @@ class Client:
         self.close()
 
     # -- the request path ---------------------------------------------------
-    def _enqueue(self, x):
+    def _validated(self, x, many=False):
+        """(segment, array, real length): the running engine's segment, and x
+        checked against its input spec before anything is enqueued."""
         if os.getpid() != self._pid:  # a forked child: it is a new owner
             self._bind_process()
         seg = self._segment()
-        cfg = seg.config
         try:
-            array, length = cfg.check_input(x)
+            array, length = (seg.config.check_many if many else seg.config.check_input)(x)
         except EngineError:
             seg.ring.add_word(ring.W_INVALID)
             raise
+        return seg, array, length
+
+    def _enqueue(self, x):
+        seg, array, length = self._validated(x)
+        cfg = seg.config
         code, slot, gen = seg.ring.acquire(self._pid, self._start_ticks)
         if code == ring.EFULL:
-            raise QueueFull(f"queue_capacity {seg.capacity} reached: expected a free slot, "
-                            f"got {seg.capacity} requests queued or in flight")
+            raise _queue_full(seg)
         if code != ring.OK:
             raise EngineUnavailable(f"cannot enqueue on engine {self.name!r} (code {code})")
         try:
