@@ -106,6 +106,23 @@ def theoretical_rps(n: int, fixed_ms: float, per_item_us: float) -> float:
 
 # -- the client processes ----------------------------------------------------------
 
+def _await_target(conn):
+    """A client's first step: the name of the engine (or server) once it runs,
+    and the cores to run on; None if the parent gave up."""
+    if not conn.poll(120):
+        return None
+    name, cpus = conn.recv()
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    return name
+
+
+def _ready_for_start(conn):
+    """Says ready, then waits (bounded) for the common start time (ns)."""
+    conn.send("ready")
+    return conn.recv() if conn.poll(60) else None
+
+
 def _open_loop_client(cid, n, load: Load, conn, server=None) -> None:
     """Runs in a forked process: attach (to the engine, or to a baseline
     server), report ready, wait for the common start time, send n requests
@@ -119,11 +136,9 @@ def _open_loop_client(cid, n, load: Load, conn, server=None) -> None:
     x = np.zeros(load.input_shape, load.dtype)
     flat = x.reshape(-1)
     small = flat.size == len(index)
-    if not conn.poll(120):
+    name = _await_target(conn)
+    if name is None:
         return
-    name, cpus = conn.recv()  # the engine's name, once it runs
-    if cpus:
-        os.sched_setaffinity(0, cpus)
 
     def settle(k, get_answer):
         answered[k] = ring.now_ns()
@@ -161,10 +176,9 @@ def _open_loop_client(cid, n, load: Load, conn, server=None) -> None:
         def finish():
             caller.wait_received(load.timeout_s + 10)
 
-    conn.send("ready")
-    if not conn.poll(60):
+    start_ns = _ready_for_start(conn)
+    if start_ns is None:
         return
-    start_ns = conn.recv()
     for k in range(n):
         scheduled[k] = start_ns + offsets[k]
         delay_ns = scheduled[k] - ring.now_ns()
@@ -405,17 +419,14 @@ def _closed_loop_client(cid, load: Load, seconds: float, window: int, conn, serv
     expect, index = expected_fn(load.backend), sample_index(load.input_shape)
     x = np.full(load.input_shape, tag_value(cid, 1), load.dtype)
     sent = x.reshape(-1)[index].copy()
-    if not conn.poll(120):
+    name = _await_target(conn)
+    if name is None:
         return
-    name, cpus = conn.recv()
-    if cpus:
-        os.sched_setaffinity(0, cpus)
     client = Client(name) if server is None else None
     caller = Caller(server, cid, None) if server is not None else None
-    conn.send("ready")
-    if not conn.poll(60):
+    start_ns = _ready_for_start(conn)
+    if start_ns is None:
         return
-    start_ns = conn.recv()
     while ring.now_ns() < start_ns:
         time.sleep(max(0.0, (start_ns - ring.now_ns()) / 1e9))
     end_ns = start_ns + int(seconds * 1e9)

@@ -2,6 +2,8 @@ import itertools
 import multiprocessing
 import os
 import pathlib
+import selectors
+import time
 
 import psutil
 import pytest
@@ -63,3 +65,22 @@ def wait_until_no_slot_in_use(eng, timeout_s=10.0) -> bool:
             return True
         r.wait_done_seq(seen, 100_000_000)  # the reaper frees slots without a batch
     return False
+
+
+def wait_for_line(stream, needle: str, timeout_s: float = 60.0, count: int = 1) -> list:
+    """Reads lines (bounded in time) until `count` of them contain needle."""
+    seen, lines = 0, []
+    sel = selectors.DefaultSelector()
+    sel.register(stream, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout_s
+    while seen < count:
+        left = deadline - time.monotonic()
+        if left <= 0 or not sel.select(left):
+            raise TimeoutError(f"no {needle!r} within {timeout_s} s; got {lines}")
+        line = stream.readline()
+        if not line:
+            raise EOFError(f"stream closed before {needle!r}; got {lines}")
+        lines.append(line)
+        seen += needle in line
+    sel.close()
+    return lines

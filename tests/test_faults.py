@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import engine
-from conftest import unique_name, wait_until_no_slot_in_use
+from conftest import unique_name, wait_for_line, wait_until_no_slot_in_use
 
 X = np.arange(16, dtype=np.float32)
 
@@ -98,7 +98,7 @@ def test_start_over_a_crashed_engine_reclaims_its_segment():
     proc = subprocess.Popen([sys.executable, "-c", CRASHING_ENGINE, name],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        assert proc.stdout.readline().strip() == "ready"
+        wait_for_line(proc.stdout, "ready")
         with engine.Client(name) as c:
             assert np.array_equal(c.infer(X, timeout=10), X)
             proc.kill()

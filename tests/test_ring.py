@@ -92,15 +92,22 @@ def test_abandon_of_a_queued_request_frees_the_slot_at_once(segment):
     assert claim_all(r)[0] == []
 
 
+def queue(r, n, order=lambda tickets: tickets):
+    """Acquires n slots, then publishes them in `order`; returns the tickets published, in order."""
+    tickets = [r.acquire(os.getpid(), 0)[1:] for _ in range(n)]
+    published = order(tickets)
+    for slot, gen in published:
+        r.publish(slot, gen, 0)
+        ring.spin_ns(1000)  # distinct arrival stamps
+    return published
+
+
 def test_claim_takes_the_oldest_first_and_at_most_max_n(segment):
     r = segment.ring
-    tickets = []
-    for _ in range(10):
-        _, slot, gen = r.acquire(os.getpid(), 0)
-        r.publish(slot, gen, 0)
-        tickets.append(slot)
+    # published highest slot first: oldest-first and lowest-slot-first now disagree
+    published = queue(r, 10, order=lambda tickets: tickets[::-1])
     slots, _, _ = claim_all(r, max_n=4)
-    assert slots == sorted(tickets[:4])
+    assert slots == sorted(slot for slot, _ in published[:4])
 
 
 def test_full_ring_rejects_and_counts(segment):
@@ -113,11 +120,7 @@ def test_full_ring_rejects_and_counts(segment):
 
 def test_reaping_a_dead_batcher_fails_its_claims_only(segment):
     r = segment.ring
-    mine = []
-    for _ in range(3):
-        _, slot, gen = r.acquire(os.getpid(), 0)
-        r.publish(slot, gen, 0)
-        mine.append((slot, gen))
+    mine = queue(r, 3)
     claim_all(r, max_n=2, batcher=5)
     assert r.reap_batcher(5, b"gone") == 2
     codes = sorted(r.wait_slot(s, g, 0) for s, g in mine)

@@ -4,12 +4,10 @@ import concurrent.futures
 import json
 import os
 import pathlib
-import selectors
 import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 
@@ -17,7 +15,7 @@ import numpy as np
 import pytest
 
 import engine
-from conftest import unique_name
+from conftest import unique_name, wait_for_line
 
 TESTS = pathlib.Path(__file__).resolve().parent
 ENV = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -28,25 +26,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_for_line(stream, needle: str, timeout_s: float = 60.0, count: int = 1) -> list:
-    """Reads lines (bounded in time) until `count` of them contain needle."""
-    seen, lines = 0, []
-    sel = selectors.DefaultSelector()
-    sel.register(stream, selectors.EVENT_READ)
-    deadline = time.monotonic() + timeout_s
-    while seen < count:
-        left = deadline - time.monotonic()
-        if left <= 0 or not sel.select(left):
-            raise TimeoutError(f"no {needle!r} within {timeout_s} s; got {lines}")
-        line = stream.readline()
-        if not line:
-            raise EOFError(f"stream closed before {needle!r}; got {lines}")
-        lines.append(line)
-        seen += needle in line
-    sel.close()
-    return lines
 
 
 def shmbatch(*args, timeout_s=60):
