@@ -49,7 +49,7 @@ def main():
             _, s, g = r.acquire(pid, 0)
             seg.inputs[s][...] = x
             r.publish(s, g, 0)
-            n, claim_ns = r.claim(0, 32, b.scratch, b.slots, b.gens, b.lengths)
+            n, claim_ns, _, _ = r.claim(0, 32, 1, ring.MAX_NS, b.batch)
             b.serve(n, claim_ns)
             assert r.wait_slot(s, g, 0) == ring.OK
             seg.outputs[s].copy()
@@ -59,7 +59,7 @@ def main():
         def batcher_serve():
             _, s, g = r.acquire(pid, 0)
             r.publish(s, g, 0)
-            n, claim_ns = r.claim(0, 32, b.scratch, b.slots, b.gens, b.lengths)
+            n, claim_ns, _, _ = r.claim(0, 32, 1, ring.MAX_NS, b.batch)
             t = time.perf_counter_ns()
             b.serve(n, claim_ns)
             serve_ns.append(time.perf_counter_ns() - t)

@@ -15,9 +15,19 @@
 #define sb_load_seq_cst(p)      __atomic_load_n((p), __ATOMIC_SEQ_CST)
 #define sb_store_relaxed(p, v)  __atomic_store_n((p), (v), __ATOMIC_RELAXED)
 #define sb_store_release(p, v)  __atomic_store_n((p), (v), __ATOMIC_RELEASE)
+#define sb_fence_acquire()      __atomic_thread_fence(__ATOMIC_ACQUIRE)
 #define sb_add_relaxed(p, v)    __atomic_fetch_add((p), (v), __ATOMIC_RELAXED)
 #define sb_add_seq_cst(p, v)    __atomic_fetch_add((p), (v), __ATOMIC_SEQ_CST)
 #define sb_sub_seq_cst(p, v)    __atomic_fetch_sub((p), (v), __ATOMIC_SEQ_CST)
+
+/* A spin-wait hint: lets the sibling hyperthread run and saves power. */
+#if defined(__x86_64__) || defined(__i386__)
+#define sb_cpu_relax() __builtin_ia32_pause()
+#elif defined(__aarch64__)
+#define sb_cpu_relax() __asm__ __volatile__("yield" ::: "memory")
+#else
+#define sb_cpu_relax() __asm__ __volatile__("" ::: "memory")
+#endif
 
 /* Strong CAS; on failure *expected receives the current value. */
 #define sb_cas_acq_rel(p, expected, desired)                                   \

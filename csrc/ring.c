@@ -385,12 +385,39 @@ static int answer_of(uint64_t cur, uint32_t gen)
 	return SB_ESTALE;
 }
 
-int sb_wait_slot(void *base, uint32_t slot, uint32_t gen, int64_t timeout_ns)
+/* Spins until *word != seen or spin_ns pass; returns the word's last value.
+ * acquire: the caller reads what the word's writer published. */
+static uint32_t spin_while32(const uint32_t *word, uint32_t seen, uint64_t spin_ns)
+{
+	uint32_t cur = sb_load_acquire(word);
+	if (cur != seen || !spin_ns)
+		return cur;
+	uint64_t end = sb_now_ns() + spin_ns;
+	do {
+		for (int i = 0; i < 64 && cur == seen; i++) {
+			sb_cpu_relax();
+			cur = sb_load_acquire(word);
+		}
+	} while (cur == seen && sb_now_ns() < end);
+	return cur;
+}
+
+int sb_wait_slot(void *base, uint32_t slot, uint32_t gen, int64_t timeout_ns,
+		 uint64_t spin_ns)
 {
 	if (slot >= hdr(base)->capacity)
 		return SB_EBADARG;
 	uint64_t *c = ctl_at(base, slot);
 	uint64_t deadline = timeout_ns < 0 ? 0 : sb_now_ns() + (uint64_t)timeout_ns;
+	if (timeout_ns >= 0 && spin_ns > (uint64_t)timeout_ns)
+		spin_ns = (uint64_t)timeout_ns;
+	if (spin_ns && answer_of(sb_load_relaxed(c), gen) == SB_EBUSY) {
+		uint64_t end = sb_now_ns() + spin_ns;
+		do {
+			for (int i = 0; i < 64 && answer_of(sb_load_relaxed(c), gen) == SB_EBUSY; i++)
+				sb_cpu_relax();
+		} while (answer_of(sb_load_relaxed(c), gen) == SB_EBUSY && sb_now_ns() < end);
+	}
 	for (;;) {
 		/* acquire: pairs with the batcher's release CAS to DONE, so the
 		 * output row is complete before the caller reads it */
@@ -428,11 +455,12 @@ int sb_release(void *base, uint32_t slot, uint32_t gen)
 }
 
 int sb_wait_all(void *base, const uint32_t *slots, const uint32_t *gens,
-		uint32_t n, int64_t timeout_ns)
+		uint32_t n, int64_t timeout_ns, uint64_t spin_ns)
 {
 	uint64_t deadline = timeout_ns < 0 ? 0 : sb_now_ns() + (uint64_t)timeout_ns;
 	for (uint32_t k = 0; k < n; k++) {
-		int r = sb_wait_slot(base, slots[k], gens[k], deadline ? remaining_ns(deadline) : -1);
+		int r = sb_wait_slot(base, slots[k], gens[k],
+				     deadline ? remaining_ns(deadline) : -1, spin_ns);
 		if (r != SB_OK && r != SB_EFAILED)
 			return r; /* SB_ETIMEOUT, or a ticket no longer ours */
 	}
@@ -544,9 +572,13 @@ uint32_t sb_work_seq(const void *base)
 	return sb_load_acquire(&hdr(base)->work_seq);
 }
 
-int sb_wait_work(void *base, uint32_t seen, int64_t timeout_ns)
+int sb_wait_work(void *base, uint32_t seen, int64_t timeout_ns, uint64_t spin_ns)
 {
 	sb_header *h = hdr(base);
+	if (timeout_ns >= 0 && spin_ns > (uint64_t)timeout_ns)
+		spin_ns = (uint64_t)timeout_ns;
+	if (spin_while32(&h->work_seq, seen, spin_ns) != seen)
+		return SB_OK;
 	/* seq_cst: pairs with sb_publish (Dekker): either the publisher sees
 	 * us asleep and wakes us, or the kernel sees work_seq != seen */
 	sb_add_seq_cst(&h->batchers_sleeping, 1);
@@ -564,12 +596,15 @@ void sb_wake_work(void *base)
 
 uint32_t sb_scan(const void *base, uint64_t *oldest_arrival_ns)
 {
+	const uint64_t *ctl = ctl_at(base, 0);
 	uint32_t cap = hdr(base)->capacity, n = 0;
 	uint64_t oldest = UINT64_MAX;
 	for (uint32_t i = 0; i < cap; i++) {
-		/* acquire: pairs with the publish CAS, so arrival_ns is set */
-		if (SB_CTL_STATE(sb_load_acquire(ctl_at(base, i))) != SB_READY)
+		/* relaxed: only the state is read here ... */
+		if (SB_CTL_STATE(sb_load_relaxed(&ctl[i])) != SB_READY)
 			continue;
+		/* ... acquire: pairs with the publish CAS, so arrival_ns is set */
+		sb_fence_acquire();
 		uint64_t t = meta_at(base, i)->arrival_ns;
 		n++;
 		if (t < oldest)
@@ -587,20 +622,31 @@ static int by_arrival(const void *a, const void *b)
 	return x[1] < y[1] ? -1 : x[1] > y[1];
 }
 
-uint32_t sb_claim(void *base, uint32_t batcher, uint32_t max_n,
-		  uint64_t *scratch, uint32_t *slots, uint32_t *gens,
-		  uint32_t *lengths, uint64_t *claim_ns)
+uint32_t sb_claim(void *base, uint32_t batcher, uint32_t max_n, uint32_t flush_n,
+		  uint64_t cutoff_ns, uint64_t *scratch, uint32_t *slots,
+		  uint32_t *gens, uint32_t *lengths, uint64_t *report)
 {
+	const uint64_t *ctl = ctl_at(base, 0);
 	uint32_t cap = hdr(base)->capacity, k = 0, n = 0;
-	if (batcher > SB_BATCHER_MASK || max_n == 0)
-		return 0;
+	uint64_t oldest = UINT64_MAX;
+	report[SB_R_CLAIM_NS] = 0;
 	for (uint32_t i = 0; i < cap; i++) {
-		if (SB_CTL_STATE(sb_load_acquire(ctl_at(base, i))) != SB_READY)
+		/* relaxed, then an acquire fence for a READY one: as in sb_scan */
+		if (SB_CTL_STATE(sb_load_relaxed(&ctl[i])) != SB_READY)
 			continue;
-		scratch[2 * k] = meta_at(base, i)->arrival_ns;
+		sb_fence_acquire();
+		uint64_t t = meta_at(base, i)->arrival_ns;
+		scratch[2 * k] = t;
 		scratch[2 * k + 1] = i;
 		k++;
+		if (t < oldest)
+			oldest = t;
 	}
+	report[SB_R_READY] = k;
+	report[SB_R_OLDEST_NS] = oldest;
+	if (batcher > SB_BATCHER_MASK || max_n == 0 || k == 0 ||
+	    (k < flush_n && oldest > cutoff_ns))
+		return 0; /* nothing, or the flush rule says not yet */
 	if (k > max_n) { /* more ready than fit: the oldest go first */
 		qsort(scratch, k, 2 * sizeof(uint64_t), by_arrival);
 		k = max_n;
@@ -633,7 +679,7 @@ uint32_t sb_claim(void *base, uint32_t batcher, uint32_t max_n,
 			break;
 		}
 	}
-	*claim_ns = now;
+	report[SB_R_CLAIM_NS] = now;
 	return n;
 }
 

@@ -81,7 +81,11 @@
  * BLOCKING: futexes on shared words, never polling. Clients sleep on their
  * slot's ctl (low half); batchers sleep on work_seq, which every publish
  * bumps; async waiters sleep on done_seq, which every finished batch bumps.
- * A wake is a hint: every waiter re-reads the word it waits for.
+ * A wake is a hint: every waiter re-reads the word it waits for. A waiter
+ * may first spin for a bounded spin_ns, re-reading the word: a spinner is
+ * not marked asleep, so its waker skips the syscall and it skips the
+ * kernel's wake-up (about half of a short round trip). The caller chooses
+ * spin_ns (0: sleep at once); the C never spins on its own.
  *
  * C holds no policy: when to flush, whether a process is dead, and what an
  * error means are decided in Python (engine/).
@@ -189,7 +193,8 @@ int sb_acquire(void *base, uint32_t pid, uint64_t start_ticks,
 	       uint32_t *slot, uint32_t *gen);
 int sb_publish(void *base, uint32_t slot, uint32_t gen, uint32_t length);
 int sb_cancel(void *base, uint32_t slot, uint32_t gen);
-int sb_wait_slot(void *base, uint32_t slot, uint32_t gen, int64_t timeout_ns);
+int sb_wait_slot(void *base, uint32_t slot, uint32_t gen, int64_t timeout_ns,
+		 uint64_t spin_ns);
 int sb_release(void *base, uint32_t slot, uint32_t gen);
 int sb_abandon(void *base, uint32_t slot, uint32_t gen);
 /* bulk: n requests in one call each (same real length), for Client.infer_many */
@@ -198,7 +203,7 @@ uint32_t sb_acquire_many(void *base, uint32_t pid, uint64_t start_ticks,
 uint32_t sb_publish_many(void *base, const uint32_t *slots, const uint32_t *gens,
 			 uint32_t n, uint32_t length);
 int sb_wait_all(void *base, const uint32_t *slots, const uint32_t *gens,
-		uint32_t n, int64_t timeout_ns);
+		uint32_t n, int64_t timeout_ns, uint64_t spin_ns);
 uint32_t sb_release_many(void *base, const uint32_t *slots, const uint32_t *gens,
 			 uint32_t n);
 int sb_poll(const void *base, const uint32_t *slots, const uint32_t *gens,
@@ -210,12 +215,20 @@ int sb_wait_done_seq(void *base, uint32_t seen, int64_t timeout_ns);
 
 /* batcher */
 uint32_t sb_work_seq(const void *base);
-int sb_wait_work(void *base, uint32_t seen, int64_t timeout_ns);
+int sb_wait_work(void *base, uint32_t seen, int64_t timeout_ns, uint64_t spin_ns);
 void sb_wake_work(void *base);
 uint32_t sb_scan(const void *base, uint64_t *oldest_arrival_ns);
-uint32_t sb_claim(void *base, uint32_t batcher, uint32_t max_n,
-		  uint64_t *scratch, uint32_t *slots, uint32_t *gens,
-		  uint32_t *lengths, uint64_t *claim_ns);
+/* One pass over ctl[] that counts the READY slots and finds the oldest
+ * arrival; if at least flush_n are READY or the oldest arrived at or before
+ * cutoff_ns (the caller's flush rule), claims up to max_n of the oldest for
+ * `batcher` into slots/gens/lengths (ascending slot order), else none.
+ * Returns how many it claimed; report[SB_R_*] says when and what it saw. */
+#define SB_R_CLAIM_NS 0
+#define SB_R_READY 1
+#define SB_R_OLDEST_NS 2
+uint32_t sb_claim(void *base, uint32_t batcher, uint32_t max_n, uint32_t flush_n,
+		  uint64_t cutoff_ns, uint64_t *scratch, uint32_t *slots,
+		  uint32_t *gens, uint32_t *lengths, uint64_t *report);
 uint32_t sb_complete(void *base, uint32_t batcher, const uint32_t *slots,
 		     const uint32_t *gens, uint32_t n, uint32_t status,
 		     const char *msg, uint32_t msg_len);

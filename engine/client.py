@@ -34,6 +34,13 @@ from engine.layout import Segment
 # How often a waiting client checks that the engine still lives (its lock).
 LIVENESS_SLICE_NS = 100_000_000
 
+# A blocking wait first spins this long if the client's previous wait ended
+# within it: a fast backend's answer then costs no kernel wake-up (about half
+# of a short round trip). After a longer wait the next one sleeps at once, so
+# a slow backend's clients burn no CPU. Never on one CPU, where a spinning
+# client would only delay the batcher it waits for.
+SPIN_NS = 50_000 if len(os.sched_getaffinity(0)) > 1 else 0
+
 _clients = weakref.WeakSet()
 
 
@@ -75,6 +82,7 @@ class Client:
         self._start_ticks = liveness.start_ticks(self._pid) or 0
         self._lock = threading.Lock()
         self._completer: Optional[_Completer] = None
+        self._spin_ns = SPIN_NS  # see SPIN_NS; shared by threads, a hint only
 
     # -- public API ---------------------------------------------------------
     def infer(self, x, timeout: Optional[float] = 1.0) -> np.ndarray:
@@ -157,7 +165,7 @@ class Client:
             slice_ns = LIVENESS_SLICE_NS
             if deadline is not None:
                 slice_ns = max(0, min(slice_ns, deadline - ring.now_ns()))
-            code = r.wait_all(slots, gens, k, slice_ns)
+            code = r.wait_all(slots, gens, k, slice_ns, self._spin_ns)
             if code == ring.OK:
                 return
             expired = deadline is not None and ring.now_ns() >= deadline
@@ -260,7 +268,9 @@ class Client:
             slice_ns = LIVENESS_SLICE_NS
             if deadline is not None:
                 slice_ns = max(0, min(slice_ns, deadline - ring.now_ns()))
-            code = r.wait_slot(slot, gen, slice_ns)
+            started_ns = ring.now_ns()
+            code = r.wait_slot(slot, gen, slice_ns, self._spin_ns)
+            self._spin_ns = SPIN_NS if ring.now_ns() - started_ns <= SPIN_NS else 0
             if code != ring.ETIMEOUT:
                 return self._collect(seg, slot, gen, code)
             if deadline is not None and ring.now_ns() >= deadline:

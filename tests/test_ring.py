@@ -21,15 +21,16 @@ def segment():
 
 
 def claim_all(r, max_n=64, batcher=0, capacity=64):
-    scratch = np.zeros(2 * capacity, np.uint64)
-    slots, gens, lengths = (np.zeros(max_n, np.uint32) for _ in range(3))
-    n, _ = r.claim(batcher, max_n, scratch, slots, gens, lengths)
-    return slots[:n].tolist(), gens[:n].tolist(), lengths[:n].tolist()
+    b = ring.Batch(capacity, max_n)
+    n, *_ = r.claim(batcher, max_n, 1, ring.MAX_NS, b)
+    return b.slots[:n].tolist(), b.gens[:n].tolist(), b.lengths[:n].tolist()
 
 
 def complete(r, slot, gen, batcher=0):
     """Completes one slot; True if it reached its client."""
-    return r.complete(batcher, np.array([slot], np.uint32), np.array([gen], np.uint32), 1) == 1
+    b = ring.Batch(1, 1)
+    b.slots[0], b.gens[0] = slot, gen
+    return r.complete(batcher, b, 1) == 1
 
 
 def test_segment_is_owner_only_and_named_for_the_engine(segment):
@@ -110,6 +111,26 @@ def test_claim_takes_the_oldest_first_and_at_most_max_n(segment):
     assert slots == sorted(slot for slot, _ in published[:4])
 
 
+def test_claim_takes_none_until_flush_n_are_ready_or_the_oldest_is_due(segment):
+    r = segment.ring
+    b = ring.Batch(segment.capacity, 8)
+    published = queue(r, 3)
+    oldest_ns = r.scan()[1]
+    # 3 ready, 4 wanted, the oldest not yet due: nothing claimed, but seen
+    assert r.claim(0, 8, 4, oldest_ns - 1, b) == (0, 0, 3, oldest_ns)
+    # the oldest due at the cutoff: all three go, though fewer than flush_n
+    n, claim_ns, ready, _ = r.claim(0, 8, 4, oldest_ns, b)
+    assert (n, ready) == (3, 3) and claim_ns >= oldest_ns
+    assert b.slots[:n].tolist() == sorted(slot for slot, _ in published)
+
+
+def test_claim_flushes_once_flush_n_are_ready_before_the_cutoff(segment):
+    r = segment.ring
+    b = ring.Batch(segment.capacity, 8)
+    queue(r, 4)
+    assert r.claim(0, 8, 4, 0, b)[0] == 4
+
+
 def test_full_ring_rejects_and_counts(segment):
     r = segment.ring
     for _ in range(64):
@@ -150,18 +171,17 @@ def _ring_client(name, client_id, n, results):
 def _ring_batcher(name, batcher, stop):
     seg = Segment.attach(name)
     r = seg.ring
-    scratch = np.zeros(2 * seg.capacity, np.uint64)
-    slots, gens, lengths = (np.zeros(8, np.uint32) for _ in range(3))
+    b = ring.Batch(seg.capacity, 8)
     while not stop.is_set():
         seen = r.work_seq()
-        n, claim_ns = r.claim(batcher, 8, scratch, slots, gens, lengths)
+        n, claim_ns, _, _ = r.claim(batcher, 8, 1, ring.MAX_NS, b)
         if n == 0:
             r.wait_work(seen, 50_000_000)
             continue
-        for s in slots[:n].tolist():
+        for s in b.slots[:n].tolist():
             seg.outputs[s] = seg.inputs[s] * 2 + 1
-        assert r.complete(batcher, slots, gens, n) == n
-        r.finish_batch(slots, n, claim_ns, ring.now_ns(), False)
+        assert r.complete(batcher, b, n) == n
+        r.finish_batch(b, n, claim_ns, ring.now_ns(), False)
 
 
 def test_many_client_processes_and_two_batchers_get_their_own_answers(segment):
