@@ -54,6 +54,16 @@ static inline char *errmsg_at(const void *base, uint32_t slot)
 	return (char *)base + hdr(base)->off_errmsg + (uint64_t)slot * SB_ERRMSG_BYTES;
 }
 
+static inline char *input_row(const void *base, uint32_t slot)
+{
+	return (char *)base + hdr(base)->off_input + slot * hdr(base)->input_slot_bytes;
+}
+
+static inline char *output_row(const void *base, uint32_t slot)
+{
+	return (char *)base + hdr(base)->off_output + slot * hdr(base)->output_slot_bytes;
+}
+
 static inline uint32_t *futex_word(uint64_t *ctl) { return (uint32_t *)ctl; }
 
 static inline uint64_t freed(uint64_t cur)
@@ -104,7 +114,25 @@ static void futex_wake(uint32_t *addr, int n)
 	syscall(SYS_futex, addr, FUTEX_WAKE, n, NULL, NULL, 0);
 }
 
-uint32_t sb_pingpong(void *word, uint32_t role, uint32_t rounds, uint64_t *round_trip_ns)
+/* Spins until *word != seen or spin_ns pass; returns the word's last value.
+ * acquire: the caller reads what the word's writer published. */
+static uint32_t spin_while32(const uint32_t *word, uint32_t seen, uint64_t spin_ns)
+{
+	uint32_t cur = sb_load_acquire(word);
+	if (cur != seen || !spin_ns)
+		return cur;
+	uint64_t end = sb_now_ns() + spin_ns;
+	do {
+		for (int i = 0; i < 64 && cur == seen; i++) {
+			sb_cpu_relax();
+			cur = sb_load_acquire(word);
+		}
+	} while (cur == seen && sb_now_ns() < end);
+	return cur;
+}
+
+uint32_t sb_pingpong(void *word, uint32_t role, uint32_t rounds, uint64_t spin_ns,
+		     uint64_t *round_trip_ns)
 {
 	uint32_t *w = word;
 	for (uint32_t r = 0; r < rounds; r++) {
@@ -115,7 +143,10 @@ uint32_t sb_pingpong(void *word, uint32_t role, uint32_t rounds, uint64_t *round
 			futex_wake(w, 1);
 		}
 		uint32_t want = role == 0 ? pong : ping;
-		for (uint32_t cur; (cur = sb_load_acquire(w)) != want;)
+		uint32_t cur = sb_load_acquire(w);
+		if (cur != want)
+			cur = spin_while32(w, cur, spin_ns);
+		for (; cur != want; cur = sb_load_acquire(w))
 			if (futex_wait(w, cur, 1000000000ll) == SB_ETIMEOUT)
 				return r; /* the peer is gone: stop, bounded */
 		if (role == 1) {
@@ -357,6 +388,19 @@ uint32_t sb_publish_many(void *base, const uint32_t *slots, const uint32_t *gens
 	return published;
 }
 
+int sb_submit(void *base, uint32_t pid, uint64_t start_ticks, const void *src,
+	      uint64_t nbytes, uint32_t length, uint32_t *ticket)
+{
+	if (nbytes > hdr(base)->input_slot_bytes)
+		return SB_EBADARG;
+	int r = sb_acquire(base, pid, start_ticks, &ticket[0], &ticket[1]);
+	if (r != SB_OK)
+		return r;
+	/* WRITING: the row is ours alone; publish's release CAS shows it */
+	memcpy(input_row(base, ticket[0]), src, nbytes);
+	return sb_publish(base, ticket[0], ticket[1], length);
+}
+
 int sb_cancel(void *base, uint32_t slot, uint32_t gen)
 {
 	if (slot >= hdr(base)->capacity)
@@ -383,23 +427,6 @@ static int answer_of(uint64_t cur, uint32_t gen)
 	case SB_CLAIMED: return SB_EBUSY;
 	}
 	return SB_ESTALE;
-}
-
-/* Spins until *word != seen or spin_ns pass; returns the word's last value.
- * acquire: the caller reads what the word's writer published. */
-static uint32_t spin_while32(const uint32_t *word, uint32_t seen, uint64_t spin_ns)
-{
-	uint32_t cur = sb_load_acquire(word);
-	if (cur != seen || !spin_ns)
-		return cur;
-	uint64_t end = sb_now_ns() + spin_ns;
-	do {
-		for (int i = 0; i < 64 && cur == seen; i++) {
-			sb_cpu_relax();
-			cur = sb_load_acquire(word);
-		}
-	} while (cur == seen && sb_now_ns() < end);
-	return cur;
 }
 
 int sb_wait_slot(void *base, uint32_t slot, uint32_t gen, int64_t timeout_ns,
@@ -436,6 +463,20 @@ int sb_wait_slot(void *base, uint32_t slot, uint32_t gen, int64_t timeout_ns,
 		}
 		futex_wait(futex_word(c), (uint32_t)cur, left);
 	}
+}
+
+int sb_take(void *base, uint32_t slot, uint32_t gen, int64_t timeout_ns,
+	    uint64_t spin_ns, void *dst, uint64_t nbytes)
+{
+	if (nbytes > hdr(base)->output_slot_bytes)
+		return SB_EBADARG;
+	int r = sb_wait_slot(base, slot, gen, timeout_ns, spin_ns);
+	if (r != SB_OK)
+		return r;
+	/* DONE is ours until we release it: wait_slot's acquire load made the
+	 * row complete, and release's CAS keeps this read before a reuse */
+	memcpy(dst, output_row(base, slot), nbytes);
+	return sb_release(base, slot, gen);
 }
 
 int sb_release(void *base, uint32_t slot, uint32_t gen)

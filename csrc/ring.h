@@ -196,6 +196,13 @@ int sb_cancel(void *base, uint32_t slot, uint32_t gen);
 int sb_wait_slot(void *base, uint32_t slot, uint32_t gen, int64_t timeout_ns,
 		 uint64_t spin_ns);
 int sb_release(void *base, uint32_t slot, uint32_t gen);
+/* fused, one call each way for a contiguous input: acquire + copy src into
+ * the input row + publish (ticket = [slot, gen]); and wait + copy the output
+ * row to dst + release (on SB_OK only; a FAILED slot is left to the caller) */
+int sb_submit(void *base, uint32_t pid, uint64_t start_ticks, const void *src,
+	      uint64_t nbytes, uint32_t length, uint32_t *ticket);
+int sb_take(void *base, uint32_t slot, uint32_t gen, int64_t timeout_ns,
+	    uint64_t spin_ns, void *dst, uint64_t nbytes);
 int sb_abandon(void *base, uint32_t slot, uint32_t gen);
 /* bulk: n requests in one call each (same real length), for Client.infer_many */
 uint32_t sb_acquire_many(void *base, uint32_t pid, uint64_t start_ticks,
@@ -243,10 +250,12 @@ uint32_t sb_reap_batcher(void *base, uint32_t batcher, const char *msg,
 void sb_histogram(const void *base, int which, uint64_t *buckets);
 
 /* time; and the floor a cross-process request cannot beat: a futex
- * ping-pong on word[0] of a shared mapping (role 0 pings, role 1 answers) */
+ * ping-pong on word[0] of a shared mapping (role 0 pings, role 1 answers),
+ * each side spinning up to spin_ns before it sleeps, as the ring's waits do */
 uint64_t sb_now_ns(void);
 void sb_spin_ns(uint64_t ns);
-uint32_t sb_pingpong(void *word, uint32_t role, uint32_t rounds, uint64_t *round_trip_ns);
+uint32_t sb_pingpong(void *word, uint32_t role, uint32_t rounds, uint64_t spin_ns,
+		     uint64_t *round_trip_ns);
 /* --- cdef end --------------------------------------------------------- */
 
 #define SB_MAGIC 0x48435441424d4853ull /* "SHMBATCH" as little-endian bytes */

@@ -502,12 +502,16 @@ def copy_once_rps(shape, dtype, repeats: int = 2000) -> float:
 
 def overhead(load: Load, seconds: float = 2.0, log=print) -> dict:
     """The engine's own cost, side by side with the baselines, in one run."""
+    from engine.client import SPIN_NS
     floor = ring.pingpong_floor_ns(5000)
+    spin_floor = ring.pingpong_floor_ns(5000, SPIN_NS)
     out = {"floor_p50_us": float(np.percentile(floor, 50) / 1e3),
            "floor_p99_us": float(np.percentile(floor, 99) / 1e3),
+           "spin_floor_p50_us": float(np.percentile(spin_floor, 50) / 1e3),
            "copy_once_rps": copy_once_rps(load.input_shape, load.dtype), "runs": []}
     log(f"futex ping-pong floor (C, 2 processes): p50 {out['floor_p50_us']:.1f} us, "
-        f"p99 {out['floor_p99_us']:.1f} us; copy-once bound "
+        f"p99 {out['floor_p99_us']:.1f} us (spinning up to {SPIN_NS / 1e3:.0f} us first: "
+        f"p50 {out['spin_floor_p50_us']:.1f} us); copy-once bound "
         f"{out['copy_once_rps']:,.0f} req/s for {load.dtype}{list(load.input_shape)}")
     # in flight per pipelined client: 256, or fewer for big inputs (each slot is committed memory)
     window = 256 if np.prod(load.input_shape) <= 16384 else 8
@@ -516,7 +520,8 @@ def overhead(load: Load, seconds: float = 2.0, log=print) -> dict:
     for system, clients, window in plan:
         run = closed_loop(system, clients, window, load, seconds)
         out["runs"].append(run)
-        rtt = (f" | round trip p50 {run['rtt_p50_us']:8.1f} us p99 {run['rtt_p99_us']:8.1f} us"
+        rtt = (f" | round trip p50 {run['rtt_p50_us']:8.1f} us p99 {run['rtt_p99_us']:8.1f} us "
+               f"= x{run['rtt_p50_us'] / out['floor_p50_us']:.2f} the floor"
                if clients == 1 else "")
         how = f"x {window:>3} in flight" if window > 0 else f"infer_many({-window})"
         log(f"{system:>16} {clients} client(s) {how}: {run['rps']:>9,.0f} req/s{rtt} "

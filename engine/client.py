@@ -196,9 +196,7 @@ class Client:
     def _validated(self, x, many=False):
         """(segment, array, real length): the running engine's segment, and x
         checked against its input spec before anything is enqueued."""
-        if os.getpid() != self._pid:  # a forked child: it is a new owner
-            self._bind_process()
-        seg = self._segment()
+        seg = self._segment()  # a forked child was rebound at the fork (register_at_fork)
         try:
             array, length = (seg.config.check_many if many else seg.config.check_input)(x)
         except EngineError:
@@ -208,26 +206,35 @@ class Client:
 
     def _enqueue(self, x):
         seg, array, length = self._validated(x)
-        cfg = seg.config
-        code, slot, gen = seg.ring.acquire(self._pid, self._start_ticks)
+        r = seg.ring
+        if seg.fixed_shape and array.flags.c_contiguous:  # one C call: take, copy, publish
+            code, slot, gen = r.submit(self._pid, self._start_ticks, array, length)
+        else:
+            code, slot, gen = r.acquire(self._pid, self._start_ticks)
+            if code == ring.OK:
+                try:
+                    self._write_row(seg, slot, array, length)
+                except BaseException:
+                    r.cancel(slot, gen)
+                    raise
+                code = r.publish(slot, gen, length)
         if code == ring.EFULL:
             raise _queue_full(seg)
         if code != ring.OK:
-            raise EngineUnavailable(f"cannot enqueue on engine {self.name!r} (code {code})")
-        try:
-            row = seg.inputs[slot]
-            if cfg.var_axis is None:
-                row[...] = array
-            else:  # zero the padding, so the batch needs no per-request fill
-                head = (slice(None),) * cfg.var_axis
-                row[head + (slice(0, length),)] = array
-                row[head + (slice(length, None),)] = 0
-        except BaseException:
-            seg.ring.cancel(slot, gen)
-            raise
-        if seg.ring.publish(slot, gen, length) != ring.OK:
-            raise EngineUnavailable(f"engine {self.name!r} reclaimed the request before it was queued")
+            raise EngineUnavailable(f"cannot enqueue on engine {self.name!r} (code {code}: the "
+                                    f"engine reclaimed the request or refused it)")
         return seg, slot, gen
+
+    @staticmethod
+    def _write_row(seg, slot, array, length) -> None:
+        row = seg.inputs[slot]
+        var_axis = seg.config.var_axis
+        if var_axis is None:
+            row[...] = array
+        else:  # zero the padding, so the batch needs no per-request fill
+            head = (slice(None),) * var_axis
+            row[head + (slice(0, length),)] = array
+            row[head + (slice(length, None),)] = 0
 
     def _segment(self) -> Segment:
         """The running engine's segment; re-attaches after a restart of the engine."""
@@ -264,13 +271,16 @@ class Client:
 
     def _await(self, seg, slot, gen, deadline, timeout):
         r = seg.ring
+        out = np.empty(seg.output_shape, seg.output_dtype)
         while True:
             slice_ns = LIVENESS_SLICE_NS
             if deadline is not None:
                 slice_ns = max(0, min(slice_ns, deadline - ring.now_ns()))
             started_ns = ring.now_ns()
-            code = r.wait_slot(slot, gen, slice_ns, self._spin_ns)
+            code = r.take(slot, gen, slice_ns, self._spin_ns, out)
             self._spin_ns = SPIN_NS if ring.now_ns() - started_ns <= SPIN_NS else 0
+            if code == ring.OK:  # copied out and released in the same call
+                return out
             if code != ring.ETIMEOUT:
                 return self._collect(seg, slot, gen, code)
             if deadline is not None and ring.now_ns() >= deadline:
@@ -284,11 +294,13 @@ class Client:
                 raise EngineUnavailable(f"engine {self.name!r} stopped or died while the request waited")
 
     def _collect(self, seg, slot, gen, code) -> np.ndarray:
+        """The answer of a ticket whose wait ended with code (not ETIMEOUT)."""
         r = seg.ring
         if code == ring.OK:
-            out = seg.outputs[slot].copy()
-            r.release_slot(slot, gen)
-            return out
+            out = np.empty(seg.output_shape, seg.output_dtype)
+            code = r.take(slot, gen, 0, 0, out)
+            if code == ring.OK:
+                return out
         if code == ring.EFAILED:
             status, text = r.slot_error(slot)
             r.release_slot(slot, gen)

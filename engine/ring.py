@@ -21,9 +21,10 @@ MAX_NS = 2**64 - 1  # "any time": a cutoff every arrival is before
 spin_ns = lib.sb_spin_ns  # busy-waits in C, without the GIL
 
 
-def pingpong_floor_ns(rounds: int = 5000) -> np.ndarray:
+def pingpong_floor_ns(rounds: int = 5000, spin_ns: int = 0) -> np.ndarray:
     """Round trips of a raw futex ping-pong between this process and a forked
-    child on one shared word: the floor of any cross-process request."""
+    child on one shared word: the floor of any cross-process request. With
+    spin_ns, each side spins that long before it sleeps (as the ring does)."""
     import mmap
     import os
     shared = mmap.mmap(-1, 64)
@@ -31,9 +32,9 @@ def pingpong_floor_ns(rounds: int = 5000) -> np.ndarray:
     out = np.zeros(rounds, dtype=np.uint64)
     pid = os.fork()
     if pid == 0:
-        lib.sb_pingpong(word, 1, rounds, ffi.NULL)
+        lib.sb_pingpong(word, 1, rounds, spin_ns, ffi.NULL)
         os._exit(0)
-    done = lib.sb_pingpong(word, 0, rounds, _ptr(out, "uint64_t *"))
+    done = lib.sb_pingpong(word, 0, rounds, spin_ns, _ptr(out, "uint64_t *"))
     os.waitpid(pid, 0)
     return out[:done]
 
@@ -96,13 +97,30 @@ class Ring:
         lib.sb_word_add(self.base, word, delta)
 
     # -- client -----------------------------------------------------------
-    def acquire(self, pid: int, start_ticks: int):
-        """(code, slot, generation)."""
+    def _ticket(self):
         out = getattr(self._tls, "ticket", None)
         if out is None:  # one buffer per thread: ffi.new per call costs ~1 us
             out = self._tls.ticket = ffi.new("uint32_t[2]")
+        return out
+
+    def acquire(self, pid: int, start_ticks: int):
+        """(code, slot, generation)."""
+        out = self._ticket()
         code = lib.sb_acquire(self.base, pid, start_ticks, out, out + 1)
         return code, out[0], out[1]
+
+    def submit(self, pid: int, start_ticks: int, row: np.ndarray, length: int):
+        """acquire + copy the C-contiguous row into the slot + publish, in
+        one call: (code, slot, generation)."""
+        out = self._ticket()
+        code = lib.sb_submit(self.base, pid, start_ticks, ffi.from_buffer(row), row.nbytes,
+                             length, out)
+        return code, out[0], out[1]
+
+    def take(self, slot: int, gen: int, timeout_ns: int, spin_ns: int, out: np.ndarray) -> int:
+        """wait_slot, then on OK copy the output row into out and release."""
+        return lib.sb_take(self.base, slot, gen, timeout_ns, spin_ns, ffi.from_buffer(out),
+                           out.nbytes)
 
     def acquire_many(self, pid, start_ticks, n, slots, gens) -> int:
         """Takes up to n free slots into the uint32 arrays; returns how many."""

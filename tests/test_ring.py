@@ -64,6 +64,52 @@ def test_slot_walks_free_writing_ready_claimed_done_free(segment):
     assert code == ring.OK and (slot2 != slot or gen2 == gen + 1)
 
 
+def test_submit_and_take_move_a_request_through_in_one_call_each(segment):
+    r = segment.ring
+    x = np.arange(4, dtype=np.float32)
+    code, slot, gen = r.submit(os.getpid(), 0, x, 0)
+    assert code == ring.OK and segment.inputs[slot].tolist() == x.tolist()
+    assert r.scan()[0] == 1  # published
+    claim_all(r)
+    segment.outputs[slot] = x * 3
+    out = np.zeros(4, np.float32)
+    assert r.take(slot, gen, 0, 0, out) == ring.ETIMEOUT  # claimed, not answered: untouched
+    assert out.tolist() == [0, 0, 0, 0]
+    assert complete(r, slot, gen)
+    assert r.take(slot, gen, 0, 0, out) == ring.OK
+    assert out.tolist() == (x * 3).tolist()
+    assert r.release_slot(slot, gen) == ring.ESTALE  # take released it
+
+
+def test_submit_refuses_more_bytes_than_a_row_and_takes_no_slot(segment):
+    r = segment.ring
+    assert r.submit(os.getpid(), 0, np.zeros(5, np.float32), 0)[0] == ring.EBADARG
+    assert r.take(0, 0, 0, 0, np.zeros(5, np.float32)) == ring.EBADARG
+    assert r.scan()[0] == 0 and len(claim_all(r)[0]) == 0
+    assert sum(r.acquire(os.getpid(), 0)[0] == ring.OK for _ in range(64)) == 64
+
+
+def test_take_leaves_a_failed_answer_to_its_owner(segment):
+    r = segment.ring
+    code, slot, gen = r.submit(os.getpid(), 0, np.ones(4, np.float32), 0)
+    claim_all(r)
+    b = ring.Batch(1, 1)
+    b.slots[0], b.gens[0] = slot, gen
+    assert r.complete(0, b, 1, ring.STATUS_BACKEND, b"ValueError: no") == 1
+    assert r.take(slot, gen, 0, 0, np.zeros(4, np.float32)) == ring.EFAILED
+    assert r.slot_error(slot) == (ring.STATUS_BACKEND, "ValueError: no")
+    assert r.release_slot(slot, gen) == ring.OK
+
+
+def test_a_spinning_wait_still_times_out_at_its_bound(segment):
+    r = segment.ring
+    _, slot, gen = r.submit(os.getpid(), 0, np.ones(4, np.float32), 0)
+    t = ring.now_ns()
+    assert r.wait_slot(slot, gen, 20_000_000, 5_000_000) == ring.ETIMEOUT
+    assert r.wait_work(r.work_seq(), 20_000_000, 5_000_000) == ring.ETIMEOUT
+    assert ring.now_ns() - t >= 40_000_000  # spin (5 ms) counted in each 20 ms bound
+
+
 def test_late_completion_after_abandon_never_reaches_the_next_owner(segment):
     r = segment.ring
     _, slot, gen = r.acquire(os.getpid(), 0)
