@@ -260,6 +260,7 @@ uint64_t sb_header_field(const void *base, int field)
 	case SB_F_OFF_CONFIG: return offsetof(sb_header, config);
 	case SB_F_OFF_INPUT: return h->off_input;
 	case SB_F_OFF_OUTPUT: return h->off_output;
+	case SB_F_OFF_WORDS: return offsetof(sb_header, words);
 	}
 	return 0;
 }

@@ -134,6 +134,7 @@
 #define SB_F_OFF_CONFIG 6
 #define SB_F_OFF_INPUT 7
 #define SB_F_OFF_OUTPUT 8
+#define SB_F_OFF_WORDS 9
 
 /* words[]: identities and counters, all u64 */
 #define SB_W_ENGINE_STATE 0

@@ -17,6 +17,7 @@ threads freely; after os.fork() the child rebinds its process identity and
 drops the parent's pending tickets, which stay the parent's.
 """
 import asyncio
+import collections
 import concurrent.futures
 import itertools
 import os
@@ -30,6 +31,9 @@ from engine import liveness, ring
 from engine.errors import (BackendError, EngineError, EngineUnavailable, QueueFull,
                            RequestTimeout)
 from engine.layout import Segment
+
+# a submit() Future's states (see _Request)
+_PENDING, _FINISHED = concurrent.futures._base.PENDING, concurrent.futures._base.FINISHED
 
 # How often a waiting client checks that the engine still lives (its lock).
 LIVENESS_SLICE_NS = 100_000_000
@@ -83,6 +87,7 @@ class Client:
         self._lock = threading.Lock()
         self._completer: Optional[_Completer] = None
         self._spin_ns = SPIN_NS  # see SPIN_NS; shared by threads, a hint only
+        self._futures_cond = threading.Condition(threading.RLock())  # see _Request
 
     # -- public API ---------------------------------------------------------
     def infer(self, x, timeout: Optional[float] = 1.0) -> np.ndarray:
@@ -92,14 +97,11 @@ class Client:
         return self._await(seg, slot, gen, deadline, timeout)
 
     def submit(self, x, timeout: Optional[float] = 1.0) -> concurrent.futures.Future:
-        """Enqueues x now; the Future resolves to its answer (or error)."""
+        """Enqueues x now; the Future resolves to its answer (or error).
+        cancel() withdraws the request while no batch has answered it."""
         deadline = _deadline_ns(timeout)
         seg, slot, gen = self._enqueue(x)
-        future = concurrent.futures.Future()
-        future.set_running_or_notify_cancel()
-        self._completer_for().add(seg, slot, gen, deadline, timeout,
-                                  future.set_result, future.set_exception)
-        return future
+        return _Request(self, seg, slot, gen, deadline, timeout)
 
     async def infer_async(self, x, timeout: Optional[float] = 1.0) -> np.ndarray:
         """infer() for asyncio: awaits the answer without blocking the loop."""
@@ -112,10 +114,10 @@ class Client:
             if not future.done():
                 future.set_exception(error) if error is not None else future.set_result(value)
 
-        self._completer_for().add(
-            seg, slot, gen, deadline, timeout,
+        self._completer_for().add(_Ticket(
+            self, seg, slot, gen, deadline, timeout,
             lambda v: loop.call_soon_threadsafe(settle, v, None),
-            lambda e: loop.call_soon_threadsafe(settle, None, e))
+            lambda e: loop.call_soon_threadsafe(settle, None, e)))
         return await future
 
     def infer_many(self, xs: np.ndarray, timeout: Optional[float] = 1.0) -> np.ndarray:
@@ -315,34 +317,199 @@ class Client:
             return self._completer
 
 
-class _Ticket:
-    __slots__ = ("seg", "slot", "gen", "deadline", "timeout", "on_value", "on_error")
+def _settle_ticket(client, seg, slot, gen, give_up):
+    """(settled, value, error) of a ticket: its answer taken if it is there;
+    else, with give_up (an error), the request abandoned and give_up its
+    error -- unless it was answered that instant; else (False, None, None)."""
+    r = seg.ring
+    out = np.empty(seg.output_shape, seg.output_dtype)
+    code = r.take(slot, gen, 0, 0, out)
+    if code == ring.ETIMEOUT:  # not answered yet
+        if give_up is None:
+            return False, None, None
+        if r.abandon(slot, gen) != ring.EBUSY:
+            return True, None, give_up
+        code = r.take(slot, gen, 0, 0, out)
+    if code == ring.OK:
+        return True, out, None
+    try:
+        client._collect(seg, slot, gen, code)  # raises what code means
+    except EngineError as e:
+        return True, None, e
+    return True, None, EngineUnavailable(f"unexpected ring code {code}")
 
-    def __init__(self, seg, slot, gen, deadline, timeout, on_value, on_error):
-        self.seg, self.slot, self.gen = seg, slot, gen
+
+class _Request(concurrent.futures.Future):
+    """The Future of submit().
+
+    Its answer waits in its slot until someone asks for it: result(),
+    exception() and done() take it in the asking thread, so a caller that
+    keeps many requests in flight costs no thread switch per request. Whoever
+    waits without asking -- add_done_callback(), concurrent.futures.wait(),
+    as_completed() -- hands it to the client's completer thread, which settles
+    it once its batch is done or its deadline passes. A Future dropped while
+    its request is still pending gives its slot back.
+    """
+
+    def __init__(self, client, seg, slot, gen, deadline, timeout):
+        # Future.__init__'s state, set here so that all futures of a client share
+        # one condition: Future.__init__ makes one per request (~2 us, as much as
+        # the rest of submit()). The stdlib only ever locks it around short
+        # updates, never waits on it here (result() and exception() are ours).
+        self._condition = client._futures_cond
+        self._state, self._result, self._exception = _PENDING, None, None
+        self._waiter_list, self._done_callbacks = None, []
+        self.client, self.seg, self.slot, self.gen = client, seg, slot, gen
+        self.deadline, self.timeout = deadline, timeout
+        self._pid = client._pid
+        self._watched = False
+
+    def result(self, timeout=None):
+        if self._state == _PENDING:
+            self._settle(timeout)
+        if self._state == _FINISHED and self._exception is None:
+            return self._result  # what super().result() returns, without its lock
+        return super().result(timeout=0)
+
+    def exception(self, timeout=None):
+        if self._state == _PENDING:
+            self._settle(timeout)
+        return super().exception(timeout=0)
+
+    def done(self) -> bool:
+        if self._state == _PENDING:
+            self._settle(0)
+        return self._state != _PENDING
+
+    def cancel(self) -> bool:
+        with self._condition:
+            if self._state != _PENDING or self.seg.ring.abandon(self.slot, self.gen) != ring.OK:
+                return False  # settled, or answered already: too late to withdraw
+            return super().cancel()
+
+    def add_done_callback(self, fn) -> None:
+        super().add_done_callback(fn)
+        self._watch()
+
+    # concurrent.futures.wait() and as_completed() wait on a future by appending
+    # to its _waiters list: that is the moment it needs the completer
+    @property
+    def _waiters(self):
+        if self._waiter_list is None:
+            self._waiter_list = _WatchOnAppend(self)
+        return self._waiter_list
+
+    def _watch(self) -> None:
+        if not self._watched and self._state == _PENDING:
+            self._watched = True
+            self.client._completer_for().add(self)
+
+    def try_settle(self, give_up=None) -> bool:
+        """Settles the future if its request is over (see _settle_ticket)."""
+        with self._condition:  # one settler at a time: the asker or the completer
+            if self._state != _PENDING:
+                return True
+            settled, value, error = _settle_ticket(self.client, self.seg, self.slot, self.gen,
+                                                   give_up)
+            if settled and error is None and not self._waiter_list and not self._done_callbacks:
+                self._result, self._state = value, _FINISHED  # set_result, when nobody waits
+            elif error is not None:
+                self.set_exception(error)
+            elif settled:
+                self.set_result(value)
+            return settled
+
+    def _settle(self, wait_s) -> None:
+        """Settles the future, waiting up to wait_s for its answer (None: as
+        long as the request lives); a wait that ends first leaves it pending."""
+        if self.try_settle():
+            return
+        until = None if wait_s is None else ring.now_ns() + max(0, int(wait_s * 1e9))
+        r, client = self.seg.ring, self.client
+        while True:
+            now = ring.now_ns()
+            if self.deadline is not None and now >= self.deadline:
+                self.try_settle(RequestTimeout(f"expected an answer within {self.timeout} s, "
+                                               f"got none (request abandoned)"))
+                return
+            if client._seg is None:
+                self.try_settle(EngineUnavailable(f"client of {client.name!r} closed"))
+                return
+            if until is not None and now >= until:
+                return
+            slice_ns = min(LIVENESS_SLICE_NS, *(t - now for t in (self.deadline, until)
+                                                if t is not None))
+            if r.wait_slot(self.slot, self.gen, slice_ns, client._spin_ns) != ring.ETIMEOUT:
+                self.try_settle()  # answered (or no longer ours): settles for sure
+                return
+            if slice_ns == LIVENESS_SLICE_NS and not Client._lives(self.seg):
+                self.try_settle(EngineUnavailable(f"engine {client.name!r} stopped or died "
+                                                  f"while the request waited"))
+                return
+
+    def __del__(self):
+        # only in the process that sent it: a forked child's copy is not the owner
+        try:
+            if (self._state == _PENDING and os.getpid() == self._pid and not self.seg.closed
+                    and self.seg.ring.abandon(self.slot, self.gen) == ring.EBUSY):
+                self.seg.ring.release_slot(self.slot, self.gen)
+        except Exception:  # at interpreter exit, modules may be gone already
+            pass
+
+
+class _WatchOnAppend(list):
+    """A future's waiter list that hands the future to the completer when
+    concurrent.futures.wait() or as_completed() appends a waiter."""
+
+    def __init__(self, future):
+        super().__init__()
+        self.future = future
+
+    def append(self, waiter) -> None:
+        super().append(waiter)
+        self.future._watch()
+
+
+class _Ticket:
+    """An infer_async() request: settled through the callbacks it was given."""
+    __slots__ = ("client", "seg", "slot", "gen", "deadline", "timeout", "on_value", "on_error")
+
+    def __init__(self, client, seg, slot, gen, deadline, timeout, on_value, on_error):
+        self.client, self.seg, self.slot, self.gen = client, seg, slot, gen
         self.deadline, self.timeout = deadline, timeout
         self.on_value, self.on_error = on_value, on_error
 
+    def try_settle(self, give_up=None) -> bool:
+        settled, value, error = _settle_ticket(self.client, self.seg, self.slot, self.gen, give_up)
+        if error is not None:
+            self.on_error(error)
+        elif settled:
+            self.on_value(value)
+        return settled
+
 
 class _Completer(threading.Thread):
-    """Settles the submit()/infer_async() tickets of one client in one process."""
+    """Settles, in one thread per client and process, the requests whose owner
+    waits without asking: infer_async() tickets, and submit() futures with a
+    callback or a concurrent.futures waiter. It sleeps on done_seq, so it
+    wakes once per finished batch, not per request."""
 
     def __init__(self, client: Client):
         super().__init__(name=f"shmbatch-completer-{client.name}", daemon=True)
         self.client = client
         self.cond = threading.Condition()
-        self.pending = {}
+        self.incoming = collections.deque()  # appended by add(), drained by run()
+        self.pending = {}  # the completer's own: id -> request
         self.ids = itertools.count()
+        self.idle = False
         self.closed = False
         self.checked_ns = ring.now_ns()
 
-    def add(self, seg, slot, gen, deadline, timeout, on_value, on_error) -> None:
-        with self.cond:
-            idle = not self.pending
-            self.pending[next(self.ids)] = _Ticket(seg, slot, gen, deadline, timeout,
-                                                   on_value, on_error)
-            if idle:  # else it sleeps on done_seq and takes this ticket on its next pass:
-                self.cond.notify()  # waking it per request would cost a context switch each
+    def add(self, request) -> None:
+        self.incoming.append(request)
+        if self.idle:  # else it takes the request on its next pass: waking it per
+            with self.cond:  # request would cost a context switch each
+                self.cond.notify()
 
     def close(self) -> None:
         with self.cond:
@@ -352,31 +519,36 @@ class _Completer(threading.Thread):
 
     def run(self) -> None:
         while True:
-            with self.cond:
-                while not self.pending and not self.closed:
-                    self.cond.wait(timeout=1.0)
-                if self.closed:
-                    self._fail_all(EngineUnavailable(f"client of {self.client.name!r} closed"))
-                    return
-                tickets = dict(self.pending)
-            seg = next(iter(tickets.values())).seg
+            self._drain()
+            if not self.pending:
+                with self.cond:
+                    self.idle = True  # add() reads it after appending: no lost wake-up
+                    if not self.incoming and not self.closed:
+                        self.cond.wait(timeout=1.0)
+                    self.idle = False
+                self._drain()
+            if self.closed:
+                self._fail_all(EngineUnavailable(f"client of {self.client.name!r} closed"))
+                return
+            if not self.pending:
+                continue
+            seg = next(iter(self.pending.values())).seg
             seen = seg.ring.done_seq()  # before polling: a later batch wakes us
-            settled, next_deadline = self._settle(tickets)
-            with self.cond:
-                for key in settled:
-                    del self.pending[key]
-                if len(settled) < len(tickets):
-                    wait_ns = LIVENESS_SLICE_NS
-                    if next_deadline is not None:
-                        wait_ns = max(0, min(wait_ns, next_deadline - ring.now_ns()))
-                else:
-                    continue
-            seg.ring.wait_done_seq(seen, wait_ns)
+            next_deadline = self._settle()
+            if self.pending and not self.incoming:
+                wait_ns = LIVENESS_SLICE_NS
+                if next_deadline is not None:
+                    wait_ns = max(0, min(wait_ns, next_deadline - ring.now_ns()))
+                seg.ring.wait_done_seq(seen, wait_ns)
 
-    def _settle(self, tickets):
-        settled, next_deadline = [], None
-        by_seg = {}
-        for key, t in tickets.items():
+    def _drain(self) -> None:
+        while self.incoming:
+            self.pending[next(self.ids)] = self.incoming.popleft()
+
+    def _settle(self):
+        """Settles every request that is over; returns the nearest deadline still pending."""
+        by_seg, next_deadline = {}, None
+        for key, t in self.pending.items():
             by_seg.setdefault(id(t.seg), []).append((key, t))
         now = ring.now_ns()
         for group in by_seg.values():
@@ -387,37 +559,28 @@ class _Completer(threading.Thread):
             seg.ring.poll(slots, gens, codes)
             lives = None
             for (key, t), code in zip(group, codes.tolist()):
-                if code == ring.EBUSY:
-                    if t.deadline is not None and now >= t.deadline:
-                        if seg.ring.abandon(t.slot, t.gen) == ring.EBUSY:
-                            continue  # answered meanwhile: next pass takes it
-                        t.on_error(RequestTimeout(f"expected an answer within {t.timeout} s, "
-                                                  f"got none (request abandoned)"))
-                        settled.append(key)
-                        continue
+                if code != ring.EBUSY:
+                    settled = t.try_settle()
+                elif t.deadline is not None and now >= t.deadline:
+                    settled = t.try_settle(RequestTimeout(
+                        f"expected an answer within {t.timeout} s, got none (request abandoned)"))
+                else:
                     if lives is None:  # probe at most once a slice: it costs 2 syscalls
                         lives = now - self.checked_ns < LIVENESS_SLICE_NS
                         if not lives:
                             lives, self.checked_ns = Client._lives(seg), now
-                    if not lives and seg.ring.abandon(t.slot, t.gen) != ring.EBUSY:
-                        t.on_error(EngineUnavailable(f"engine {self.client.name!r} stopped or "
-                                                     f"died while the request waited"))
-                        settled.append(key)
-                    elif t.deadline is not None:
-                        next_deadline = min(next_deadline or t.deadline, t.deadline)
-                    continue
-                try:
-                    t.on_value(self.client._collect(seg, t.slot, t.gen, code))
-                except EngineError as e:
-                    t.on_error(e)
-                settled.append(key)
-        return settled, next_deadline
+                    settled = not lives and t.try_settle(EngineUnavailable(
+                        f"engine {self.client.name!r} stopped or died while the request waited"))
+                if settled:
+                    del self.pending[key]
+                elif t.deadline is not None:
+                    next_deadline = min(next_deadline or t.deadline, t.deadline)
+        return next_deadline
 
     def _fail_all(self, error: EngineError) -> None:
+        self._drain()
         for t in self.pending.values():
-            if t.seg.ring.abandon(t.slot, t.gen) == ring.EBUSY:
-                t.seg.ring.release_slot(t.slot, t.gen)
-            t.on_error(error)
+            t.try_settle(error)
         self.pending.clear()
 
 

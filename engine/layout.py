@@ -213,6 +213,10 @@ class Segment:
         self.outputs = np.ndarray((self.capacity, *cfg.output_shape), cfg.output_dtype,
                                   buffer=mapping, offset=self.ring.field(ring.F_OFF_OUTPUT))
         self.output_shape, self.output_dtype = tuple(cfg.output_shape), np.dtype(cfg.output_dtype)
+        # the header's words, to read the engine's state per request without a C
+        # call (one would let another thread take the GIL); an aligned u64 load
+        self._words = np.ndarray((ring.WORDS,), np.uint64, buffer=mapping,
+                                 offset=self.ring.field(ring.F_OFF_WORDS))
         self.fixed_shape = cfg.var_axis is None  # inputs go into their row as they are
 
     @classmethod
@@ -284,8 +288,12 @@ class Segment:
     def name(self) -> str:
         return self.config.name
 
+    @property
+    def closed(self) -> bool:
+        return self._shm is None
+
     def engine_state(self) -> int:
-        return self.ring.word(ring.W_ENGINE_STATE)
+        return int(self._words[ring.W_ENGINE_STATE])
 
     def holder_alive(self) -> bool:
         """True while the engine that created the segment holds its lock."""
@@ -310,7 +318,7 @@ class Segment:
         """Unmaps (views must be dropped first) and closes the fd (and its lock)."""
         if self._shm is None:
             return
-        self.inputs = self.outputs = None
+        self.inputs = self.outputs = self._words = None
         self._close_mapping()
         self._shm.close_fd()
         self._shm = None

@@ -9,6 +9,7 @@ The SB_* constants of csrc/ring.h are re-exported without their prefix
 (``ring.READY``, ``ring.ETIMEOUT``, ``ring.W_REQUESTS`` ...).
 """
 import threading
+import time
 
 import numpy as np
 
@@ -16,7 +17,9 @@ from engine._ringc import ffi, lib
 
 globals().update({n[3:]: getattr(lib, n) for n in dir(lib) if n.startswith("SB_")})
 
-now_ns = lib.sb_now_ns
+# CLOCK_MONOTONIC, as sb_now_ns reads it; from Python without a C call, which
+# would let another thread take the GIL (a context switch when one waits)
+now_ns = time.monotonic_ns
 MAX_NS = 2**64 - 1  # "any time": a cutoff every arrival is before
 spin_ns = lib.sb_spin_ns  # busy-waits in C, without the GIL
 
