@@ -467,7 +467,7 @@ int sb_wait_slot(void *base, uint32_t slot, uint32_t gen, int64_t timeout_ns,
 }
 
 int sb_take(void *base, uint32_t slot, uint32_t gen, int64_t timeout_ns,
-	    uint64_t spin_ns, void *dst, uint64_t nbytes)
+	    uint64_t spin_ns, void *dst, uint64_t nbytes, uint64_t *times)
 {
 	if (nbytes > hdr(base)->output_slot_bytes)
 		return SB_EBADARG;
@@ -477,6 +477,12 @@ int sb_take(void *base, uint32_t slot, uint32_t gen, int64_t timeout_ns,
 	/* DONE is ours until we release it: wait_slot's acquire load made the
 	 * row complete, and release's CAS keeps this read before a reuse */
 	memcpy(dst, output_row(base, slot), nbytes);
+	if (times) {
+		const sb_slot_meta *m = meta_at(base, slot);
+		times[SB_T_ARRIVAL] = m->arrival_ns;
+		times[SB_T_CLAIM] = m->claim_ns;
+		times[SB_T_DONE] = m->done_ns;
+	}
 	return sb_release(base, slot, gen);
 }
 
@@ -737,7 +743,7 @@ static void put_error(const void *base, uint32_t slot, uint32_t status,
 }
 
 static int complete_one(void *base, uint32_t slot, uint32_t gen, uint32_t batcher,
-			uint32_t status, const char *msg, uint32_t msg_len)
+			uint32_t status, const char *msg, uint32_t msg_len, uint64_t now)
 {
 	sb_header *h = hdr(base);
 	if (slot >= h->capacity)
@@ -755,7 +761,8 @@ static int complete_one(void *base, uint32_t slot, uint32_t gen, uint32_t batche
 		if (st == SB_CLAIMED) {
 			want = SB_CTL(gen, SB_CTL_PID(cur), 0,
 				      status == SB_STATUS_OK ? SB_DONE : SB_FAILED);
-			if (status != SB_STATUS_OK) /* ours while CLAIMED */
+			meta_at(base, slot)->done_ns = now; /* ours while CLAIMED */
+			if (status != SB_STATUS_OK)
 				put_error(base, slot, status, msg, msg_len);
 		} else {
 			want = freed(cur); /* nobody waits: drop the answer */
@@ -777,9 +784,10 @@ uint32_t sb_complete(void *base, uint32_t batcher, const uint32_t *slots,
 		     const char *msg, uint32_t msg_len)
 {
 	uint32_t delivered = 0;
+	uint64_t now = sb_now_ns();
 	for (uint32_t k = 0; k < n; k++)
 		delivered += complete_one(base, slots[k], gens[k], batcher, status,
-					  msg, msg_len) == SB_OK;
+					  msg, msg_len, now) == SB_OK;
 	return delivered;
 }
 

@@ -199,11 +199,15 @@ int sb_wait_slot(void *base, uint32_t slot, uint32_t gen, int64_t timeout_ns,
 int sb_release(void *base, uint32_t slot, uint32_t gen);
 /* fused, one call each way for a contiguous input: acquire + copy src into
  * the input row + publish (ticket = [slot, gen]); and wait + copy the output
- * row to dst + release (on SB_OK only; a FAILED slot is left to the caller) */
+ * row to dst + release (on SB_OK only; a FAILED slot is left to the caller);
+ * times, if not NULL, receives the request's SB_T_* stamps (ns) */
+#define SB_T_ARRIVAL 0
+#define SB_T_CLAIM 1
+#define SB_T_DONE 2
 int sb_submit(void *base, uint32_t pid, uint64_t start_ticks, const void *src,
 	      uint64_t nbytes, uint32_t length, uint32_t *ticket);
 int sb_take(void *base, uint32_t slot, uint32_t gen, int64_t timeout_ns,
-	    uint64_t spin_ns, void *dst, uint64_t nbytes);
+	    uint64_t spin_ns, void *dst, uint64_t nbytes, uint64_t *times);
 int sb_abandon(void *base, uint32_t slot, uint32_t gen);
 /* bulk: n requests in one call each (same real length), for Client.infer_many */
 uint32_t sb_acquire_many(void *base, uint32_t pid, uint64_t start_ticks,
@@ -306,7 +310,8 @@ typedef struct {
 	uint32_t length;      /* real length of the variable dim, else 0 */
 	uint32_t status;      /* SB_STATUS_* of a FAILED slot */
 	uint32_t errmsg_len;
-	uint64_t _pad[3];
+	uint64_t done_ns;     /* when its batch finished, set before DONE/FAILED */
+	uint64_t _pad[2];
 } sb_slot_meta;
 
 #endif

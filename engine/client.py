@@ -318,25 +318,26 @@ class Client:
 
 
 def _settle_ticket(client, seg, slot, gen, give_up):
-    """(settled, value, error) of a ticket: its answer taken if it is there;
-    else, with give_up (an error), the request abandoned and give_up its
-    error -- unless it was answered that instant; else (False, None, None)."""
+    """(settled, value, error, stamps) of a ticket: its answer taken if it is
+    there, with the request's (arrival_ns, claim_ns, done_ns); else, with
+    give_up (an error), the request abandoned and give_up its error -- unless
+    it was answered that instant; else (False, None, None, None)."""
     r = seg.ring
     out = np.empty(seg.output_shape, seg.output_dtype)
-    code = r.take(slot, gen, 0, 0, out)
+    code, stamps = r.take_timed(slot, gen, out)
     if code == ring.ETIMEOUT:  # not answered yet
         if give_up is None:
-            return False, None, None
+            return False, None, None, None
         if r.abandon(slot, gen) != ring.EBUSY:
-            return True, None, give_up
-        code = r.take(slot, gen, 0, 0, out)
+            return True, None, give_up, None
+        code, stamps = r.take_timed(slot, gen, out)
     if code == ring.OK:
-        return True, out, None
+        return True, out, None, stamps
     try:
         client._collect(seg, slot, gen, code)  # raises what code means
     except EngineError as e:
-        return True, None, e
-    return True, None, EngineUnavailable(f"unexpected ring code {code}")
+        return True, None, e, None
+    return True, None, EngineUnavailable(f"unexpected ring code {code}"), None
 
 
 class _Request(concurrent.futures.Future):
@@ -363,6 +364,9 @@ class _Request(concurrent.futures.Future):
         self.deadline, self.timeout = deadline, timeout
         self._pid = client._pid
         self._watched = False
+        # once answered: the engine's (arrival_ns, claim_ns, done_ns) of the request
+        # (CLOCK_MONOTONIC): its queue wait is claim - arrival, its batch done - claim
+        self.stamps_ns = None
 
     def result(self, timeout=None):
         if self._state == _PENDING:
@@ -409,8 +413,8 @@ class _Request(concurrent.futures.Future):
         with self._condition:  # one settler at a time: the asker or the completer
             if self._state != _PENDING:
                 return True
-            settled, value, error = _settle_ticket(self.client, self.seg, self.slot, self.gen,
-                                                   give_up)
+            settled, value, error, self.stamps_ns = _settle_ticket(
+                self.client, self.seg, self.slot, self.gen, give_up)
             if settled and error is None and not self._waiter_list and not self._done_callbacks:
                 self._result, self._state = value, _FINISHED  # set_result, when nobody waits
             elif error is not None:
@@ -480,7 +484,8 @@ class _Ticket:
         self.on_value, self.on_error = on_value, on_error
 
     def try_settle(self, give_up=None) -> bool:
-        settled, value, error = _settle_ticket(self.client, self.seg, self.slot, self.gen, give_up)
+        settled, value, error, _ = _settle_ticket(self.client, self.seg, self.slot, self.gen,
+                                                  give_up)
         if error is not None:
             self.on_error(error)
         elif settled:

@@ -123,7 +123,16 @@ class Ring:
     def take(self, slot: int, gen: int, timeout_ns: int, spin_ns: int, out: np.ndarray) -> int:
         """wait_slot, then on OK copy the output row into out and release."""
         return lib.sb_take(self.base, slot, gen, timeout_ns, spin_ns, ffi.from_buffer(out),
-                           out.nbytes)
+                           out.nbytes, ffi.NULL)
+
+    def take_timed(self, slot: int, gen: int, out: np.ndarray):
+        """take() with no wait; (code, (arrival_ns, claim_ns, done_ns)) of the
+        request, the stamps valid when code is OK."""
+        times = getattr(self._tls, "times", None)
+        if times is None:
+            times = self._tls.times = ffi.new("uint64_t[3]")
+        code = lib.sb_take(self.base, slot, gen, 0, 0, ffi.from_buffer(out), out.nbytes, times)
+        return code, (times[T_ARRIVAL], times[T_CLAIM], times[T_DONE])
 
     def acquire_many(self, pid, start_ticks, n, slots, gens) -> int:
         """Takes up to n free slots into the uint32 arrays; returns how many."""

@@ -73,6 +73,8 @@ def test_a_small_bench_run_writes_the_contract_json_and_a_plot(tmp_path):
                     "mean_service_ms"):
             assert key in row
         assert (row["requests"], row["answered"], row["wrong"]) == (80, 80, 0)
+        # from the scheduled arrival >= from the actual send >= to the engine's batch end
+        assert row["p50_ms"] >= row["p50_from_send_ms"] >= row["p50_send_to_batch_done_ms"] > 0
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

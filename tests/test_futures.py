@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import engine
+from engine import ring
 from conftest import wait_until_no_slot_in_use
 
 X = np.arange(16, dtype=np.float32)
@@ -98,3 +99,16 @@ def test_a_submitted_request_past_its_deadline_times_out_when_asked(make_engine)
         assert isinstance(late.exception(), engine.RequestTimeout)
         assert np.array_equal(busy.result(timeout=30), X * 2 + 1)
         assert wait_until_no_slot_in_use(eng)
+
+
+def test_an_answered_future_carries_the_engines_stamps_in_order(make_engine):
+    eng = make_engine("stamps", backend="helpers:slow_affine", backend_args={"fixed_ms": 5})
+    with engine.Client(eng.name) as c:
+        before = ring.now_ns()
+        f = c.submit(X, timeout=30)
+        assert f.stamps_ns is None  # not answered yet (a 5 ms batch)
+        f.result(timeout=30)
+        after = ring.now_ns()
+    arrival, claim, done = f.stamps_ns
+    assert before <= arrival <= claim <= done <= after
+    assert done - claim >= 5_000_000  # the batch's own 5 ms
