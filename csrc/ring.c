@@ -28,7 +28,7 @@ _Static_assert(offsetof(sb_header, off_output) == 96, "layout drawing");
 _Static_assert(offsetof(sb_header, config) == 128, "layout drawing");
 _Static_assert(offsetof(sb_header, work_seq) == 2176, "layout drawing");
 _Static_assert(offsetof(sb_header, done_seq) == 2240, "layout drawing");
-_Static_assert(offsetof(sb_header, alloc_cursor) == 2304, "layout drawing");
+_Static_assert(offsetof(sb_header, alloc_hint) == 2304, "layout drawing");
 _Static_assert(offsetof(sb_header, words) == 2368, "layout drawing");
 _Static_assert(offsetof(sb_header, hist) == 3392, "layout drawing");
 _Static_assert(sizeof(sb_slot_meta) == 64, "one cache line per slot");
@@ -286,15 +286,29 @@ void sb_word_add(void *base, int word, uint64_t delta)
 
 /* ---- client ---- */
 
+/* A freed slot below the hint becomes the next one handed out: the slots in
+ * use stay the lowest ones, so their rows stay in the CPU caches (for 1 MiB
+ * rows, 3x the round trips of a cursor that walks the whole ring). */
+static void lower_alloc_hint(sb_header *h, uint32_t slot)
+{
+	uint32_t cur = sb_load_relaxed(&h->alloc_hint);
+	/* relaxed: a hint; a lost update only makes the next search longer */
+	while (slot < cur && !__atomic_compare_exchange_n(&h->alloc_hint, &cur, slot, 0,
+							  __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+		;
+}
+
 static int acquire_one(void *base, uint32_t pid, uint64_t start_ticks,
 		       uint32_t *slot, uint32_t *gen)
 {
 	sb_header *h = hdr(base);
 	uint32_t cap = h->capacity;
-	/* relaxed: the cursor only spreads callers over consecutive slots; the
-	 * CAS below is what makes a slot ours */
-	uint32_t i = sb_add_relaxed(&h->alloc_cursor, 1) % cap;
-	for (uint32_t k = 0; k < cap; k++, i = (i + 1 == cap) ? 0 : i + 1) {
+	/* relaxed: the hint only says where to start looking; the CAS below is
+	 * what makes a slot ours */
+	uint32_t i = sb_load_relaxed(&h->alloc_hint) % cap;
+	/* two passes: a slot freed behind a pass while the ring is all but
+	 * full would otherwise be missed (a spurious EFULL) */
+	for (uint32_t k = 0; k < 2 * cap; k++, i = (i + 1 == cap) ? 0 : i + 1) {
 		uint64_t *c = ctl_at(base, i);
 		uint64_t cur = sb_load_relaxed(c);
 		if (SB_CTL_STATE(cur) != SB_FREE)
@@ -311,6 +325,8 @@ static int acquire_one(void *base, uint32_t pid, uint64_t start_ticks,
 		m->errmsg_len = 0;
 		*slot = i;
 		*gen = SB_CTL_GEN(cur);
+		/* the next request takes the next row: a burst is one contiguous batch */
+		sb_store_relaxed(&h->alloc_hint, i + 1);
 		return SB_OK;
 	}
 	return SB_EFULL;
@@ -412,6 +428,7 @@ int sb_cancel(void *base, uint32_t slot, uint32_t gen)
 		if (SB_CTL_GEN(cur) != gen || SB_CTL_STATE(cur) != SB_WRITING)
 			return SB_ESTALE;
 	} while (!sb_cas_acq_rel(c, &cur, freed(cur)));
+	lower_alloc_hint(hdr(base), slot);
 	return SB_OK;
 }
 
@@ -499,6 +516,7 @@ int sb_release(void *base, uint32_t slot, uint32_t gen)
 		/* release: our reads of the output row finish before a new
 		 * owner's acquire CAS lets it write the slot */
 	} while (!sb_cas_acq_rel(c, &cur, freed(cur)));
+	lower_alloc_hint(hdr(base), slot);
 	return SB_OK;
 }
 

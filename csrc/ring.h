@@ -20,7 +20,7 @@
  *          |  128 config: 2048 B of UTF-8 JSON (the engine's settings) |
  *          | 2176 work_seq u32 (futex)  2180 batchers_sleeping u32     |
  *          | 2240 done_seq u32 (futex)  2244 done_waiters u32          |
- *          | 2304 alloc_cursor u32                                     |
+ *          | 2304 alloc_hint u32: where acquire starts looking         |
  *          | 2368 words[128] u64: engine state, pids, counters (SB_W_*)|
  *          | 3392 hist[3][128] u64: queue wait, service, batch size    |
  *   8192   +-----------------------------------------------------------+
@@ -74,9 +74,11 @@
  *   instruction leaves every slot in one well-defined state whose actor is
  *   named in the word, and one CAS by the reaper moves it on. The batcher
  *   scans ctl[] for READY slots (8 bytes a slot, C <= 65536) instead of
- *   following a list, so a dead writer is simply never READY. Slots are
- *   handed out from a rotating cursor, so consecutive requests take
- *   consecutive slots and most batches are one contiguous run of rows.
+ *   following a list, so a dead writer is simply never READY. A request
+ *   takes the slot after the last one taken, unless a lower one was freed
+ *   since: consecutive requests take consecutive slots (most batches are one
+ *   contiguous run of rows, passed to the backend without a copy), and the
+ *   slots in use stay the lowest ones (their rows stay in the CPU caches).
  *
  * BLOCKING: futexes on shared words, never polling. Clients sleep on their
  * slot's ctl (low half); batchers sleep on work_seq, which every publish
@@ -297,7 +299,7 @@ typedef struct {
 	 * write them, and they must not false-share with the counters */
 	uint32_t work_seq, batchers_sleeping, _pad2[14];
 	uint32_t done_seq, done_waiters, _pad3[14];
-	uint32_t alloc_cursor, _pad4[15];
+	uint32_t alloc_hint, _pad4[15];
 	uint64_t words[SB_WORDS];
 	uint64_t hist[3][SB_HIST_BUCKETS];
 } sb_header;

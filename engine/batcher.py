@@ -89,7 +89,8 @@ class Batcher:
         if contiguous:
             batch = self.seg.inputs[first:first + n]
         else:
-            batch = np.take(self.seg.inputs, slots, axis=0, out=self.gather[:n])
+            # mode="clip": the slots are in range, and "raise" would buffer the copy (~4x slower)
+            batch = np.take(self.seg.inputs, slots, axis=0, out=self.gather[:n], mode="clip")
         try:
             if self.var_axis is None:
                 result = self.fn(batch)

@@ -177,6 +177,20 @@ def test_claim_flushes_once_flush_n_are_ready_before_the_cutoff(segment):
     assert r.claim(0, 8, 4, 0, b)[0] == 4
 
 
+def test_consecutive_requests_take_consecutive_slots_and_a_freed_lower_one_comes_first(segment):
+    r, pid = segment.ring, os.getpid()
+    tickets = [r.acquire(pid, 0)[1:] for _ in range(6)]
+    slots = [slot for slot, _ in tickets]
+    assert slots == list(range(slots[0], slots[0] + 6))  # one contiguous run of rows
+    slot, gen = tickets[1]
+    r.publish(slot, gen, 0)
+    claim_all(r)
+    complete(r, slot, gen)
+    assert r.release_slot(slot, gen) == ring.OK
+    assert r.acquire(pid, 0)[1] == slot  # the lowest freed row is reused while it is warm
+    assert r.acquire(pid, 0)[1] == slots[-1] + 1  # then on past the rows in use
+
+
 def test_full_ring_rejects_and_counts(segment):
     r = segment.ring
     for _ in range(64):
