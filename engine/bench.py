@@ -452,21 +452,29 @@ def _closed_loop_client(cid, load: Load, seconds: float, window: int, conn, serv
                 wrong += int((ys.reshape(len(ys), -1)[:, index] != expect(sent)).any(axis=1).sum())
             count += len(ys)
     elif window == 1:
+        out = np.empty(load.input_shape, load.dtype)  # the answers land in one warm buffer
         while ring.now_ns() < end_ns:
             t = ring.now_ns()
-            y = client.infer(x, timeout=load.timeout_s) if client else caller.call(x, load.timeout_s)
+            if client:
+                out.reshape(-1)[index] = np.nan  # a stale answer cannot pass the check
+                y = client.infer(x, timeout=load.timeout_s, out=out)
+            else:
+                y = caller.call(x, load.timeout_s)
             round_trips.append(ring.now_ns() - t)
             wrong += not check_answer(sent, y, expect, index, load.input_shape)
             count += 1
     else:
         from collections import deque
         inflight = deque()
+        outs = np.empty((window + 1, *load.input_shape), load.dtype)  # one per request in flight
         while ring.now_ns() < end_ns:
             if len(inflight) >= window:
                 y = inflight.popleft().result(timeout=load.timeout_s)
                 wrong += not check_answer(sent, y, expect, index, load.input_shape)
                 count += 1
-            inflight.append(client.submit(x, timeout=load.timeout_s))
+            out = outs[(count + len(inflight)) % (window + 1)]
+            out.reshape(-1)[index] = np.nan
+            inflight.append(client.submit(x, timeout=load.timeout_s, out=out))
         for f in inflight:
             wrong += not check_answer(sent, f.result(timeout=load.timeout_s), expect, index,
                                       load.input_shape)

@@ -90,18 +90,22 @@ class Client:
         self._futures_cond = threading.Condition(threading.RLock())  # see _Request
 
     # -- public API ---------------------------------------------------------
-    def infer(self, x, timeout: Optional[float] = 1.0) -> np.ndarray:
-        """Blocks until the answer to x comes; returns it as a new array."""
+    def infer(self, x, timeout: Optional[float] = 1.0, out: Optional[np.ndarray] = None) -> np.ndarray:
+        """Blocks until the answer to x comes; returns it as a new array, or
+        in out (a writable C-contiguous array of the output's dtype and shape,
+        reused by the caller: a large answer then lands in warm memory)."""
         deadline = _deadline_ns(timeout)
-        seg, slot, gen = self._enqueue(x)
-        return self._await(seg, slot, gen, deadline, timeout)
+        seg, slot, gen = self._enqueue(x, out)
+        return self._await(seg, slot, gen, deadline, timeout, out)
 
-    def submit(self, x, timeout: Optional[float] = 1.0) -> concurrent.futures.Future:
-        """Enqueues x now; the Future resolves to its answer (or error).
-        cancel() withdraws the request while no batch has answered it."""
+    def submit(self, x, timeout: Optional[float] = 1.0,
+               out: Optional[np.ndarray] = None) -> concurrent.futures.Future:
+        """Enqueues x now; the Future resolves to its answer (or error), in
+        out if given (as for infer). cancel() withdraws the request while no
+        batch has answered it."""
         deadline = _deadline_ns(timeout)
-        seg, slot, gen = self._enqueue(x)
-        return _Request(self, seg, slot, gen, deadline, timeout)
+        seg, slot, gen = self._enqueue(x, out)
+        return _Request(self, seg, slot, gen, deadline, timeout, out)
 
     async def infer_async(self, x, timeout: Optional[float] = 1.0) -> np.ndarray:
         """infer() for asyncio: awaits the answer without blocking the loop."""
@@ -195,19 +199,21 @@ class Client:
         self.close()
 
     # -- the request path ---------------------------------------------------
-    def _validated(self, x, many=False):
+    def _validated(self, x, many=False, out=None):
         """(segment, array, real length): the running engine's segment, and x
-        checked against its input spec before anything is enqueued."""
+        (and out) checked against its spec before anything is enqueued."""
         seg = self._segment()  # a forked child was rebound at the fork (register_at_fork)
         try:
             array, length = (seg.config.check_many if many else seg.config.check_input)(x)
+            if out is not None:
+                seg.config.check_out(out)
         except EngineError:
             seg.ring.add_word(ring.W_INVALID)
             raise
         return seg, array, length
 
-    def _enqueue(self, x):
-        seg, array, length = self._validated(x)
+    def _enqueue(self, x, out=None):
+        seg, array, length = self._validated(x, out=out)
         r = seg.ring
         if seg.fixed_shape and array.flags.c_contiguous:  # one C call: take, copy, publish
             code, slot, gen = r.submit(self._pid, self._start_ticks, array, length)
@@ -271,9 +277,10 @@ class Client:
     def _lives(seg: Segment) -> bool:
         return seg.engine_state() != ring.ENGINE_STOPPED and seg.holder_alive()
 
-    def _await(self, seg, slot, gen, deadline, timeout):
+    def _await(self, seg, slot, gen, deadline, timeout, out=None):
         r = seg.ring
-        out = np.empty(seg.output_shape, seg.output_dtype)
+        if out is None:
+            out = np.empty(seg.output_shape, seg.output_dtype)
         while True:
             slice_ns = LIVENESS_SLICE_NS
             if deadline is not None:
@@ -317,13 +324,14 @@ class Client:
             return self._completer
 
 
-def _settle_ticket(client, seg, slot, gen, give_up):
+def _settle_ticket(client, seg, slot, gen, give_up, out=None):
     """(settled, value, error, stamps) of a ticket: its answer taken if it is
     there, with the request's (arrival_ns, claim_ns, done_ns); else, with
     give_up (an error), the request abandoned and give_up its error -- unless
     it was answered that instant; else (False, None, None, None)."""
     r = seg.ring
-    out = np.empty(seg.output_shape, seg.output_dtype)
+    if out is None:
+        out = np.empty(seg.output_shape, seg.output_dtype)
     code, stamps = r.take_timed(slot, gen, out)
     if code == ring.ETIMEOUT:  # not answered yet
         if give_up is None:
@@ -352,7 +360,7 @@ class _Request(concurrent.futures.Future):
     its request is still pending gives its slot back.
     """
 
-    def __init__(self, client, seg, slot, gen, deadline, timeout):
+    def __init__(self, client, seg, slot, gen, deadline, timeout, out=None):
         # Future.__init__'s state, set here so that all futures of a client share
         # one condition: Future.__init__ makes one per request (~2 us, as much as
         # the rest of submit()). The stdlib only ever locks it around short
@@ -361,7 +369,7 @@ class _Request(concurrent.futures.Future):
         self._state, self._result, self._exception = _PENDING, None, None
         self._waiter_list, self._done_callbacks = None, []
         self.client, self.seg, self.slot, self.gen = client, seg, slot, gen
-        self.deadline, self.timeout = deadline, timeout
+        self.deadline, self.timeout, self.out = deadline, timeout, out
         self._pid = client._pid
         self._watched = False
         # once answered: the engine's (arrival_ns, claim_ns, done_ns) of the request
@@ -414,7 +422,7 @@ class _Request(concurrent.futures.Future):
             if self._state != _PENDING:
                 return True
             settled, value, error, self.stamps_ns = _settle_ticket(
-                self.client, self.seg, self.slot, self.gen, give_up)
+                self.client, self.seg, self.slot, self.gen, give_up, self.out)
             if settled and error is None and not self._waiter_list and not self._done_callbacks:
                 self._result, self._state = value, _FINISHED  # set_result, when nobody waits
             elif error is not None:

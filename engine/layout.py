@@ -172,6 +172,17 @@ class EngineConfig:
                                f"got {got}")
         return xs, length
 
+    def check_out(self, out) -> None:
+        """InvalidInput unless out can take an answer in place."""
+        if not (type(out) is np.ndarray and out.shape == self.output_shape
+                and out.dtype == self.output_dtype and out.flags.c_contiguous
+                and out.flags.writeable):
+            got = (f"{describe(out)}{'' if out.flags.c_contiguous else ' not C-contiguous'}"
+                   f"{'' if out.flags.writeable else ' read-only'}"
+                   if isinstance(out, np.ndarray) else type(out).__name__)
+            raise InvalidInput(f"out: expected a writable C-contiguous {self.output_dtype}"
+                               f"{shape_text(self.output_shape)}, got {got}")
+
     def _mismatch(self, x: np.ndarray) -> InvalidInput:
         return InvalidInput(f"expected {self.input_spec()}, got {describe(x)}")
 

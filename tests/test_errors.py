@@ -36,6 +36,37 @@ def test_invalid_input_names_expected_and_got_and_enqueues_nothing(served, bad, 
     still_serves(c)
 
 
+def read_only(a):
+    a.setflags(write=False)
+    return a
+
+
+@pytest.mark.parametrize("out, got", [
+    (np.zeros(15, np.float32), "float32[15]"),
+    (np.zeros(16, np.float64), "float64[16]"),
+    (np.zeros(32, np.float32)[::2], "float32[16] not C-contiguous"),
+    (read_only(np.zeros(16, np.float32)), "float32[16] read-only"),
+    ([0.0] * 16, "list"),
+])
+def test_a_bad_out_buffer_is_invalid_before_anything_is_enqueued(served, out, got):
+    eng, c = served
+    before = eng.stats()["requests_total"]
+    with pytest.raises(engine.InvalidInput) as info:
+        c.infer(X, timeout=10, out=out)
+    assert str(info.value) == f"out: expected a writable C-contiguous float32[16], got {got}"
+    assert eng.stats()["requests_total"] == before
+    still_serves(c)
+
+
+def test_an_answer_lands_in_the_out_buffer_given(served):
+    _, c = served
+    out = np.full(16, np.nan, np.float32)
+    assert c.infer(X, timeout=10, out=out) is out
+    assert np.array_equal(out, X * 2 + 1)
+    f = c.submit(X + 1, timeout=10, out=out)
+    assert f.result(timeout=10) is out and np.array_equal(out, (X + 1) * 2 + 1)
+
+
 def test_variable_dim_over_its_bound_is_invalid(make_engine):
     eng = make_engine("var", backend="helpers:masked_sum", input_shape=(None, 4),
                       max_input_shape=(8, 4), output_shape=(4,))
