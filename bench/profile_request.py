@@ -3,9 +3,12 @@
     python bench/profile_request.py
 
 Times each step in one process over many repetitions: the client's Python
-(validation, slot write, output copy), the ring calls, and the batcher's
-Python for a one-request batch; then the measured cross-process round trip.
-What the steps do not explain is the two wake-ups between processes.
+(validation), its two C calls (submit: acquire + copy in + publish; take:
+copy out + release), and the batcher's claim and serve() of a one-request
+batch; then the measured cross-process round trip, beside the C futex
+ping-pong floor. Both sides spin up to 50 us before they sleep, so a short
+round trip pays no kernel wake-up: it costs about the steps above, some of
+them overlapped across the two processes.
 """
 import os
 import time
@@ -37,37 +40,32 @@ def main():
         b = Batcher(seg, 0, identity())
         rows = {}
         rows["client: validate input (check_input)"] = per_call_us(lambda: cfg.check_input(x))
+        out = np.empty(16, np.float32)
 
-        def acquire_cancel():
-            _, s, g = r.acquire(pid, 0)
-            r.cancel(s, g)
-        rows["ring: acquire + cancel (2 C calls)"] = per_call_us(acquire_cancel)
-        rows["client: write input row (numpy copy)"] = per_call_us(lambda: seg.inputs[5].__setitem__(Ellipsis, x))
-        rows["client: copy output row"] = per_call_us(lambda: seg.outputs[5].copy())
+        def enqueue_and_drop():
+            _, s, g = r.submit(pid, 0, x, 0)  # acquire + copy + publish: one C call
+            r.abandon(s, g)
+        rows["ring: submit (acquire+copy+publish) + abandon, 2 C calls"] = per_call_us(enqueue_and_drop)
 
-        def one_request_in_process():
-            _, s, g = r.acquire(pid, 0)
-            seg.inputs[s][...] = x
-            r.publish(s, g, 0)
-            n, claim_ns, _, _ = r.claim(0, 32, 1, ring.MAX_NS, b.batch)
-            b.serve(n, claim_ns)
-            assert r.wait_slot(s, g, 0) == ring.OK
-            seg.outputs[s].copy()
-            r.release_slot(s, g)
-        rows["whole request in ONE process, no wake-up (client + batcher)"] = per_call_us(one_request_in_process)
-
-        def batcher_serve():
-            _, s, g = r.acquire(pid, 0)
-            r.publish(s, g, 0)
+        def claim_serve():
+            _, s, g = r.submit(pid, 0, x, 0)
             n, claim_ns, _, _ = r.claim(0, 32, 1, ring.MAX_NS, b.batch)
             t = time.perf_counter_ns()
             b.serve(n, claim_ns)
             serve_ns.append(time.perf_counter_ns() - t)
-            r.release_slot(s, g)
+            r.take(s, g, 0, 0, out)
         serve_ns = []
-        per_call_us(batcher_serve)
-        rows["batcher: serve() of a 1-request batch (Python + backend)"] = np.median(serve_ns) / 1e3
-        rows["ring: scan of 1024 slots (sb_scan)"] = per_call_us(r.scan)
+        rows["batcher: claim (1024-slot scan) + serve() + client take, 1 request"] = per_call_us(claim_serve)
+        rows["  of which serve() (Python + backend + complete)"] = np.median(serve_ns) / 1e3
+        rows["ring: claim with nothing ready (1024-slot scan)"] = per_call_us(
+            lambda: r.claim(0, 32, 32, 0, b.batch))
+
+        def one_request_in_process():
+            _, s, g = r.submit(pid, 0, x, 0)
+            n, claim_ns, _, _ = r.claim(0, 32, 1, ring.MAX_NS, b.batch)
+            b.serve(n, claim_ns)
+            r.take(s, g, 0, 0, out)
+        rows["whole request in ONE process, no wake-up (client + batcher)"] = per_call_us(one_request_in_process)
     finally:
         seg.unlink()
         seg.close()
@@ -82,7 +80,9 @@ def main():
                 t = time.perf_counter_ns()
                 c.infer(x)
                 lat.append(time.perf_counter_ns() - t)
-    rows["MEASURED cross-process round trip p50"] = np.median(lat) / 1e3
+    rows["MEASURED cross-process round trip p50 (Client.infer, identity batcher)"] = np.median(lat) / 1e3
+    floor = ring.pingpong_floor_ns(5000)
+    rows["C futex ping-pong between 2 processes p50 (the floor, sleeping)"] = np.median(floor) / 1e3
     for k, v in rows.items():
         print(f"{v:9.2f} us  {k}")
 

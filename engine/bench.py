@@ -154,15 +154,18 @@ def _open_loop_client(cid, n, load: Load, conn, server=None) -> None:
 
     if server is None:
         client = Client(name)
-        futures = []
+        pending = {}  # k -> Future, until settled: a kept Future would keep its answer alive
+
+        def done(f, k):
+            settle(k, f.result, f.stamps_ns)
+            pending.pop(k, None)
 
         def send(k):
-            f = client.submit(x, timeout=load.timeout_s)
-            f.add_done_callback(lambda f, k=k: settle(k, f.result, f.stamps_ns))
-            futures.append(f)
+            pending[k] = f = client.submit(x, timeout=load.timeout_s)
+            f.add_done_callback(lambda f, k=k: done(f, k))
 
         def finish():
-            for f in futures:
+            for f in list(pending.values()):
                 try:
                     f.exception(timeout=load.timeout_s + 10)
                 except Exception:
