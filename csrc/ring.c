@@ -456,6 +456,8 @@ int sb_wait_slot(void *base, uint32_t slot, uint32_t gen, int64_t timeout_ns,
 	uint64_t deadline = timeout_ns < 0 ? 0 : sb_now_ns() + (uint64_t)timeout_ns;
 	if (timeout_ns >= 0 && spin_ns > (uint64_t)timeout_ns)
 		spin_ns = (uint64_t)timeout_ns;
+	/* relaxed while spinning: the loop below re-reads with acquire before
+	 * anything is trusted */
 	if (spin_ns && answer_of(sb_load_relaxed(c), gen) == SB_EBUSY) {
 		uint64_t end = sb_now_ns() + spin_ns;
 		do {

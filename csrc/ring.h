@@ -98,7 +98,7 @@
 #include <stdint.h>
 
 /* --- cdef: everything from here to "cdef end" is read by cffi --------- */
-#define SB_LAYOUT_VERSION 1
+#define SB_LAYOUT_VERSION 2 /* 2: meta.done_ns, alloc_hint */
 #define SB_HEADER_BYTES 8192
 #define SB_CONFIG_BYTES 2048
 #define SB_ERRMSG_BYTES 256
