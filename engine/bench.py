@@ -90,13 +90,30 @@ def sample_index(shape: Tuple[int, ...]) -> np.ndarray:
     return np.unique(np.r_[np.arange(0, size, 4096), size - 1])
 
 
+class AnswerCheck:
+    """What every answer to one input must hold at the sampled flat positions,
+    compared as bytes (dtype included): ~0.5 us an answer, where
+    np.array_equal costs ~7 us, as much as a request in a closed loop."""
+
+    def __init__(self, sent: np.ndarray, expect, index: np.ndarray, shape):
+        self.shape, self.index = tuple(shape), index
+        self.whole = len(index) == int(np.prod(shape))  # a small input: all of it
+        want = None if expect is None else np.ascontiguousarray(expect(sent))
+        self.dtype = None if want is None else want.dtype
+        self.want = None if want is None else want.tobytes()
+
+    def __call__(self, y: np.ndarray) -> bool:
+        if self.want is None:
+            return True
+        if y.shape != self.shape or y.dtype != self.dtype:
+            return False
+        flat = y.reshape(-1)
+        return (flat if self.whole else flat[self.index]).tobytes() == self.want
+
+
 def check_answer(sent: np.ndarray, y: np.ndarray, expect, index: np.ndarray, shape) -> bool:
     """sent: the input's values at `index` (flat); y: the whole answer."""
-    if expect is None:
-        return True
-    if y.shape != tuple(shape):
-        return False
-    return bool(np.array_equal(y.reshape(-1)[index], expect(sent)))
+    return AnswerCheck(sent, expect, index, shape)(y)
 
 
 def theoretical_rps(n: int, fixed_ms: float, per_item_us: float) -> float:
@@ -435,6 +452,7 @@ def _closed_loop_client(cid, load: Load, seconds: float, window: int, conn, serv
     expect, index = expected_fn(load.backend), sample_index(load.input_shape)
     x = np.full(load.input_shape, tag_value(cid, 1), load.dtype)
     sent = x.reshape(-1)[index].copy()
+    right = AnswerCheck(sent, expect, index, load.input_shape)
     name = _await_target(conn)
     if name is None:
         return
@@ -456,31 +474,32 @@ def _closed_loop_client(cid, load: Load, seconds: float, window: int, conn, serv
             count += len(ys)
     elif window == 1:
         out = np.empty(load.input_shape, load.dtype)  # the answers land in one warm buffer
+        poison = out.reshape(-1)
         while ring.now_ns() < end_ns:
+            poison[index] = np.nan  # a stale answer cannot pass the check
             t = ring.now_ns()
-            if client:
-                out.reshape(-1)[index] = np.nan  # a stale answer cannot pass the check
-                y = client.infer(x, timeout=load.timeout_s, out=out)
-            else:
-                y = caller.call(x, load.timeout_s)
+            y = client.infer(x, timeout=load.timeout_s, out=out) if client else caller.call(
+                x, load.timeout_s)
             round_trips.append(ring.now_ns() - t)
-            wrong += not check_answer(sent, y, expect, index, load.input_shape)
+            wrong += not right(y)
             count += 1
     else:
         from collections import deque
         inflight = deque()
-        outs = np.empty((window + 1, *load.input_shape), load.dtype)  # one per request in flight
+        # big answers land in warm buffers, one per request in flight; small ones in new arrays
+        outs = (np.empty((window + 1, *load.input_shape), load.dtype)
+                if x.nbytes >= 65536 else None)
         while ring.now_ns() < end_ns:
             if len(inflight) >= window:
-                y = inflight.popleft().result(timeout=load.timeout_s)
-                wrong += not check_answer(sent, y, expect, index, load.input_shape)
+                wrong += not right(inflight.popleft().result(timeout=load.timeout_s))
                 count += 1
-            out = outs[(count + len(inflight)) % (window + 1)]
-            out.reshape(-1)[index] = np.nan
+            out = None
+            if outs is not None:
+                out = outs[(count + len(inflight)) % (window + 1)]
+                out.reshape(-1)[index] = np.nan
             inflight.append(client.submit(x, timeout=load.timeout_s, out=out))
         for f in inflight:
-            wrong += not check_answer(sent, f.result(timeout=load.timeout_s), expect, index,
-                                      load.input_shape)
+            wrong += not right(f.result(timeout=load.timeout_s))
             count += 1
     elapsed_s = (ring.now_ns() - start_ns) / 1e9
     if client:

@@ -87,7 +87,8 @@ class Client:
         self._lock = threading.Lock()
         self._completer: Optional[_Completer] = None
         self._spin_ns = SPIN_NS  # see SPIN_NS; shared by threads, a hint only
-        self._futures_cond = threading.Condition(threading.RLock())  # see _Request
+        self._futures_lock = threading.RLock()  # see _Request
+        self._futures_cond = threading.Condition(self._futures_lock)
 
     # -- public API ---------------------------------------------------------
     def infer(self, x, timeout: Optional[float] = 1.0, out: Optional[np.ndarray] = None) -> np.ndarray:
@@ -418,7 +419,9 @@ class _Request(concurrent.futures.Future):
 
     def try_settle(self, give_up=None) -> bool:
         """Settles the future if its request is over (see _settle_ticket)."""
-        with self._condition:  # one settler at a time: the asker or the completer
+        # one settler at a time, the asker or the completer: the lock under
+        # self._condition, taken without the Condition's Python-level wrapper
+        with self.client._futures_lock:
             if self._state != _PENDING:
                 return True
             settled, value, error, self.stamps_ns = _settle_ticket(

@@ -132,7 +132,7 @@ class Ring:
         if times is None:
             times = self._tls.times = ffi.new("uint64_t[3]")
         code = lib.sb_take(self.base, slot, gen, 0, 0, ffi.from_buffer(out), out.nbytes, times)
-        return code, (times[T_ARRIVAL], times[T_CLAIM], times[T_DONE])
+        return code, tuple(ffi.unpack(times, 3))  # [T_ARRIVAL, T_CLAIM, T_DONE]
 
     def acquire_many(self, pid, start_ticks, n, slots, gens) -> int:
         """Takes up to n free slots into the uint32 arrays; returns how many."""

@@ -43,6 +43,9 @@ def test_answer_check_catches_a_wrong_or_misrouted_answer():
     assert 0 in sample and (1 << 16) - 1 in sample and len(sample) < 100
     assert bench.check_answer(big[sample], big * 2 + 1, expect, sample, big.shape)
     assert not bench.check_answer(big[sample], big, expect, sample, big.shape)
+    assert not bench.check_answer(x[idx], (x * 2 + 1).astype(np.float64), expect, idx, (16,))
+    check = bench.AnswerCheck(big[sample], expect, sample, big.shape)
+    assert check(big * 2 + 1) and not check(np.zeros_like(big))
 
 
 def test_tags_are_distinct_and_exact_in_float32():
