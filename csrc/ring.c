@@ -23,6 +23,7 @@
 _Static_assert(sizeof(sb_header) <= SB_HEADER_BYTES, "header outgrew its region");
 _Static_assert(offsetof(sb_header, incarnation) == 16, "layout drawing");
 _Static_assert(offsetof(sb_header, total_bytes) == 48, "layout drawing");
+_Static_assert(offsetof(sb_header, in_place) == 56, "layout drawing");
 _Static_assert(offsetof(sb_header, off_ctl) == 64, "layout drawing");
 _Static_assert(offsetof(sb_header, off_output) == 96, "layout drawing");
 _Static_assert(offsetof(sb_header, config) == 128, "layout drawing");
@@ -174,37 +175,38 @@ struct offsets {
 static uint64_t align_up(uint64_t x, uint64_t a) { return (x + a - 1) & ~(a - 1); }
 
 static int compute_offsets(uint32_t cap, uint64_t in_bytes, uint64_t out_bytes,
-			   struct offsets *o)
+			   uint32_t in_place, struct offsets *o)
 {
 	/* caps keep every product below 2^60: no overflow in the sums */
 	if (cap == 0 || cap > SB_MAX_CAPACITY || in_bytes == 0 ||
-	    in_bytes > (1ull << 40) || out_bytes == 0 || out_bytes > (1ull << 40))
+	    in_bytes > (1ull << 40) || out_bytes == 0 || out_bytes > (1ull << 40) ||
+	    in_place > 1 || (in_place && out_bytes != in_bytes))
 		return SB_EBADARG;
 	o->ctl = SB_HEADER_BYTES;
 	o->meta = align_up(o->ctl + 8ull * cap, 64);
 	o->errmsg = align_up(o->meta + sizeof(sb_slot_meta) * cap, 64);
 	o->input = align_up(o->errmsg + (uint64_t)SB_ERRMSG_BYTES * cap, 4096);
-	o->output = align_up(o->input + in_bytes * cap, 4096);
+	o->output = in_place ? o->input : align_up(o->input + in_bytes * cap, 4096);
 	o->total = align_up(o->output + out_bytes * cap, 4096);
 	return SB_OK;
 }
 
 uint64_t sb_layout_bytes(uint32_t capacity, uint64_t input_slot_bytes,
-			 uint64_t output_slot_bytes)
+			 uint64_t output_slot_bytes, uint32_t in_place)
 {
 	struct offsets o;
-	if (compute_offsets(capacity, input_slot_bytes, output_slot_bytes, &o))
+	if (compute_offsets(capacity, input_slot_bytes, output_slot_bytes, in_place, &o))
 		return 0;
 	return o.total;
 }
 
 int sb_init(void *base, uint64_t total_bytes, uint32_t capacity,
 	    uint32_t max_batch, uint64_t input_slot_bytes,
-	    uint64_t output_slot_bytes, uint64_t incarnation)
+	    uint64_t output_slot_bytes, uint32_t in_place, uint64_t incarnation)
 {
 	struct offsets o;
 	sb_header *h = hdr(base);
-	if (compute_offsets(capacity, input_slot_bytes, output_slot_bytes, &o) ||
+	if (compute_offsets(capacity, input_slot_bytes, output_slot_bytes, in_place, &o) ||
 	    o.total > total_bytes || max_batch == 0 || max_batch > capacity)
 		return SB_EBADARG;
 	/* the caller holds the only mapping (created O_EXCL): plain stores */
@@ -216,6 +218,7 @@ int sb_init(void *base, uint64_t total_bytes, uint32_t capacity,
 	h->max_batch = max_batch;
 	h->input_slot_bytes = input_slot_bytes;
 	h->output_slot_bytes = output_slot_bytes;
+	h->in_place = in_place;
 	h->total_bytes = o.total;
 	h->off_ctl = o.ctl;
 	h->off_meta = o.meta;
@@ -238,7 +241,8 @@ int sb_validate(const void *base, uint64_t mapped_bytes)
 		return SB_ECORRUPT;
 	if (h->layout_version != SB_LAYOUT_VERSION || h->header_bytes != SB_HEADER_BYTES)
 		return SB_EVERSION;
-	if (compute_offsets(h->capacity, h->input_slot_bytes, h->output_slot_bytes, &o) ||
+	if (compute_offsets(h->capacity, h->input_slot_bytes, h->output_slot_bytes,
+			    h->in_place, &o) ||
 	    h->max_batch == 0 || h->max_batch > h->capacity ||
 	    o.ctl != h->off_ctl || o.meta != h->off_meta || o.errmsg != h->off_errmsg ||
 	    o.input != h->off_input || o.output != h->off_output ||
@@ -261,6 +265,7 @@ uint64_t sb_header_field(const void *base, int field)
 	case SB_F_OFF_INPUT: return h->off_input;
 	case SB_F_OFF_OUTPUT: return h->off_output;
 	case SB_F_OFF_WORDS: return offsetof(sb_header, words);
+	case SB_F_IN_PLACE: return h->in_place;
 	}
 	return 0;
 }

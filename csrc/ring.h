@@ -14,7 +14,7 @@
  *          |   16 incarnation u64 (random per creation)                |
  *          |   24 capacity u32           28 max_batch u32              |
  *          |   32 input_slot_bytes u64   40 output_slot_bytes u64      |
- *          |   48 total_bytes u64                                      |
+ *          |   48 total_bytes u64        56 in_place u32               |
  *          |   64 off_ctl  72 off_meta  80 off_errmsg  88 off_input    |
  *          |   96 off_output            (u64 each)                     |
  *          |  128 config: 2048 B of UTF-8 JSON (the engine's settings) |
@@ -34,6 +34,8 @@
  *          |             [C, *max_input_shape] of the input dtype      |
  *          +------------------------------------------- 4096-aligned --+
  *          | output[C]   output_slot_bytes per slot: [C, *output_shape]|
+ *          |             (none when in_place: an answer overwrites its |
+ *          |             own input row, the output spec being equal)   |
  *          +-----------------------------------------------------------+
  *
  * THE CONTROL WORD (ctl[slot], u64; each transition is ONE CAS on it)
@@ -137,6 +139,7 @@
 #define SB_F_OFF_INPUT 7
 #define SB_F_OFF_OUTPUT 8
 #define SB_F_OFF_WORDS 9
+#define SB_F_IN_PLACE 10
 
 /* words[]: identities and counters, all u64 */
 #define SB_W_ENGINE_STATE 0
@@ -181,10 +184,10 @@
 
 /* setup (supervisor) */
 uint64_t sb_layout_bytes(uint32_t capacity, uint64_t input_slot_bytes,
-			 uint64_t output_slot_bytes);
+			 uint64_t output_slot_bytes, uint32_t in_place);
 int sb_init(void *base, uint64_t total_bytes, uint32_t capacity,
 	    uint32_t max_batch, uint64_t input_slot_bytes,
-	    uint64_t output_slot_bytes, uint64_t incarnation);
+	    uint64_t output_slot_bytes, uint32_t in_place, uint64_t incarnation);
 int sb_validate(const void *base, uint64_t mapped_bytes);
 uint64_t sb_header_field(const void *base, int field);
 uint64_t sb_word_get(const void *base, int word);
@@ -291,7 +294,8 @@ typedef struct {
 	uint64_t input_slot_bytes;
 	uint64_t output_slot_bytes;
 	uint64_t total_bytes;
-	uint64_t _pad0;
+	uint32_t in_place;    /* 1: output[] is input[]: answers overwrite their rows */
+	uint32_t _pad0;
 	uint64_t off_ctl, off_meta, off_errmsg, off_input, off_output;
 	uint64_t _pad1[3];
 	char config[SB_CONFIG_BYTES];

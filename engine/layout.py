@@ -117,6 +117,13 @@ class EngineConfig:
         return next((i for i, d in enumerate(self.input_shape) if d is None), None)
 
     @property
+    def in_place(self) -> bool:
+        """Answers overwrite their own input rows (one region, not two): the
+        output spec equals a fixed input spec."""
+        return (self.var_axis is None and self.input_shape == self.output_shape
+                and self.input_dtype == self.output_dtype)
+
+    @property
     def padded_shape(self) -> Tuple:
         return self.max_input_shape if self.var_axis is not None else self.input_shape
 
@@ -229,6 +236,7 @@ class Segment:
         self._words = np.ndarray((ring.WORDS,), np.uint64, buffer=mapping,
                                  offset=self.ring.field(ring.F_OFF_WORDS))
         self.fixed_shape = cfg.var_axis is None  # inputs go into their row as they are
+        self.in_place = bool(self.ring.field(ring.F_IN_PLACE))  # outputs is inputs
 
     @classmethod
     def create(cls, config: EngineConfig) -> "Segment":
@@ -236,7 +244,7 @@ class Segment:
         engine's segment of the same name is removed first, a live one refused."""
         name = segment_name(config.name)
         size = ring.layout_bytes(config.queue_capacity, config.input_slot_bytes,
-                                 config.output_slot_bytes)
+                                 config.output_slot_bytes, config.in_place)
         if size == 0:
             raise ValueError(f"an engine of {config.queue_capacity} slots of "
                              f"{config.input_slot_bytes} B input is too large")
@@ -256,7 +264,7 @@ class Segment:
         mapping = _map(shm.fd, size)
         raw = ring.Ring(mapping)
         code = raw.init(size, config.queue_capacity, config.max_batch_size,
-                        config.input_slot_bytes, config.output_slot_bytes,
+                        config.input_slot_bytes, config.output_slot_bytes, config.in_place,
                         secrets.randbits(64))
         off = raw.field(ring.F_OFF_CONFIG)
         blob = config.to_json()

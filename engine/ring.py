@@ -42,8 +42,9 @@ def pingpong_floor_ns(rounds: int = 5000, spin_ns: int = 0) -> np.ndarray:
     return out[:done]
 
 
-def layout_bytes(capacity: int, input_slot_bytes: int, output_slot_bytes: int) -> int:
-    return lib.sb_layout_bytes(capacity, input_slot_bytes, output_slot_bytes)
+def layout_bytes(capacity: int, input_slot_bytes: int, output_slot_bytes: int,
+                 in_place: bool) -> int:
+    return lib.sb_layout_bytes(capacity, input_slot_bytes, output_slot_bytes, in_place)
 
 
 def _ptr(array: np.ndarray, ctype: str):
@@ -80,9 +81,9 @@ class Ring:
         ffi.release(self._base_buf)
 
     # -- setup ------------------------------------------------------------
-    def init(self, total_bytes, capacity, max_batch, in_bytes, out_bytes, incarnation):
+    def init(self, total_bytes, capacity, max_batch, in_bytes, out_bytes, in_place, incarnation):
         return lib.sb_init(self.base, total_bytes, capacity, max_batch,
-                           in_bytes, out_bytes, incarnation)
+                           in_bytes, out_bytes, in_place, incarnation)
 
     def validate(self, mapped_bytes: int) -> int:
         return lib.sb_validate(self.base, mapped_bytes)

@@ -11,6 +11,15 @@ def affine():
     return lambda batch, lengths=None: batch * 2 + 1
 
 
+def in_place_affine():
+    """2x + 1 written over the batch itself, which is returned."""
+    def run(batch, lengths=None):
+        batch *= 2
+        batch += 1
+        return batch
+    return run
+
+
 def slow_affine(fixed_ms=50.0):
     def run(batch, lengths=None):
         ring.spin_ns(int(fixed_ms * 1e6))

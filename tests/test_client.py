@@ -205,3 +205,21 @@ def test_infer_many_of_variable_length_inputs_pads_them(make_engine):
     xs = np.random.default_rng(2).random((20, 5, 4)).astype(np.float32)
     with engine.Client(eng.name) as c:
         np.testing.assert_allclose(c.infer_many(xs, timeout=10), xs.sum(axis=1), rtol=1e-5)
+
+
+def test_a_backend_answering_in_place_serves_every_request_its_own_answer(make_engine):
+    eng = make_engine("inplace", backend="helpers:in_place_affine", max_batch_size=16)
+    wrong = []
+    with engine.Client(eng.name) as c:
+        def worker(t):
+            for k in range(100):
+                x = np.full(16, t * 1000 + k, np.float32)
+                wrong.append(not np.array_equal(c.infer(x, timeout=10), x * 2 + 1))
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    stats = eng.stats()
+    assert len(wrong) == 400 and not any(wrong)
+    assert eng.segment.in_place and stats["zero_copy_batches"] > 0

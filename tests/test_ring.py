@@ -38,13 +38,28 @@ def test_segment_is_owner_only_and_named_for_the_engine(segment):
     assert os.stat(path).st_mode & 0o777 == 0o600
 
 
-def test_regions_are_aligned_and_inside_the_segment(segment):
-    r = segment.ring
-    assert r.field(ring.F_OFF_INPUT) % 4096 == 0
-    assert r.field(ring.F_OFF_OUTPUT) % 4096 == 0
-    assert r.field(ring.F_OFF_OUTPUT) >= r.field(ring.F_OFF_INPUT) + 64 * 16
-    assert r.field(ring.F_TOTAL_BYTES) >= r.field(ring.F_OFF_OUTPUT) + 64 * 16
+def test_an_output_of_the_input_spec_overwrites_its_input_row(segment):
+    r = segment.ring  # float32[4] in and out
+    assert r.field(ring.F_IN_PLACE) == 1 and segment.in_place
+    assert r.field(ring.F_OFF_OUTPUT) == r.field(ring.F_OFF_INPUT)
+    assert r.field(ring.F_TOTAL_BYTES) >= r.field(ring.F_OFF_INPUT) + 64 * 16
+    assert np.shares_memory(segment.inputs[3], segment.outputs[3])
     assert r.validate(r.field(ring.F_TOTAL_BYTES) - 1) == ring.ECORRUPT
+
+
+def test_an_output_of_another_spec_gets_its_own_aligned_region():
+    seg = Segment.create(EngineConfig(name=unique_name("ring-out"), input_shape=(4,),
+                                      output_shape=(3,), queue_capacity=64))
+    try:
+        r = seg.ring
+        assert r.field(ring.F_IN_PLACE) == 0 and not seg.in_place
+        assert r.field(ring.F_OFF_INPUT) % 4096 == 0 and r.field(ring.F_OFF_OUTPUT) % 4096 == 0
+        assert r.field(ring.F_OFF_OUTPUT) >= r.field(ring.F_OFF_INPUT) + 64 * 16
+        assert r.field(ring.F_TOTAL_BYTES) >= r.field(ring.F_OFF_OUTPUT) + 64 * 12
+        assert r.validate(r.field(ring.F_TOTAL_BYTES) - 1) == ring.ECORRUPT
+    finally:
+        seg.unlink()
+        seg.close()
 
 
 def test_slot_walks_free_writing_ready_claimed_done_free(segment):
@@ -222,8 +237,8 @@ def _ring_client(name, client_id, n, results):
         seg.inputs[slot][:] = client_id * 1_000_000 + k
         r.publish(slot, gen, 0)
         assert r.wait_slot(slot, gen, 10_000_000_000) == ring.OK
-        wrong += not np.array_equal(seg.outputs[slot], seg.inputs[slot] * 2 + 1)
-        wrong += seg.outputs[slot][0] != (client_id * 1_000_000 + k) * 2 + 1
+        # the whole row is this request's answer (in place: it overwrote the input)
+        wrong += not (seg.outputs[slot] == (client_id * 1_000_000 + k) * 2 + 1).all()
         r.release_slot(slot, gen)
     results.put(wrong)
 
