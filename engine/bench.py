@@ -446,9 +446,12 @@ def environment() -> dict:
 
 # -- the engine's own overhead: closed loops on the identity backend --------------------
 
-def _closed_loop_client(cid, load: Load, seconds: float, window: int, conn, server=None) -> None:
-    """Sends back to back for `seconds`: one at a time (window 1, blocking) or
-    keeping `window` submitted requests in flight; reports count, round trips, wrong."""
+def _closed_loop_client(cid, load: Load, seconds: float, window: int, conn, server=None,
+                        lend: bool = False) -> None:
+    """Sends back to back for `seconds`: one at a time (window 1, blocking; with
+    lend, each written into and answered in a lent slot, Client.request()),
+    keeping `window` submitted requests in flight, or -window at a time through
+    infer_many; reports count, round trips, wrong."""
     expect, index = expected_fn(load.backend), sample_index(load.input_shape)
     x = np.full(load.input_shape, tag_value(cid, 1), load.dtype)
     sent = x.reshape(-1)[index].copy()
@@ -472,6 +475,14 @@ def _closed_loop_client(cid, load: Load, seconds: float, window: int, conn, serv
             if expect is not None:  # every answer, at the sampled positions, vectorised
                 wrong += int((ys.reshape(len(ys), -1)[:, index] != expect(sent)).any(axis=1).sum())
             count += len(ys)
+    elif lend:
+        while ring.now_ns() < end_ns:
+            t = ring.now_ns()
+            with client.request() as lent:
+                lent.input[...] = x  # the one copy
+                wrong += not right(lent.infer(timeout=load.timeout_s))  # checked in place
+            round_trips.append(ring.now_ns() - t)
+            count += 1
     elif window == 1:
         out = np.empty(load.input_shape, load.dtype)  # the answers land in one warm buffer
         poison = out.reshape(-1)
@@ -509,11 +520,12 @@ def _closed_loop_client(cid, load: Load, seconds: float, window: int, conn, serv
 
 
 def closed_loop(system: str, clients: int, window: int, load: Load, seconds: float = 2.0,
-                max_batch_size: int = 32) -> dict:
+                max_batch_size: int = 32, lend: bool = False) -> dict:
     name = f"bench-cl-{os.getpid()}"
     server = _start_server(system, load, clients, max_batch_size, 0.0)
-    procs, conns = _fork_clients(_closed_loop_client,
-                                 lambda cid, conn: (cid, load, seconds, window, conn, server), clients)
+    procs, conns = _fork_clients(
+        _closed_loop_client, lambda cid, conn: (cid, load, seconds, window, conn, server, lend),
+        clients)
     eng = None
     try:
         if server is None:
@@ -526,7 +538,8 @@ def closed_loop(system: str, clients: int, window: int, load: Load, seconds: flo
     count = sum(r[0] for r in results)
     elapsed = max(r[1] for r in results)
     rtt = np.concatenate([r[2] for r in results])
-    return {"system": system, "clients": clients, "window": window, "requests": count,
+    return {"system": system, "clients": clients, "window": window, "lend": lend,
+            "requests": count,
             "rps": count / elapsed, "wrong": sum(r[3] for r in results),
             "rtt_p50_us": float(np.percentile(rtt, 50) / 1e3) if len(rtt) else None,
             "rtt_p99_us": float(np.percentile(rtt, 99) / 1e3) if len(rtt) else None}
@@ -558,16 +571,20 @@ def overhead(load: Load, seconds: float = 2.0, log=print) -> dict:
         f"{out['copy_once_rps']:,.0f} req/s for {load.dtype}{list(load.input_shape)}")
     # in flight per pipelined client: 256, or fewer for big inputs (each slot is committed memory)
     window = 256 if np.prod(load.input_shape) <= 16384 else 8
-    plan = ([(s, 1, 1) for s in SYSTEMS] + [(s, 8, 1) for s in SYSTEMS]
-            + [("shmbatch", 2, window), ("shmbatch", 2, -window)])
-    for system, clients, window in plan:
-        run = closed_loop(system, clients, window, load, seconds)
+    plan = ([(s, 1, 1, False) for s in SYSTEMS] + [(s, 8, 1, False) for s in SYSTEMS]
+            + [("shmbatch", 2, window, False), ("shmbatch", 2, -window, False),
+               ("shmbatch", 1, 1, True), ("shmbatch", 8, 1, True)])
+    for system, clients, window, lend in plan:
+        run = closed_loop(system, clients, window, load, seconds, lend=lend)
         out["runs"].append(run)
         rtt = (f" | round trip p50 {run['rtt_p50_us']:8.1f} us p99 {run['rtt_p99_us']:8.1f} us "
                f"= x{run['rtt_p50_us'] / out['floor_p50_us']:.2f} the floor"
                if clients == 1 else "")
-        how = f"x {window:>3} in flight" if window > 0 else f"infer_many({-window})"
-        log(f"{system:>16} {clients} client(s) {how}: {run['rps']:>9,.0f} req/s{rtt} "
+        how = (f"request() lent" if lend else f"x {window:>3} in flight" if window > 0
+               else f"infer_many({-window})")
+        ratio = (f" = x{run['rps'] / out['copy_once_rps']:.2f} the copy-once bound"
+                 if lend or np.prod(load.input_shape) > 16384 else "")
+        log(f"{system:>16} {clients} client(s) {how}: {run['rps']:>9,.0f} req/s{ratio}{rtt} "
             f"| wrong {run['wrong']}")
     return out
 

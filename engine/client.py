@@ -28,8 +28,8 @@ from typing import Optional
 import numpy as np
 
 from engine import liveness, ring
-from engine.errors import (BackendError, EngineError, EngineUnavailable, QueueFull,
-                           RequestTimeout)
+from engine.errors import (BackendError, EngineError, EngineUnavailable, InvalidInput,
+                           QueueFull, RequestTimeout)
 from engine.layout import Segment
 
 # a submit() Future's states (see _Request)
@@ -125,6 +125,28 @@ class Client:
             lambda e: loop.call_soon_threadsafe(settle, None, e)))
         return await future
 
+    def request(self) -> "SlotRequest":
+        """Takes a slot now (QueueFull at once if none) and lends its rows, so
+        a large input is written once, in place, and its answer read there:
+
+            with client.request() as r:
+                r.input[...] = x                # the one copy, or produce x there
+                y = r.infer(timeout=1.0)        # read-only view of the answer
+                use(y)                          # valid until the with ends
+
+        Leaving the with frees the slot (an unsent request is dropped, a pending
+        one abandoned). One request per SlotRequest; fixed input shapes only."""
+        seg = self._segment()
+        if not seg.fixed_shape:
+            raise InvalidInput(f"request() lends a row of a fixed input shape, got an engine "
+                               f"of input {seg.config.input_spec()}")
+        code, slot, gen = seg.ring.acquire(self._pid, self._start_ticks)
+        if code == ring.EFULL:
+            raise _queue_full(seg)
+        if code != ring.OK:
+            raise EngineUnavailable(f"cannot enqueue on engine {self.name!r} (code {code})")
+        return SlotRequest(self, seg, slot, gen)
+
     def infer_many(self, xs: np.ndarray, timeout: Optional[float] = 1.0) -> np.ndarray:
         """Sends xs[0], xs[1], ... as len(xs) requests at once and blocks until all
         are answered; returns the answers stacked, shape (n, *output_shape).
@@ -178,10 +200,14 @@ class Client:
             expired = deadline is not None and ring.now_ns() >= deadline
             if code == ring.ETIMEOUT and not expired and self._lives(seg):
                 continue
+            abandoned = 0
             for slot, gen in zip(slots.tolist(), gens.tolist()):
-                if r.abandon(slot, gen) == ring.EBUSY:
+                code_k = r.abandon(slot, gen)
+                abandoned += code_k == ring.OK
+                if code_k == ring.EBUSY:
                     r.release_slot(slot, gen)
             if code == ring.ETIMEOUT and expired:
+                r.add_word(ring.W_TIMEOUTS, abandoned)
                 raise RequestTimeout(f"expected {k} answers within {timeout} s, got fewer "
                                      f"(requests abandoned)")
             raise EngineUnavailable(f"engine {self.name!r} stopped or died while the requests waited")
@@ -278,24 +304,31 @@ class Client:
     def _lives(seg: Segment) -> bool:
         return seg.engine_state() != ring.ENGINE_STOPPED and seg.holder_alive()
 
-    def _await(self, seg, slot, gen, deadline, timeout, out=None):
+    def _await(self, seg, slot, gen, deadline, timeout, out=None, take=True):
+        """Waits for the ticket's answer and, with take, copies it out (into
+        out or a new array) and frees the slot; without, leaves it in the slot
+        and returns None. Errors free the slot and raise."""
         r = seg.ring
-        if out is None:
+        if out is None and take:
             out = np.empty(seg.output_shape, seg.output_dtype)
         while True:
             slice_ns = LIVENESS_SLICE_NS
             if deadline is not None:
                 slice_ns = max(0, min(slice_ns, deadline - ring.now_ns()))
             started_ns = ring.now_ns()
-            code = r.take(slot, gen, slice_ns, self._spin_ns, out)
+            if take:
+                code = r.take(slot, gen, slice_ns, self._spin_ns, out)
+            else:
+                code = r.wait_slot(slot, gen, slice_ns, self._spin_ns)
             self._spin_ns = SPIN_NS if ring.now_ns() - started_ns <= SPIN_NS else 0
-            if code == ring.OK:  # copied out and released in the same call
+            if code == ring.OK:  # with take: copied out and released in the same call
                 return out
             if code != ring.ETIMEOUT:
                 return self._collect(seg, slot, gen, code)
             if deadline is not None and ring.now_ns() >= deadline:
                 if r.abandon(slot, gen) == ring.EBUSY:
                     continue  # answered meanwhile: take it
+                r.add_word(ring.W_TIMEOUTS)
                 raise RequestTimeout(f"expected an answer within {timeout} s, got none "
                                      f"(request abandoned)")
             if not self._lives(seg):
@@ -325,6 +358,57 @@ class Client:
             return self._completer
 
 
+class SlotRequest:
+    """A slot lent by Client.request(): its input row to fill, then its answer
+    to read in place. Use it as a context manager, in the process that made it."""
+
+    def __init__(self, client: Client, seg, slot: int, gen: int):
+        self.client, self.seg, self.slot, self.gen = client, seg, slot, gen
+        self.input = seg.inputs[slot]  # writable: the request's row in shared memory
+        self._sent = False
+        self._pid = client._pid
+
+    def infer(self, timeout: Optional[float] = 1.0) -> np.ndarray:
+        """Sends the row as it is now; blocks until its answer; returns it as a
+        read-only view of the slot's output row (valid until the slot is freed)."""
+        if self._sent:
+            raise RuntimeError("a SlotRequest sends once: use client.request() again")
+        deadline = _deadline_ns(timeout)
+        self._sent = True
+        if self.seg.ring.publish(self.slot, self.gen, 0) != ring.OK:
+            raise EngineUnavailable(f"engine {self.client.name!r} reclaimed the request "
+                                    f"before it was queued")
+        self.client._await(self.seg, self.slot, self.gen, deadline, timeout, take=False)
+        answer = self.seg.outputs[self.slot].view()
+        answer.flags.writeable = False
+        return answer
+
+    def close(self) -> None:
+        """Frees the slot: drops an unsent request, abandons a pending one,
+        releases an answered one (each a no-op once the slot is no longer ours)."""
+        if self.input is None:
+            return
+        self.input = None
+        r = self.seg.ring
+        if not self._sent:
+            r.cancel(self.slot, self.gen)
+        elif r.abandon(self.slot, self.gen) == ring.EBUSY:  # answered: ours to release
+            r.release_slot(self.slot, self.gen)
+
+    def __enter__(self) -> "SlotRequest":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            if os.getpid() == self._pid and not self.seg.closed:
+                self.close()
+        except Exception:  # at interpreter exit, modules may be gone already
+            pass
+
+
 def _settle_ticket(client, seg, slot, gen, give_up, out=None):
     """(settled, value, error, stamps) of a ticket: its answer taken if it is
     there, with the request's (arrival_ns, claim_ns, done_ns); else, with
@@ -338,6 +422,8 @@ def _settle_ticket(client, seg, slot, gen, give_up, out=None):
         if give_up is None:
             return False, None, None, None
         if r.abandon(slot, gen) != ring.EBUSY:
+            if isinstance(give_up, RequestTimeout):
+                r.add_word(ring.W_TIMEOUTS)
             return True, None, give_up, None
         code, stamps = r.take_timed(slot, gen, out)
     if code == ring.OK:
