@@ -583,7 +583,7 @@ def overhead(load: Load, seconds: float = 2.0, log=print) -> dict:
         how = (f"request() lent" if lend else f"x {window:>3} in flight" if window > 0
                else f"infer_many({-window})")
         ratio = (f" = x{run['rps'] / out['copy_once_rps']:.2f} the copy-once bound"
-                 if lend or np.prod(load.input_shape) > 16384 else "")
+                 if np.prod(load.input_shape) > 16384 else "")  # a bound for large inputs
         log(f"{system:>16} {clients} client(s) {how}: {run['rps']:>9,.0f} req/s{ratio}{rtt} "
             f"| wrong {run['wrong']}")
     return out
