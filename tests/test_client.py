@@ -13,19 +13,26 @@ import engine
 X = np.arange(16, dtype=np.float32)
 
 
-def test_threads_sharing_one_client_each_get_their_own_answers(make_engine):
-    eng = make_engine("threads", max_batch_size=8)
+def wrong_answers_from_threads(name, threads, per_thread):
+    """Sends per_thread requests from each of `threads` threads sharing one client;
+    one bool per answer: True when it is not 2x + 1 of its own request."""
     wrong = []
-    with engine.Client(eng.name) as c:
+    with engine.Client(name) as c:
         def worker(t):
-            for k in range(200):
+            for k in range(per_thread):
                 x = np.full(16, t * 1000 + k, np.float32)
                 wrong.append(not np.array_equal(c.infer(x, timeout=10), x * 2 + 1))
-        threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
-        for t in threads:
+        running = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
+        for t in running:
             t.start()
-        for t in threads:
+        for t in running:
             t.join(60)
+    return wrong
+
+
+def test_threads_sharing_one_client_each_get_their_own_answers(make_engine):
+    eng = make_engine("threads", max_batch_size=8)
+    wrong = wrong_answers_from_threads(eng.name, 8, 200)
     assert len(wrong) == 1600 and not any(wrong)
     assert eng.stats()["avg_batch_size"] > 1.0  # threads of one process batch together
 
@@ -209,17 +216,6 @@ def test_infer_many_of_variable_length_inputs_pads_them(make_engine):
 
 def test_a_backend_answering_in_place_serves_every_request_its_own_answer(make_engine):
     eng = make_engine("inplace", backend="helpers:in_place_affine", max_batch_size=16)
-    wrong = []
-    with engine.Client(eng.name) as c:
-        def worker(t):
-            for k in range(100):
-                x = np.full(16, t * 1000 + k, np.float32)
-                wrong.append(not np.array_equal(c.infer(x, timeout=10), x * 2 + 1))
-        threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-    stats = eng.stats()
+    wrong = wrong_answers_from_threads(eng.name, 4, 100)
     assert len(wrong) == 400 and not any(wrong)
-    assert eng.segment.in_place and stats["zero_copy_batches"] > 0
+    assert eng.segment.in_place and eng.stats()["zero_copy_batches"] > 0
