@@ -1,15 +1,20 @@
 """The client handle: validate, write the input once into a slot, wait for its answer.
 
 A request is a ticket (slot, generation) in the engine's ring. The caller's
-thread validates the input (InvalidInput before anything is enqueued), takes
-a free slot (QueueFull at once when there is none), copies the input into the
-slot's row of the shared input region and publishes it. Then:
+thread validates the input (InvalidInput before anything is enqueued), then
+one C call takes a free slot (QueueFull at once when there is none), copies
+the input into the slot's row of the shared input region and publishes it.
+Then:
 
-- infer() sleeps on the slot's futex in the calling thread (the GIL is
-  released in C), in slices, to notice an engine that died meanwhile;
-- submit() and infer_async() hand the ticket to one completion thread per
-  client and process, which sleeps on the ring's done_seq word and settles
-  every finished ticket after each batch: no thread per request.
+- infer() waits in the calling thread (the GIL is released in C): it spins
+  briefly if the last answer came that fast, else sleeps on the slot's futex,
+  in slices, to notice an engine that died meanwhile; one C call copies the
+  answer out and frees the slot;
+- submit() returns a Future that whoever asks settles in their own thread;
+  callbacks, concurrent.futures waiters and infer_async() use one completion
+  thread per client and process, which sleeps on the ring's done_seq word and
+  settles what is answered after each batch: no thread per request;
+- request() lends a slot: its row is written and its answer read in place.
 
 A timed-out request is abandoned with a CAS on its ticket, so a late answer
 can never reach a newer request that reuses the slot. A Client is shared by
