@@ -1,16 +1,18 @@
 """The batcher process: gathers ready requests, calls the backend once, scatters.
 
 Flush rule (the seed's): with nothing queued, sleep on the ring's work word
-with no flush timer; once something is queued its deadline is the OLDEST
-request's arrival + max_delay; flush when max_batch_size are ready or the
-deadline passes, whichever comes first. Requests that arrive during a
-backend call keep their arrival times, so under load the next batch leaves
-at once.
+with no flush timer (after a batch, spin up to SPIN_NS first); once something
+is queued its deadline is the OLDEST request's arrival + max_delay; flush when
+max_batch_size are ready or the deadline passes, whichever comes first. The C
+claim applies the rule's two thresholds in its one pass over the slots.
+Requests that arrive during a backend call keep their arrival times, so under
+load the next batch leaves at once.
 
 The batch is a view of the input region itself when its slots are one
 contiguous run (most batches: slots are handed out in order); otherwise it is
 gathered once into a buffer allocated at start. Results go back by position
-into each request's own output row.
+into each request's own output row (its input row, when the engine answers in
+place: then a backend that returns its contiguous batch needs no copy back).
 
 Several batchers may serve one ring: each claims slots by CAS, so no request
 is taken twice. A batcher holds no state that outlives a batch: when one is
