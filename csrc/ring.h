@@ -163,6 +163,7 @@
 #define SB_W_INVALID 22
 #define SB_W_QUEUE_WAIT_SUM_NS 23
 #define SB_W_SERVICE_SUM_NS 24
+#define SB_W_BATCH_START 32   /* + instance: claim_ns of the batch it serves, 0 idle */
 #define SB_W_BATCHER_PID 64
 #define SB_W_BATCHER_START 96
 #define SB_WORDS 128

@@ -85,6 +85,7 @@ class Batcher:
 
     def serve(self, n: int, claim_ns: int) -> None:
         """Runs one claimed batch: slots[:n] in ascending slot order."""
+        self.seg.mark_batch(self.instance, claim_ns)
         slots = self.batch.slots[:n]
         first = int(slots[0])
         contiguous = int(slots[-1]) - first == n - 1
@@ -114,6 +115,7 @@ class Batcher:
             message = f"{type(e).__name__}: {e}".encode("utf-8", "replace")[:ring.ERRMSG_BYTES]
         self.ring.complete(self.instance, self.batch, n, status, message)
         self.ring.finish_batch(self.batch, n, claim_ns, ring.now_ns(), contiguous)
+        self.seg.mark_batch(self.instance, 0)
 
     def check_result(self, result, n: int) -> np.ndarray:
         if (type(result) is np.ndarray and result.dtype == self.out_dtype

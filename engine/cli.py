@@ -137,7 +137,7 @@ def cmd_bench(args) -> int:
 
 ENGINE_KEYS = ("name", "backend", "backend_args", "input_shape", "input_dtype", "max_input_shape",
                "output_shape", "output_dtype", "max_batch_size", "max_delay_ms", "queue_capacity",
-               "instances", "cpus", "gpus")
+               "instances", "cpus", "gpus", "batch_timeout_s")
 SERVE_KEYS = ENGINE_KEYS + ("metrics_port", "metrics_host")
 
 
@@ -163,6 +163,8 @@ def _serve_parser(sub):
     p.add_argument("--cpus", action="append", type=cpu_list, metavar="0[,1...]",
                    help="CPU affinity of the next instance; repeat per instance")
     p.add_argument("--gpus", metavar="0,1", help="CUDA_VISIBLE_DEVICES of each instance")
+    p.add_argument("--batch-timeout-s", type=float,
+                   help="kill and replace a batcher whose batch runs longer (its batch fails)")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
     p.add_argument("--metrics-host", help="address for /metrics (default 0.0.0.0)")
     p.add_argument("--log-level", default="INFO")

@@ -314,6 +314,14 @@ class Segment:
     def engine_state(self) -> int:
         return int(self._words[ring.W_ENGINE_STATE])
 
+    def mark_batch(self, instance: int, claim_ns: int) -> None:
+        """Says when the batch that batcher `instance` serves was claimed (0:
+        none), for the supervisor's watchdog; a plain aligned store, no C call."""
+        self._words[ring.W_BATCH_START + instance] = claim_ns
+
+    def batch_started_ns(self, instance: int) -> int:
+        return int(self._words[ring.W_BATCH_START + instance])
+
     def holder_alive(self) -> bool:
         """True while the engine that created the segment holds its lock."""
         if self.owner:

@@ -56,7 +56,7 @@ class Engine:
                  output_shape=(16,), output_dtype="float32", max_batch_size: int = 32,
                  max_delay_ms: float = 0.0, queue_capacity: int = 1024, instances: int = 1,
                  cpus=None, gpus=None, start_timeout_s: float = 120.0,
-                 drain_timeout_s: float = 30.0):
+                 drain_timeout_s: float = 30.0, batch_timeout_s: Optional[float] = None):
         self.config = EngineConfig(
             name=name, input_shape=input_shape, input_dtype=input_dtype,
             output_shape=output_shape, output_dtype=output_dtype,
@@ -71,6 +71,12 @@ class Engine:
         self.gpus = _per_instance(gpus, instances, "gpus")
         self.start_timeout_s = start_timeout_s
         self.drain_timeout_s = drain_timeout_s
+        if batch_timeout_s is not None and not batch_timeout_s > 0:
+            raise ValueError(f"batch_timeout_s must be > 0 or None, got {batch_timeout_s}")
+        # a batch running longer is taken for a hung backend: its batcher is killed,
+        # the batch fails (BatcherDied) and a new batcher serves the queue
+        self.batch_timeout_s = batch_timeout_s
+        self._hung = [False] * instances
         self._seg: Optional[Segment] = None
         self._procs = [None] * instances
         self._restart_at_ns = [0] * instances
@@ -259,7 +265,17 @@ class Engine:
             for i, proc in enumerate(self._procs):
                 if proc is None or not proc.is_alive():
                     self._replace(i, proc)
+                elif self.batch_timeout_s is not None:
+                    self._kill_if_hung(i, proc)
             self._reap_clients()
+
+    def _kill_if_hung(self, i: int, proc) -> None:
+        started_ns = self._seg.batch_started_ns(i)
+        if started_ns and ring.now_ns() - started_ns > self.batch_timeout_s * 1e9:
+            log.error("engine %s: batcher %d (pid %d) ran one batch over batch_timeout_s=%g; "
+                      "killing it", self.name, i, proc.pid, self.batch_timeout_s)
+            self._hung[i] = True
+            proc.kill()  # the next pass sees it dead: its batch fails, a new one starts
 
     def _replace(self, i: int, proc) -> None:
         r = self._seg.ring
@@ -267,6 +283,10 @@ class Engine:
             proc.join(0)
             why = (f"killed by signal {-proc.exitcode}" if proc.exitcode and proc.exitcode < 0
                    else f"exit code {proc.exitcode}")
+            if self._hung[i]:
+                why = f"hung: its batch ran over batch_timeout_s={self.batch_timeout_s:g}"
+                self._hung[i] = False
+            self._seg.mark_batch(i, 0)
             failed = r.reap_batcher(i, f"batcher {i} (pid {proc.pid}) died ({why}) "
                                        f"while serving this request".encode())
             r.set_word(ring.W_BATCHER_PID + i, 0)

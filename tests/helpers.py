@@ -20,6 +20,15 @@ def in_place_affine():
     return run
 
 
+def hangs_on_negative():
+    """2x + 1, but a batch holding a negative value never returns (a hung model)."""
+    def run(batch, lengths=None):
+        while (batch < 0).any():
+            ring.spin_ns(10_000_000)
+        return batch * 2 + 1
+    return run
+
+
 def slow_affine(fixed_ms=50.0):
     def run(batch, lengths=None):
         ring.spin_ns(int(fixed_ms * 1e6))

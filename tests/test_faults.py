@@ -85,6 +85,26 @@ def test_killed_batcher_is_restarted_and_queued_requests_are_answered(make_engin
     assert stats["instances_alive"] == 1
 
 
+def test_a_hung_batcher_is_replaced_and_only_its_batch_fails(make_engine):
+    eng = make_engine("hung", backend="helpers:hangs_on_negative", max_batch_size=1,
+                      batch_timeout_s=0.5)
+    old_pid = eng.stats()["batcher_pids"][0]
+    with engine.Client(eng.name) as c:
+        hung = c.submit(-X, timeout=30)
+        queued = c.submit(X, timeout=30)  # behind the hung batch
+        with pytest.raises(engine.BackendError, match="batch_timeout_s=0.5") as info:
+            hung.result(timeout=30)
+        assert info.value.exc_type == "BatcherDied"
+        assert np.array_equal(queued.result(timeout=30), X * 2 + 1)
+    stats = eng.stats()
+    assert stats["batcher_restarts_total"] == 1 and stats["batcher_pids"][0] != old_pid
+
+
+def test_a_batch_timeout_must_be_positive():
+    with pytest.raises(ValueError, match="batch_timeout_s must be > 0"):
+        engine.Engine(unique_name("bad-timeout"), batch_timeout_s=0)
+
+
 CRASHING_ENGINE = textwrap.dedent("""
     import sys, engine
     eng = engine.Engine(sys.argv[1], backend="engine.backends:identity").start()

@@ -149,6 +149,8 @@ def test_cleanup_removes_a_killed_serve_and_refuses_a_live_one(serves):
       "--output-shape", "16"], "max_input_shape"),
     (["--name", "NAME", "--backend", "helpers:no_such", "--input-shape", "16",
       "--output-shape", "16"], "AttributeError"),
+    (["--name", "NAME", "--backend", "engine.backends:identity", "--input-shape", "16",
+      "--output-shape", "16", "--batch-timeout-s", "-1"], "batch_timeout_s must be > 0"),
 ])
 def test_bad_flags_give_one_line_and_create_nothing(flags, reason):
     name = unique_name("bad")
