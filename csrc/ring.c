@@ -665,26 +665,6 @@ void sb_wake_work(void *base)
 	futex_wake(&h->work_seq, INT_MAX);
 }
 
-uint32_t sb_scan(const void *base, uint64_t *oldest_arrival_ns)
-{
-	const uint64_t *ctl = ctl_at(base, 0);
-	uint32_t cap = hdr(base)->capacity, n = 0;
-	uint64_t oldest = UINT64_MAX;
-	for (uint32_t i = 0; i < cap; i++) {
-		/* relaxed: only the state is read here ... */
-		if (SB_CTL_STATE(sb_load_relaxed(&ctl[i])) != SB_READY)
-			continue;
-		/* ... acquire: pairs with the publish CAS, so arrival_ns is set */
-		sb_fence_acquire();
-		uint64_t t = meta_at(base, i)->arrival_ns;
-		n++;
-		if (t < oldest)
-			oldest = t;
-	}
-	*oldest_arrival_ns = oldest;
-	return n;
-}
-
 static int by_arrival(const void *a, const void *b)
 {
 	const uint64_t *x = a, *y = b; /* {arrival_ns, slot} pairs */
@@ -702,7 +682,8 @@ uint32_t sb_claim(void *base, uint32_t batcher, uint32_t max_n, uint32_t flush_n
 	uint64_t oldest = UINT64_MAX;
 	report[SB_R_CLAIM_NS] = 0;
 	for (uint32_t i = 0; i < cap; i++) {
-		/* relaxed, then an acquire fence for a READY one: as in sb_scan */
+		/* relaxed: only the state is read here; then, for a READY one, an
+		 * acquire fence pairs with the publish CAS, so arrival_ns is set */
 		if (SB_CTL_STATE(sb_load_relaxed(&ctl[i])) != SB_READY)
 			continue;
 		sb_fence_acquire();

@@ -235,7 +235,6 @@ int sb_wait_done_seq(void *base, uint32_t seen, int64_t timeout_ns);
 uint32_t sb_work_seq(const void *base);
 int sb_wait_work(void *base, uint32_t seen, int64_t timeout_ns, uint64_t spin_ns);
 void sb_wake_work(void *base);
-uint32_t sb_scan(const void *base, uint64_t *oldest_arrival_ns);
 /* One pass over ctl[] that counts the READY slots and finds the oldest
  * arrival; if at least flush_n are READY or the oldest arrived at or before
  * cutoff_ns (the caller's flush rule), claims up to max_n of the oldest for

@@ -37,7 +37,7 @@ IDLE_CHECK_NS = 1_000_000_000
 # it sleeps: under steady load the next request comes within it, and neither
 # side then pays a kernel wake-up. One spin per batch at most: an idle
 # batcher sleeps. Never on one CPU, where it would delay the clients.
-SPIN_NS = 50_000 if (os.cpu_count() or 1) > 1 else 0
+SPIN_NS = 50_000 if len(os.sched_getaffinity(0)) > 1 else 0  # read before any pinning
 
 
 class BadResult(Exception):

@@ -101,22 +101,23 @@ class Ring:
         lib.sb_word_add(self.base, word, delta)
 
     # -- client -----------------------------------------------------------
-    def _ticket(self):
-        out = getattr(self._tls, "ticket", None)
+    def _buffer(self, name: str, ctype: str):
+        out = getattr(self._tls, name, None)
         if out is None:  # one buffer per thread: ffi.new per call costs ~1 us
-            out = self._tls.ticket = ffi.new("uint32_t[2]")
+            out = ffi.new(ctype)
+            setattr(self._tls, name, out)
         return out
 
     def acquire(self, pid: int, start_ticks: int):
         """(code, slot, generation)."""
-        out = self._ticket()
+        out = self._buffer("ticket", "uint32_t[2]")
         code = lib.sb_acquire(self.base, pid, start_ticks, out, out + 1)
         return code, out[0], out[1]
 
     def submit(self, pid: int, start_ticks: int, row: np.ndarray, length: int):
         """acquire + copy the C-contiguous row into the slot + publish, in
         one call: (code, slot, generation)."""
-        out = self._ticket()
+        out = self._buffer("ticket", "uint32_t[2]")
         code = lib.sb_submit(self.base, pid, start_ticks, ffi.from_buffer(row), row.nbytes,
                              length, out)
         return code, out[0], out[1]
@@ -129,9 +130,7 @@ class Ring:
     def take_timed(self, slot: int, gen: int, out: np.ndarray):
         """take() with no wait; (code, (arrival_ns, claim_ns, done_ns)) of the
         request, the stamps valid when code is OK."""
-        times = getattr(self._tls, "times", None)
-        if times is None:
-            times = self._tls.times = ffi.new("uint64_t[3]")
+        times = self._buffer("times", "uint64_t[3]")
         code = lib.sb_take(self.base, slot, gen, 0, 0, ffi.from_buffer(out), out.nbytes, times)
         return code, tuple(ffi.unpack(times, 3))  # [T_ARRIVAL, T_CLAIM, T_DONE]
 
@@ -195,12 +194,6 @@ class Ring:
 
     def wake_work(self) -> None:
         lib.sb_wake_work(self.base)
-
-    def scan(self):
-        """(number of READY slots, arrival_ns of the oldest)."""
-        oldest = ffi.new("uint64_t *")
-        n = lib.sb_scan(self.base, oldest)
-        return n, oldest[0]
 
     def claim(self, batcher: int, max_n: int, flush_n: int, cutoff_ns: int, batch: "Batch"):
         """Claims up to max_n of the oldest READY slots into batch.slots/gens/
