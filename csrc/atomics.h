@@ -16,6 +16,7 @@
 #define sb_store_relaxed(p, v)  __atomic_store_n((p), (v), __ATOMIC_RELAXED)
 #define sb_store_release(p, v)  __atomic_store_n((p), (v), __ATOMIC_RELEASE)
 #define sb_fence_acquire()      __atomic_thread_fence(__ATOMIC_ACQUIRE)
+#define sb_fence_seq_cst()      __atomic_thread_fence(__ATOMIC_SEQ_CST)
 #define sb_add_relaxed(p, v)    __atomic_fetch_add((p), (v), __ATOMIC_RELAXED)
 #define sb_add_seq_cst(p, v)    __atomic_fetch_add((p), (v), __ATOMIC_SEQ_CST)
 #define sb_sub_seq_cst(p, v)    __atomic_fetch_sub((p), (v), __ATOMIC_SEQ_CST)

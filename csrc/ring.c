@@ -32,6 +32,8 @@ _Static_assert(offsetof(sb_header, done_seq) == 2240, "layout drawing");
 _Static_assert(offsetof(sb_header, alloc_hint) == 2304, "layout drawing");
 _Static_assert(offsetof(sb_header, words) == 2368, "layout drawing");
 _Static_assert(offsetof(sb_header, hist) == 3392, "layout drawing");
+_Static_assert(offsetof(sb_header, free_seq) == 6464, "layout drawing");
+_Static_assert(offsetof(sb_header, evict_seq) == 6528, "layout drawing");
 _Static_assert(sizeof(sb_slot_meta) == 64, "one cache line per slot");
 _Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
 	       "the futex word is the low half of ctl at its own address");
@@ -113,6 +115,25 @@ static int futex_wait(uint32_t *addr, uint32_t expected, int64_t timeout_ns)
 static void futex_wake(uint32_t *addr, int n)
 {
 	syscall(SYS_futex, addr, FUTEX_WAKE, n, NULL, NULL, 0);
+}
+
+/* A sequence word with a count of its sleepers (done_seq, free_seq,
+ * evict_seq): the waker bumps it and makes the wake syscall only while one
+ * sleeps. seq_cst on both sides (Dekker): either the waker sees the sleeper
+ * counted, or the sleeper's futex_wait sees the word moved on. */
+static void seq_bump(uint32_t *seq, uint32_t *sleepers)
+{
+	sb_add_seq_cst(seq, 1);
+	if (sb_load_seq_cst(sleepers))
+		futex_wake(seq, INT_MAX);
+}
+
+static int seq_wait(uint32_t *seq, uint32_t *sleepers, uint32_t seen, int64_t timeout_ns)
+{
+	sb_add_seq_cst(sleepers, 1);
+	int r = futex_wait(seq, seen, timeout_ns);
+	sb_sub_seq_cst(sleepers, 1);
+	return r;
 }
 
 /* Spins until *word != seen or spin_ns pass; returns the word's last value.
@@ -303,6 +324,19 @@ static void lower_alloc_hint(sb_header *h, uint32_t slot)
 		;
 }
 
+/* Every transition to FREE ends here: a lower slot becomes the next one
+ * handed out, and a client sleeping on a full ring is woken. */
+static void slot_freed(sb_header *h, uint32_t slot)
+{
+	lower_alloc_hint(h, slot);
+	/* seq_cst: the freeing CAS comes before the read of free_waiters, as
+	 * sb_acquire_wait counts itself before its last look (Dekker); on x86
+	 * the CAS is a full barrier already and this costs one fence */
+	sb_fence_seq_cst();
+	if (sb_load_relaxed(&h->free_waiters))
+		seq_bump(&h->free_seq, &h->free_waiters);
+}
+
 static int acquire_one(void *base, uint32_t pid, uint64_t start_ticks,
 		       uint32_t *slot, uint32_t *gen)
 {
@@ -342,10 +376,7 @@ int sb_acquire(void *base, uint32_t pid, uint64_t start_ticks,
 {
 	if (pid == 0 || pid > SB_PID_MASK)
 		return SB_EBADARG;
-	int r = acquire_one(base, pid, start_ticks, slot, gen);
-	if (r == SB_EFULL)
-		sb_add_relaxed(&hdr(base)->words[SB_W_REJECTED], 1);
-	return r;
+	return acquire_one(base, pid, start_ticks, slot, gen);
 }
 
 uint32_t sb_acquire_many(void *base, uint32_t pid, uint64_t start_ticks,
@@ -356,8 +387,6 @@ uint32_t sb_acquire_many(void *base, uint32_t pid, uint64_t start_ticks,
 		return 0;
 	while (k < n && acquire_one(base, pid, start_ticks, &slots[k], &gens[k]) == SB_OK)
 		k++;
-	if (k == 0 && n > 0)
-		sb_add_relaxed(&hdr(base)->words[SB_W_REJECTED], 1);
 	return k;
 }
 
@@ -433,7 +462,7 @@ int sb_cancel(void *base, uint32_t slot, uint32_t gen)
 		if (SB_CTL_GEN(cur) != gen || SB_CTL_STATE(cur) != SB_WRITING)
 			return SB_ESTALE;
 	} while (!sb_cas_acq_rel(c, &cur, freed(cur)));
-	lower_alloc_hint(hdr(base), slot);
+	slot_freed(hdr(base), slot);
 	return SB_OK;
 }
 
@@ -523,7 +552,7 @@ int sb_release(void *base, uint32_t slot, uint32_t gen)
 		/* release: our reads of the output row finish before a new
 		 * owner's acquire CAS lets it write the slot */
 	} while (!sb_cas_acq_rel(c, &cur, freed(cur)));
-	lower_alloc_hint(hdr(base), slot);
+	slot_freed(hdr(base), slot);
 	return SB_OK;
 }
 
@@ -574,8 +603,11 @@ int sb_abandon(void *base, uint32_t slot, uint32_t gen)
 		default:
 			return SB_ESTALE;
 		}
-		if (sb_cas_acq_rel(c, &cur, want))
+		if (sb_cas_acq_rel(c, &cur, want)) {
+			if (SB_CTL_STATE(want) == SB_FREE)
+				slot_freed(h, slot);
 			return SB_OK; /* the caller counts it if it was a timeout */
+		}
 	}
 }
 
@@ -620,19 +652,50 @@ uint32_t sb_done_seq(const void *base)
 
 int sb_wait_done_seq(void *base, uint32_t seen, int64_t timeout_ns)
 {
-	sb_header *h = hdr(base);
-	/* seq_cst: the same sleeper/waker pairing as work_seq */
-	sb_add_seq_cst(&h->done_waiters, 1);
-	int r = futex_wait(&h->done_seq, seen, timeout_ns);
-	sb_sub_seq_cst(&h->done_waiters, 1);
-	return r;
+	return seq_wait(&hdr(base)->done_seq, &hdr(base)->done_waiters, seen, timeout_ns);
 }
 
 static void bump_done_seq(sb_header *h)
 {
-	sb_add_seq_cst(&h->done_seq, 1);
-	if (sb_load_seq_cst(&h->done_waiters))
-		futex_wake(&h->done_seq, INT_MAX);
+	seq_bump(&h->done_seq, &h->done_waiters);
+}
+
+int sb_acquire_wait(void *base, uint32_t pid, uint64_t start_ticks,
+		    int64_t timeout_ns, uint32_t *slot, uint32_t *gen)
+{
+	sb_header *h = hdr(base);
+	if (pid == 0 || pid > SB_PID_MASK)
+		return SB_EBADARG;
+	uint64_t deadline = sb_now_ns() + (timeout_ns > 0 ? (uint64_t)timeout_ns : 0);
+	for (;;) {
+		/* counted before the look, so a slot freed after the look wakes us
+		 * (see slot_freed); the fence keeps the look after the count */
+		uint32_t seen = sb_load_acquire(&h->free_seq);
+		sb_add_seq_cst(&h->free_waiters, 1);
+		sb_fence_seq_cst();
+		int r = acquire_one(base, pid, start_ticks, slot, gen);
+		int64_t left = remaining_ns(deadline);
+		if (r == SB_EFULL && left > 0)
+			futex_wait(&h->free_seq, seen, left);
+		sb_sub_seq_cst(&h->free_waiters, 1);
+		if (r != SB_EFULL || left == 0)
+			return r;
+	}
+}
+
+void sb_request_evict(void *base)
+{
+	seq_bump(&hdr(base)->evict_seq, &hdr(base)->evictors);
+}
+
+uint32_t sb_evict_seq(const void *base)
+{
+	return sb_load_acquire(&hdr(base)->evict_seq);
+}
+
+int sb_wait_evict(void *base, uint32_t seen, int64_t timeout_ns)
+{
+	return seq_wait(&hdr(base)->evict_seq, &hdr(base)->evictors, seen, timeout_ns);
 }
 
 /* ---- batcher ---- */
@@ -774,8 +837,10 @@ static int complete_one(void *base, uint32_t slot, uint32_t gen, uint32_t batche
 		/* release: the output row (or error) is written before DONE */
 		if (!sb_cas_acq_rel(c, &cur, want))
 			continue; /* the client set its waiting bit: retry */
-		if (SB_CTL_STATE(want) == SB_FREE)
+		if (SB_CTL_STATE(want) == SB_FREE) {
+			slot_freed(h, slot);
 			return SB_ESTALE;
+		}
 		sb_add_relaxed(&h->words[status == SB_STATUS_OK ? SB_W_ANSWERED : SB_W_ERRORS], 1);
 		if (cur & SB_WAITING_BIT)
 			futex_wake(futex_word(c), INT_MAX);
@@ -884,6 +949,8 @@ int sb_reap_slot(void *base, uint32_t slot, uint64_t expected_ctl)
 	/* the CAS fails if anything moved since the caller judged the owner */
 	if (!sb_cas_acq_rel(ctl_at(base, slot), &expected_ctl, want))
 		return SB_ESTALE;
+	if (SB_CTL_STATE(want) == SB_FREE)
+		slot_freed(h, slot);
 	sb_add_relaxed(&h->words[SB_W_RECLAIMED], 1);
 	return SB_OK;
 }
@@ -908,6 +975,8 @@ uint32_t sb_reap_batcher(void *base, uint32_t batcher, const char *msg,
 			/* release: the error text is written before FAILED */
 			if (!sb_cas_acq_rel(c, &cur, want))
 				continue;
+			if (st == SB_ABANDONED)
+				slot_freed(h, i);
 			if (st == SB_CLAIMED) {
 				failed++;
 				sb_add_relaxed(&h->words[SB_W_ERRORS], 1);

@@ -23,6 +23,8 @@
  *          | 2304 alloc_hint u32: where acquire starts looking         |
  *          | 2368 words[128] u64: engine state, pids, counters (SB_W_*)|
  *          | 3392 hist[3][128] u64: queue wait, service, batch size    |
+ *          | 6464 free_seq u32 (futex)  6468 free_waiters u32          |
+ *          | 6528 evict_seq u32 (futex) 6532 evictors u32              |
  *   8192   +-----------------------------------------------------------+
  *          | ctl[C]      u64 per slot, dense for the batcher's scan    |
  *          +------------------------------------------- 64-aligned ----+
@@ -85,6 +87,10 @@
  * BLOCKING: futexes on shared words, never polling. Clients sleep on their
  * slot's ctl (low half); batchers sleep on work_seq, which every publish
  * bumps; async waiters sleep on done_seq, which every finished batch bumps.
+ * A client that found the ring full sleeps on free_seq, which a freed slot
+ * bumps only while someone waits (free_waiters); each client process's
+ * evictor sleeps on evict_seq, which such a client bumps to ask every
+ * process to move its finished, unread answers out of the ring.
  * A wake is a hint: every waiter re-reads the word it waits for. A waiter
  * may first spin for a bounded spin_ns, re-reading the word: a spinner is
  * not marked asleep, so its waker skips the syscall and it skips the
@@ -100,7 +106,7 @@
 #include <stdint.h>
 
 /* --- cdef: everything from here to "cdef end" is read by cffi --------- */
-#define SB_LAYOUT_VERSION 2 /* 2: meta.done_ns, alloc_hint */
+#define SB_LAYOUT_VERSION 3 /* 2: meta.done_ns, alloc_hint; 3: free_seq, evict_seq */
 #define SB_HEADER_BYTES 8192
 #define SB_CONFIG_BYTES 2048
 #define SB_ERRMSG_BYTES 256
@@ -195,7 +201,8 @@ uint64_t sb_word_get(const void *base, int word);
 void sb_word_set(void *base, int word, uint64_t value);
 void sb_word_add(void *base, int word, uint64_t delta);
 
-/* client */
+/* client (an EFULL is not counted here: the caller decides whether it is a
+ * rejection, after it has tried to make room) */
 int sb_acquire(void *base, uint32_t pid, uint64_t start_ticks,
 	       uint32_t *slot, uint32_t *gen);
 int sb_publish(void *base, uint32_t slot, uint32_t gen, uint32_t length);
@@ -230,6 +237,14 @@ uint32_t sb_slot_error(const void *base, uint32_t slot, char *msg,
 		       uint32_t msg_cap, uint32_t *msg_len);
 uint32_t sb_done_seq(const void *base);
 int sb_wait_done_seq(void *base, uint32_t seen, int64_t timeout_ns);
+/* making room in a full ring: acquire, sleeping until a slot is freed, at
+ * most timeout_ns (SB_EFULL then); ask every client process's evictor to move
+ * its answered slots out (bumps evict_seq); the evictor's wait for that */
+int sb_acquire_wait(void *base, uint32_t pid, uint64_t start_ticks,
+		    int64_t timeout_ns, uint32_t *slot, uint32_t *gen);
+void sb_request_evict(void *base);
+uint32_t sb_evict_seq(const void *base);
+int sb_wait_evict(void *base, uint32_t seen, int64_t timeout_ns);
 
 /* batcher */
 uint32_t sb_work_seq(const void *base);
@@ -306,6 +321,8 @@ typedef struct {
 	uint32_t alloc_hint, _pad4[15];
 	uint64_t words[SB_WORDS];
 	uint64_t hist[3][SB_HIST_BUCKETS];
+	uint32_t free_seq, free_waiters, _pad5[14];
+	uint32_t evict_seq, evictors, _pad6[14];
 } sb_header;
 
 typedef struct {

@@ -16,6 +16,13 @@ Then:
   settles what is answered after each batch: no thread per request;
 - request() lends a slot: its row is written and its answer read in place.
 
+Capacity: queue_capacity bounds the requests queued or being computed;
+answers waiting to be read do not count. A client that finds every slot
+taken first makes room: it settles its own process's answered Futures (copy
+out, free), reclaims the slots of dead owners, and asks every other client
+process (through its evictor thread) to do the same, waiting up to
+EVICT_WAIT_NS for a freed slot. Only then is the request refused (QueueFull).
+
 A timed-out request is abandoned with a CAS on its ticket, so a late answer
 can never reach a newer request that reuses the slot. A Client is shared by
 threads freely; after os.fork() the child rebinds its process identity and
@@ -32,7 +39,7 @@ from typing import Optional
 
 import numpy as np
 
-from engine import liveness, ring
+from engine import liveness, reaper, ring
 from engine.errors import (BackendError, EngineError, EngineUnavailable, InvalidInput,
                            QueueFull, RequestTimeout)
 from engine.layout import Segment
@@ -50,6 +57,12 @@ LIVENESS_SLICE_NS = 100_000_000
 # client would only delay the batcher it waits for.
 SPIN_NS = 50_000 if len(os.sched_getaffinity(0)) > 1 else 0
 
+# How long a client that found the ring full of answers waits for other
+# processes' evictors to move them out, before it raises QueueFull.
+EVICT_WAIT_NS = 100_000_000
+# How often an idle evictor checks that its client still exists.
+EVICTOR_SLICE_NS = 1_000_000_000
+
 _clients = weakref.WeakSet()
 
 
@@ -61,9 +74,29 @@ def _deadline_ns(timeout: Optional[float]) -> Optional[int]:
     return ring.now_ns() + int(timeout * 1e9)
 
 
-def _queue_full(seg) -> QueueFull:
-    return QueueFull(f"queue_capacity {seg.capacity} reached: expected a free slot, "
-                     f"got {seg.capacity} requests queued or in flight")
+def _queue_full(seg, census: "reaper.Census") -> QueueFull:
+    """The refusal, counted, with what holds the slots (after making room)."""
+    seg.ring.add_word(ring.W_REJECTED)
+    busy = census.count(ring.READY, ring.CLAIMED, ring.ABANDONED)
+    held = census.answered_by_pid()
+    text = (f"queue_capacity {seg.capacity} reached: expected a free slot, got {busy} requests "
+            f"queued or being computed, {census.count(ring.WRITING)} being written or lent")
+    if held:
+        text += (f", {sum(held.values())} answers unread in live processes "
+                 f"{sorted(held)} that did not let them go within {EVICT_WAIT_NS // 1_000_000} ms")
+    return QueueFull(text)
+
+
+def _sweep_process(seg) -> int:
+    """Settles the answered Futures of every client of this process on the
+    engine of seg (copy out, free the slot); returns how many."""
+    freed = 0
+    for client in list(_clients):
+        other = client._seg
+        if (other is not None and client._pid == os.getpid() and other.name == seg.name
+                and other.incarnation == seg.incarnation):
+            freed += client._sweep_answered()
+    return freed
 
 
 def _backend_error(status: int, text: str) -> BackendError:
@@ -94,6 +127,8 @@ class Client:
         self._spin_ns = SPIN_NS  # see SPIN_NS; shared by threads, a hint only
         self._futures_lock = threading.RLock()  # see _Request
         self._futures_cond = threading.Condition(self._futures_lock)
+        self._held = {}  # slot -> weakref of the pending submit() Future holding it
+        self._evictor: Optional[_Evictor] = None
 
     # -- public API ---------------------------------------------------------
     def infer(self, x, timeout: Optional[float] = 1.0, out: Optional[np.ndarray] = None) -> np.ndarray:
@@ -101,7 +136,7 @@ class Client:
         in out (a writable C-contiguous array of the output's dtype and shape,
         reused by the caller: a large answer then lands in warm memory)."""
         deadline = _deadline_ns(timeout)
-        seg, slot, gen = self._enqueue(x, out)
+        seg, slot, gen = self._enqueue(x, deadline, out)
         return self._await(seg, slot, gen, deadline, timeout, out)
 
     def submit(self, x, timeout: Optional[float] = 1.0,
@@ -110,7 +145,9 @@ class Client:
         out if given (as for infer). cancel() withdraws the request while no
         batch has answered it."""
         deadline = _deadline_ns(timeout)
-        seg, slot, gen = self._enqueue(x, out)
+        seg, slot, gen = self._enqueue(x, deadline, out)
+        if self._evictor is None:
+            self._start_evictor()
         return _Request(self, seg, slot, gen, deadline, timeout, out)
 
     async def infer_async(self, x, timeout: Optional[float] = 1.0) -> np.ndarray:
@@ -118,7 +155,7 @@ class Client:
         deadline = _deadline_ns(timeout)
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        seg, slot, gen = self._enqueue(x)
+        seg, slot, gen = self._enqueue(x, deadline)
 
         def settle(value, error):
             if not future.done():
@@ -147,7 +184,7 @@ class Client:
                                f"of input {seg.config.input_spec()}")
         code, slot, gen = seg.ring.acquire(self._pid, self._start_ticks)
         if code == ring.EFULL:
-            raise _queue_full(seg)
+            code, slot, gen = self._make_room(seg, None)
         if code != ring.OK:
             raise EngineUnavailable(f"cannot enqueue on engine {self.name!r} (code {code})")
         return SlotRequest(self, seg, slot, gen)
@@ -170,9 +207,13 @@ class Client:
         codes = np.empty(chunk, np.int32)
         done = 0
         while done < n:
-            k = r.acquire_many(self._pid, self._start_ticks, min(chunk, n - done), slots, gens)
+            want = min(chunk, n - done)
+            k = r.acquire_many(self._pid, self._start_ticks, want, slots, gens)
             if k == 0:
-                raise _queue_full(seg)
+                code, slots[0], gens[0] = self._make_room(seg, deadline)
+                if code != ring.OK:
+                    raise EngineUnavailable(f"cannot enqueue on engine {self.name!r} (code {code})")
+                k = 1 + r.acquire_many(self._pid, self._start_ticks, want - 1, slots[1:], gens[1:])
             s, g = slots[:k], gens[:k]
             rows = xs[done:done + k]
             if cfg.var_axis is not None:  # equal lengths, zero-padded to the bound
@@ -244,26 +285,74 @@ class Client:
             raise
         return seg, array, length
 
-    def _enqueue(self, x, out=None):
+    def _enqueue(self, x, deadline, out=None):
         seg, array, length = self._validated(x, out=out)
         r = seg.ring
-        if seg.fixed_shape and array.flags.c_contiguous:  # one C call: take, copy, publish
+        fused = seg.fixed_shape and array.flags.c_contiguous
+        if fused:  # one C call: take, copy, publish
             code, slot, gen = r.submit(self._pid, self._start_ticks, array, length)
         else:
             code, slot, gen = r.acquire(self._pid, self._start_ticks)
-            if code == ring.OK:
-                try:
-                    self._write_row(seg, slot, array, length)
-                except BaseException:
-                    r.cancel(slot, gen)
-                    raise
-                code = r.publish(slot, gen, length)
         if code == ring.EFULL:
-            raise _queue_full(seg)
+            code, slot, gen = self._make_room(seg, deadline)
+            fused = False
+        if code == ring.OK and not fused:
+            try:
+                self._write_row(seg, slot, array, length)
+            except BaseException:
+                r.cancel(slot, gen)
+                raise
+            code = r.publish(slot, gen, length)
         if code != ring.OK:
             raise EngineUnavailable(f"cannot enqueue on engine {self.name!r} (code {code}: the "
                                     f"engine reclaimed the request or refused it)")
         return seg, slot, gen
+
+    def _make_room(self, seg, deadline):
+        """(code, slot, generation) of a slot taken after the ring was found
+        full: this process's answered Futures are settled, dead owners' slots
+        reclaimed, other processes asked to let their answers go (waiting up
+        to EVICT_WAIT_NS, within the deadline); QueueFull if still none."""
+        r = seg.ring
+        if _sweep_process(seg):
+            code, slot, gen = r.acquire(self._pid, self._start_ticks)
+            if code != ring.EFULL:
+                return code, slot, gen
+        census = reaper.Census(r, seg.capacity)
+        if reaper.reap_dead_clients(r, census):
+            code, slot, gen = r.acquire(self._pid, self._start_ticks)
+            if code != ring.EFULL:
+                return code, slot, gen
+            census = reaper.Census(r, seg.capacity)
+        if census.answered_by_pid():  # answers another process has not read yet
+            r.request_evict()
+            wait_ns = EVICT_WAIT_NS
+            if deadline is not None:
+                wait_ns = max(0, min(wait_ns, deadline - ring.now_ns()))
+            code, slot, gen = r.acquire_wait(self._pid, self._start_ticks, wait_ns)
+            if code != ring.EFULL:
+                return code, slot, gen
+            census = reaper.Census(r, seg.capacity)
+        raise _queue_full(seg, census)
+
+    def _sweep_answered(self) -> int:
+        """Settles this client's pending Futures that are answered, so that
+        their slots are free; returns how many."""
+        settled = 0
+        for slot, ref in list(self._held.items()):
+            future = ref()
+            if future is None:
+                if self._held.get(slot) is ref:
+                    del self._held[slot]
+            elif future._state == _PENDING and future.try_settle():
+                settled += 1
+        return settled
+
+    def _start_evictor(self) -> None:
+        with self._lock:
+            if self._evictor is None:
+                self._evictor = _Evictor(self)
+                self._evictor.start()
 
     @staticmethod
     def _write_row(seg, slot, array, length) -> None:
@@ -464,6 +553,8 @@ class _Request(concurrent.futures.Future):
         self.deadline, self.timeout, self.out = deadline, timeout, out
         self._pid = client._pid
         self._watched = False
+        self._ref = weakref.ref(self)
+        client._held[slot] = self._ref  # for Client._sweep_answered
         # once answered: the engine's (arrival_ns, claim_ns, done_ns) of the request
         # (CLOCK_MONOTONIC): its queue wait is claim - arrival, its batch done - claim
         self.stamps_ns = None
@@ -517,6 +608,8 @@ class _Request(concurrent.futures.Future):
                 return True
             settled, value, error, self.stamps_ns = _settle_ticket(
                 self.client, self.seg, self.slot, self.gen, give_up, self.out)
+            if settled and self.client._held.get(self.slot) is self._ref:
+                del self.client._held[self.slot]
             if settled and error is None and not self._waiter_list and not self._done_callbacks:
                 self._result, self._state = value, _FINISHED  # set_result, when nobody waits
             elif error is not None:
@@ -561,6 +654,30 @@ class _Request(concurrent.futures.Future):
                 self.seg.ring.release_slot(self.slot, self.gen)
         except Exception:  # at interpreter exit, modules may be gone already
             pass
+
+
+class _Evictor(threading.Thread):
+    """Moves this client's answered Futures out of the ring when a client of
+    any process finds it full (it bumps evict_seq): one sleeping thread per
+    client that has used submit(), woken only then."""
+
+    def __init__(self, client: Client):
+        super().__init__(name=f"shmbatch-evictor-{client.name}", daemon=True)
+        self.client = weakref.ref(client)  # the thread must not keep its client alive
+
+    def run(self) -> None:
+        while True:
+            client = self.client()
+            if client is None or client._seg is None or client._pid != os.getpid():
+                return
+            seg, client = client._seg, None
+            seen = seg.ring.evict_seq()
+            seg.ring.wait_evict(seen, EVICTOR_SLICE_NS)
+            if seg.ring.evict_seq() != seen:
+                client = self.client()
+                if client is not None:
+                    client._sweep_answered()
+                    client = None
 
 
 class _WatchOnAppend(list):

@@ -178,6 +178,23 @@ class Ring:
         status = lib.sb_slot_error(self.base, slot, buf, ERRMSG_BYTES, length)
         return status, ffi.unpack(buf, length[0]).decode("utf-8", "replace")
 
+    def acquire_wait(self, pid: int, start_ticks: int, timeout_ns: int):
+        """acquire(), sleeping up to timeout_ns until a slot is freed:
+        (code, slot, generation), code EFULL if none was."""
+        out = self._buffer("ticket", "uint32_t[2]")
+        code = lib.sb_acquire_wait(self.base, pid, start_ticks, timeout_ns, out, out + 1)
+        return code, out[0], out[1]
+
+    def request_evict(self) -> None:
+        """Asks every client process to move its answered slots out of the ring."""
+        lib.sb_request_evict(self.base)
+
+    def evict_seq(self) -> int:
+        return lib.sb_evict_seq(self.base)
+
+    def wait_evict(self, seen: int, timeout_ns: int) -> int:
+        return lib.sb_wait_evict(self.base, seen, timeout_ns)
+
     def done_seq(self) -> int:
         return lib.sb_done_seq(self.base)
 

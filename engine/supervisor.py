@@ -26,9 +26,7 @@ import threading
 import weakref
 from typing import Optional
 
-import numpy as np
-
-from engine import liveness, metrics, ring
+from engine import liveness, metrics, reaper, ring
 from engine.errors import BackendError, EngineUnavailable
 from engine.layout import EngineConfig, Segment
 
@@ -56,7 +54,8 @@ class Engine:
                  output_shape=(16,), output_dtype="float32", max_batch_size: int = 32,
                  max_delay_ms: float = 0.0, queue_capacity: int = 1024, instances: int = 1,
                  cpus=None, gpus=None, start_timeout_s: float = 120.0,
-                 drain_timeout_s: float = 30.0, batch_timeout_s: Optional[float] = None):
+                 drain_timeout_s: float = 30.0, batch_timeout_s: Optional[float] = None,
+                 reap_interval_s: float = REAP_INTERVAL_S):
         self.config = EngineConfig(
             name=name, input_shape=input_shape, input_dtype=input_dtype,
             output_shape=output_shape, output_dtype=output_dtype,
@@ -77,6 +76,11 @@ class Engine:
         # the batch fails (BatcherDied) and a new batcher serves the queue
         self.batch_timeout_s = batch_timeout_s
         self._hung = [False] * instances
+        if not reap_interval_s > 0:
+            raise ValueError(f"reap_interval_s must be > 0, got {reap_interval_s}")
+        # how often dead clients' slots are looked for; a client that finds the
+        # ring full reclaims them at once, without waiting for this
+        self.reap_interval_s = reap_interval_s
         self._seg: Optional[Segment] = None
         self._procs = [None] * instances
         self._restart_at_ns = [0] * instances
@@ -109,8 +113,6 @@ class Engine:
         r.set_word(ring.W_SUPERVISOR_START, liveness.start_ticks(pid) or 0)
         r.set_word(ring.W_SUPERVISOR_PID, pid)
         r.set_word(ring.W_INSTANCES, self.config.instances)
-        self._ctl = np.zeros(self._seg.capacity, dtype=np.uint64)
-        self._owner_start = np.zeros(self._seg.capacity, dtype=np.uint64)
         self._wake_r, self._wake_w = os.pipe()
         self._stopping.clear()
         self._started.clear()
@@ -149,9 +151,8 @@ class Engine:
         deadline = ring.now_ns() + int(timeout_s * 1e9)
         while ring.now_ns() < deadline:
             seen = r.done_seq()
-            r.snapshot(self._ctl, self._owner_start)
-            states = ring.ctl_state(self._ctl)
-            if not np.isin(states, (ring.WRITING, ring.READY, ring.CLAIMED)).any():
+            if not reaper.Census(r, self._seg.capacity).count(ring.WRITING, ring.READY,
+                                                              ring.CLAIMED):
                 return
             alive = any(p is not None and p.is_alive() for p in self._procs)
             if not alive:
@@ -259,7 +260,7 @@ class Engine:
         self._started.set()
         while not self._stopping.is_set():
             waitables = [p.sentinel for p in self._procs if p is not None] + [self._wake_r]
-            multiprocessing.connection.wait(waitables, timeout=REAP_INTERVAL_S)
+            multiprocessing.connection.wait(waitables, timeout=self.reap_interval_s)
             if self._stopping.is_set():
                 break
             for i, proc in enumerate(self._procs):
@@ -308,19 +309,9 @@ class Engine:
 
     def _reap_clients(self) -> None:
         """Frees the slots of clients that died (pid gone, or reused by another)."""
-        r = self._seg.ring
-        r.snapshot(self._ctl, self._owner_start)
-        states = ring.ctl_state(self._ctl)
-        pids = ring.ctl_pid(self._ctl)
-        owned = np.nonzero((states != ring.FREE) & (states != ring.ABANDONED) & (pids != 0))[0]
-        verdicts = {}
-        for slot in owned.tolist():
-            owner = (int(pids[slot]), int(self._owner_start[slot]))
-            if owner not in verdicts:
-                verdicts[owner] = not liveness.is_alive(*owner)
-            if verdicts[owner] and r.reap_slot(slot, int(self._ctl[slot])) == ring.OK:
-                log.info("engine %s: reclaimed slot %d of dead client pid %d",
-                         self.name, slot, owner[0])
+        census = reaper.Census(self._seg.ring, self._seg.capacity)
+        for slot, pid in reaper.reap_dead_clients(self._seg.ring, census):
+            log.info("engine %s: reclaimed slot %d of dead client pid %d", self.name, slot, pid)
 
 
 class _Batcher(subprocess.Popen):

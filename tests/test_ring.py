@@ -1,6 +1,7 @@
 """The C ring alone: its layout, its state machine, and many processes at once."""
 import multiprocessing
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -213,12 +214,26 @@ def test_consecutive_requests_take_consecutive_slots_and_a_freed_lower_one_comes
     assert r.acquire(pid, 0)[1] == slots[-1] + 1  # then on past the rows in use
 
 
-def test_full_ring_rejects_and_counts(segment):
+def test_full_ring_refuses_and_leaves_the_count_to_the_client(segment):
     r = segment.ring
     for _ in range(64):
         assert r.acquire(os.getpid(), 0)[0] == ring.OK
     assert r.acquire(os.getpid(), 0)[0] == ring.EFULL
-    assert r.word(ring.W_REJECTED) == 1
+    assert r.acquire_wait(os.getpid(), 0, 1_000_000)[0] == ring.EFULL  # after its bound
+    assert r.word(ring.W_REJECTED) == 0  # the client counts a refusal, once it has made room
+
+
+def test_a_client_waiting_on_a_full_ring_gets_the_slot_freed_by_another_thread(segment):
+    r = segment.ring
+    tickets = [r.acquire(os.getpid(), 0)[1:] for _ in range(64)]
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(r.acquire_wait(os.getpid(), 0, 30 * 10**9)))
+    started = ring.now_ns()
+    waiter.start()
+    assert r.cancel(*tickets[40]) == ring.OK  # before or during its sleep: it must see it
+    waiter.join(timeout=60)
+    assert got and got[0][:2] == (ring.OK, 40)
+    assert ring.now_ns() - started < 30 * 10**9  # woken, not timed out
 
 
 def test_reaping_a_dead_batcher_fails_its_claims_only(segment):

@@ -1,0 +1,46 @@
+"""Reclaiming the slots of dead clients: who owns a slot, and whether it lives.
+
+Each slot's control word names its owner's pid, and its meta the owner's
+start time; death is judged by both (liveness), so a reused pid is not taken
+for the owner. The supervisor calls this every REAP_INTERVAL_S; a client that
+finds the ring full calls it at once, before it refuses a request.
+"""
+import numpy as np
+
+from engine import liveness, ring
+
+
+class Census:
+    """One snapshot of every slot's control word and owner."""
+
+    def __init__(self, r: ring.Ring, capacity: int):
+        self.ctl = np.zeros(capacity, dtype=np.uint64)
+        self.owner_start = np.zeros(capacity, dtype=np.uint64)
+        r.snapshot(self.ctl, self.owner_start)
+        self.states = ring.ctl_state(self.ctl)
+        self.pids = ring.ctl_pid(self.ctl)
+
+    def count(self, *states) -> int:
+        return int(np.isin(self.states, states).sum())
+
+    def answered_by_pid(self) -> dict:
+        """{pid: answers (DONE or FAILED) its process has not read yet}."""
+        held = np.isin(self.states, (ring.DONE, ring.FAILED)) & (self.pids != 0)
+        pids, counts = np.unique(self.pids[held], return_counts=True)
+        return dict(zip(pids.tolist(), counts.tolist()))
+
+
+def reap_dead_clients(r: ring.Ring, census: Census) -> list:
+    """Frees (or, if claimed, abandons) every slot whose owner is dead; one
+    CAS each, which fails if the slot moved since the census. Returns the
+    (slot, pid) pairs reclaimed."""
+    owned = np.nonzero((census.states != ring.FREE) & (census.states != ring.ABANDONED)
+                       & (census.pids != 0))[0]
+    verdicts, reclaimed = {}, []
+    for slot in owned.tolist():
+        owner = (int(census.pids[slot]), int(census.owner_start[slot]))
+        if owner not in verdicts:
+            verdicts[owner] = not liveness.is_alive(*owner)
+        if verdicts[owner] and r.reap_slot(slot, int(census.ctl[slot])) == ring.OK:
+            reclaimed.append((slot, owner[0]))
+    return reclaimed
