@@ -1,3 +1,15 @@
+"""Fixtures and waits shared by the suite, and the rule every test follows.
+
+A test asserts only what holds on any machine, at any load, on 1 to 64
+cores: answers (each checked against its own request), counts, states,
+errors, and the orders the design guarantees. It never asserts speed, CPU
+use, latency or the batch sizes that happen to form under load: those are
+measured by `shmbatch bench` and the scripts in bench/. Where a test needs
+batches to form, it makes them form: a gated backend (helpers.gated) holds
+its first batch until the test has queued the rest and opens the Gate.
+Every wait is on a condition and has a bound; a sleep only paces a load or
+is itself the interval measured.
+"""
 import itertools
 import multiprocessing
 import os
@@ -5,6 +17,7 @@ import pathlib
 import selectors
 import time
 
+import posix_ipc
 import psutil
 import pytest
 
@@ -84,3 +97,35 @@ def wait_for_line(stream, needle: str, timeout_s: float = 60.0, count: int = 1) 
         seen += needle in line
     sel.close()
     return lines
+
+
+def wait_for(predicate, what: str, timeout_s: float = 60.0) -> None:
+    """Polls predicate (every ms, bounded) until it holds; TimeoutError if it never does."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not within {timeout_s} s: {what}")
+        time.sleep(0.001)
+
+
+class Gate:
+    """A named semaphore (owner-only, under /dev/shm like the engine's names)
+    that helpers.gated's first batch waits on until the test opens it."""
+
+    def __init__(self):
+        self.name = f"/shmbatch-{unique_name('gate')}"
+        self._sem = posix_ipc.Semaphore(self.name, posix_ipc.O_CREX, mode=0o600, initial_value=0)
+
+    def open(self) -> None:
+        self._sem.release()
+
+    def close(self) -> None:
+        self._sem.unlink()
+        self._sem.close()
+
+
+@pytest.fixture
+def gate():
+    g = Gate()
+    yield g
+    g.close()

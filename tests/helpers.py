@@ -11,6 +11,24 @@ def affine():
     return lambda batch, lengths=None: batch * 2 + 1
 
 
+def gated(gate, then="affine", **then_args):
+    """The backend `then`, whose first batch first waits (at most 60 s) for
+    the test to open `gate` (conftest.Gate): the requests sent meanwhile
+    queue up, so they batch together on any machine."""
+    import posix_ipc
+    sem = posix_ipc.Semaphore(gate)
+    inner = globals()[then](**then_args)
+    opened = []
+
+    def run(batch, *lengths):
+        if not opened:
+            opened.append(True)
+            sem.acquire(60)  # BusyError after 60 s: this batch fails, and the test with it
+            sem.close()
+        return inner(batch, *lengths)
+    return run
+
+
 def in_place_affine():
     """2x + 1 written over the batch itself, which is returned."""
     def run(batch, lengths=None):

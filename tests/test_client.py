@@ -9,6 +9,7 @@ import psutil
 import pytest
 
 import engine
+from conftest import wait_for
 
 X = np.arange(16, dtype=np.float32)
 
@@ -34,7 +35,19 @@ def test_threads_sharing_one_client_each_get_their_own_answers(make_engine):
     eng = make_engine("threads", max_batch_size=8)
     wrong = wrong_answers_from_threads(eng.name, 8, 200)
     assert len(wrong) == 1600 and not any(wrong)
-    assert eng.stats()["avg_batch_size"] > 1.0  # threads of one process batch together
+
+
+def test_requests_of_threads_sharing_one_client_batch_together(make_engine, gate):
+    eng = make_engine("threadsb", backend="helpers:gated", backend_args={"gate": gate.name},
+                      max_batch_size=8)
+    opener = threading.Thread(target=lambda: (
+        wait_for(lambda: eng.stats()["requests_total"] >= 8, "a request of each thread"),
+        gate.open()))
+    opener.start()  # the first batch waits until each of the 8 threads has one queued
+    wrong = wrong_answers_from_threads(eng.name, 8, 20)
+    opener.join(60)
+    assert len(wrong) == 160 and not any(wrong)
+    assert max(eng.stats()["batch_size_counts"]) > 1
 
 
 def _child_uses_inherited(client, out):
@@ -74,7 +87,6 @@ def test_infer_async_serves_many_requests_with_no_thread_per_request(make_engine
         ys = asyncio.run(main(c))
         assert threading.active_count() <= threads_before + 1  # the one completer thread
     assert all(np.array_equal(y, (X + k) * 2 + 1) for k, y in enumerate(ys))
-    assert eng.stats()["avg_batch_size"] > 4
 
 
 def test_two_instances_share_one_queue_and_are_pinned(make_engine):
@@ -94,11 +106,14 @@ def test_two_instances_share_one_queue_and_are_pinned(make_engine):
 def test_an_idle_engine_does_not_spin(make_engine):
     eng = make_engine("idle", max_delay_ms=5.0)
     with engine.Client(eng.name) as c:
-        c.infer(X, timeout=10)
+        for k in range(20):
+            c.infer(X + k, timeout=10)
     batcher = psutil.Process(eng.stats()["batcher_pids"][0])
     before = sum(batcher.cpu_times()[:2])
-    time.sleep(1.0)  # the measured interval itself
-    assert sum(batcher.cpu_times()[:2]) - before < 0.05
+    time.sleep(3.0)  # the measured interval itself
+    # a spinning batcher burns the whole window, or its share of one core when
+    # 4 processes share it (0.75 s); an idle one wakes once a second
+    assert sum(batcher.cpu_times()[:2]) - before < 0.3
 
 
 def test_stop_answers_what_is_queued_then_refuses(make_engine):
@@ -115,17 +130,20 @@ def test_stop_answers_what_is_queued_then_refuses(make_engine):
     c.close()
 
 
-def test_variable_length_inputs_are_zero_padded_to_the_longest_with_lengths(make_engine):
-    eng = make_engine("ragged", backend="helpers:masked_sum", input_shape=(None, 4),
-                      max_input_shape=(32, 4), output_shape=(4,), max_batch_size=16,
-                      max_delay_ms=20)
+def test_variable_length_inputs_are_zero_padded_to_the_longest_with_lengths(make_engine, gate):
+    eng = make_engine("ragged", backend="helpers:gated",
+                      backend_args={"gate": gate.name, "then": "masked_sum"},
+                      input_shape=(None, 4), max_input_shape=(32, 4), output_shape=(4,),
+                      max_batch_size=16)
     rng = np.random.default_rng(1)
     xs = [rng.random((int(n), 4)).astype(np.float32) for n in rng.integers(1, 33, 64)]
     with engine.Client(eng.name) as c:
-        ys = [f.result(timeout=30) for f in [c.submit(x, timeout=30) for x in xs]]
+        futures = [c.submit(x, timeout=30) for x in xs]
+        gate.open()  # the first batch held until all are queued: the rest batch together
+        ys = [f.result(timeout=30) for f in futures]
     for x, y in zip(xs, ys):
         np.testing.assert_allclose(y, x.sum(axis=0), rtol=1e-5)
-    assert eng.stats()["avg_batch_size"] > 1
+    assert max(eng.stats()["batch_size_counts"]) > 1
 
 
 def test_a_plain_asgi_app_serves_concurrent_requests_through_infer_async(make_engine):
@@ -159,7 +177,6 @@ def test_a_plain_asgi_app_serves_concurrent_requests_through_infer_async(make_en
     client.close()
     for k, (status, y) in enumerate(responses):
         assert status == 200 and np.array_equal(y, (X + k) * 2 + 1)
-    assert eng.stats()["avg_batch_size"] > 4
 
 
 def _many_in_child(name, cid, out):
@@ -182,7 +199,6 @@ def test_infer_many_from_several_processes_returns_each_its_own_answers(make_eng
         p.join(10)
     stats = eng.stats()
     assert stats["answered_total"] == 3 * 20 * 300 and stats["slots_in_use"] == 0
-    assert stats["avg_batch_size"] > 8
 
 
 def test_infer_many_of_more_than_the_queue_holds_goes_in_chunks(make_engine):
