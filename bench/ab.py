@@ -1,0 +1,94 @@
+"""Two builds of shmbatch side by side in one run: before and after a change.
+
+    git worktree add /tmp/sb-before <commit>
+    (cd /tmp/sb-before && python csrc/build_ring.py)     # its own engine/_ringc
+    python bench/ab.py --before /tmp/sb-before --after . --rounds 5
+
+Each measurement runs in a fresh process whose `engine` is imported from one
+tree (PYTHONPATH first); the trees alternate round by round, so both see the
+same machine, and the medians over the rounds are printed with their ratio.
+
+Measurements (--only picks some):
+  rtt        1 client, 1 request at a time (identity backend): round trip p50
+  pipelined  2 clients x 256 submit() Futures in flight: requests/s
+  cap=N      1 client, sequential infer() on an engine of queue_capacity N:
+             round trip p50 and p99 (e.g. cap=64 cap=65536)
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+PROBE = r"""
+import json, sys
+import numpy as np
+import engine
+from engine import bench, ring
+what, seconds = sys.argv[1], float(sys.argv[2])
+load = bench.Load(backend="engine.backends:identity", backend_args={})
+if what == "rtt":
+    run = bench.closed_loop("shmbatch", 1, 1, load, seconds)
+    out = {"rtt_p50_us": run["rtt_p50_us"], "rtt_p99_us": run["rtt_p99_us"]}
+elif what == "pipelined":
+    run = bench.closed_loop("shmbatch", 2, 256, load, seconds)
+    out = {"rps": run["rps"]}
+else:  # cap=N: sequential infer() after a warm-up, on an engine of N slots
+    capacity = int(what.split("=")[1])
+    name = f"ab-cap-{capacity}"
+    with engine.Engine(name, backend="engine.backends:identity", queue_capacity=capacity,
+                       max_batch_size=32) as eng, engine.Client(name) as c:
+        x, y = np.ones(16, np.float32), np.empty(16, np.float32)
+        for _ in range(2000):
+            c.infer(x, out=y)
+        times = np.empty(20000, np.int64)
+        for k in range(len(times)):
+            t = ring.now_ns()
+            c.infer(x, out=y)
+            times[k] = ring.now_ns() - t
+    out = {"rtt_p50_us": float(np.percentile(times, 50) / 1e3),
+           "rtt_p99_us": float(np.percentile(times, 99) / 1e3)}
+print("RESULT " + json.dumps(out))
+"""
+
+
+def measure(tree: str, what: str, seconds: float) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
+    proc = subprocess.run([sys.executable, "-c", PROBE, what, str(seconds)], env=env,
+                          capture_output=True, text=True, timeout=600, cwd="/")
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise RuntimeError(f"{tree} {what}: no result\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--before", required=True)
+    p.add_argument("--after", required=True)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--seconds", type=float, default=2.0)
+    p.add_argument("--only", nargs="*", default=["rtt", "pipelined"])
+    args = p.parse_args()
+    trees = {"before": args.before, "after": args.after}
+    results = {(what, label): [] for what in args.only for label in trees}
+    for r in range(args.rounds):
+        for what in args.only:
+            order = list(trees.items()) if r % 2 == 0 else list(trees.items())[::-1]
+            for label, tree in order:
+                results[what, label].append(measure(tree, what, args.seconds))
+        print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    print(f"medians over {args.rounds} alternating rounds (before = {args.before}, "
+          f"after = {args.after})")
+    for what in args.only:
+        for key in results[what, "before"][0]:
+            b = statistics.median(x[key] for x in results[what, "before"])
+            a = statistics.median(x[key] for x in results[what, "after"])
+            print(f"{what:>12} {key:>11}: before {b:12,.1f}  after {a:12,.1f}  after/before "
+                  f"{a / b:5.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
