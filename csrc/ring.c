@@ -251,10 +251,9 @@ int sb_init(void *base, uint64_t total_bytes, uint32_t capacity,
 	return SB_OK;
 }
 
-int sb_validate(const void *base, uint64_t mapped_bytes)
+int sb_validate_header(const void *base, uint64_t mapped_bytes)
 {
 	const sb_header *h = hdr(base);
-	struct offsets o;
 	if (mapped_bytes < SB_HEADER_BYTES)
 		return SB_ECORRUPT;
 	/* acquire: pairs with the release store of the magic in sb_init */
@@ -262,6 +261,16 @@ int sb_validate(const void *base, uint64_t mapped_bytes)
 		return SB_ECORRUPT;
 	if (h->layout_version != SB_LAYOUT_VERSION || h->header_bytes != SB_HEADER_BYTES)
 		return SB_EVERSION;
+	return SB_OK;
+}
+
+int sb_validate(const void *base, uint64_t mapped_bytes)
+{
+	const sb_header *h = hdr(base);
+	struct offsets o;
+	int r = sb_validate_header(base, mapped_bytes);
+	if (r != SB_OK)
+		return r;
 	if (compute_offsets(h->capacity, h->input_slot_bytes, h->output_slot_bytes,
 			    h->in_place, &o) ||
 	    h->max_batch == 0 || h->max_batch > h->capacity ||

@@ -196,6 +196,9 @@ int sb_init(void *base, uint64_t total_bytes, uint32_t capacity,
 	    uint32_t max_batch, uint64_t input_slot_bytes,
 	    uint64_t output_slot_bytes, uint32_t in_place, uint64_t incarnation);
 int sb_validate(const void *base, uint64_t mapped_bytes);
+/* the header alone (magic, version): for cleanup and the status of a dead
+ * engine, which map the header page only and never touch the data regions */
+int sb_validate_header(const void *base, uint64_t mapped_bytes);
 uint64_t sb_header_field(const void *base, int field);
 uint64_t sb_word_get(const void *base, int word);
 void sb_word_set(void *base, int word, uint64_t value);

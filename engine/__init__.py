@@ -13,7 +13,8 @@ from engine.errors import EngineUnavailable as EngineUnavailable
 from engine.errors import InvalidInput as InvalidInput
 from engine.errors import QueueFull as QueueFull
 from engine.errors import RequestTimeout as RequestTimeout
+from engine.errors import SegmentTooLarge as SegmentTooLarge
 from engine.supervisor import Engine as Engine
 
 __all__ = ["Engine", "Client", "EngineError", "InvalidInput", "QueueFull", "RequestTimeout",
-           "BackendError", "EngineUnavailable", "EngineAlreadyRunning"]
+           "BackendError", "EngineUnavailable", "EngineAlreadyRunning", "SegmentTooLarge"]

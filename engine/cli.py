@@ -251,7 +251,10 @@ def _status_parser(sub):
 def cmd_status(args) -> int:
     from engine import metrics, ring
     from engine.layout import Segment
-    seg = Segment.attach(args.name)
+    seg = Segment.attach(args.name, header_only=True)
+    if seg.holder_alive():  # running: every figure, the slots' included
+        seg.close()
+        seg = Segment.attach(args.name)
     try:
         stats = metrics.read_stats(seg)
         alive = seg.holder_alive()
@@ -269,7 +272,10 @@ def cmd_status(args) -> int:
 
 
 def status_table(s: dict) -> str:
+    from engine.layout import size_text
     q, sv = s["queue_wait_ms"], s["service_ms"]
+    slots = ("slots not read (the engine is dead)" if s["slots_in_use"] is None else
+             f"{s['queue_depth']} waiting, {s['slots_in_use']} slots in use")
     rows = [
         ("engine", f"{s['name']} ({s['state']}, supervisor pid {s['supervisor_pid']})"),
         ("batchers", f"{s['instances_alive']} of {s['instances']} alive, pids {s['batcher_pids']}"),
@@ -278,7 +284,7 @@ def status_table(s: dict) -> str:
         ("requests", f"{s['requests_total']} queued in all, {s['answered_total']} answered, "
                      f"{s['rejected_total']} rejected, {s['timeouts_total']} timed out, "
                      f"{s['errors_total']} failed, {s['invalid_total']} invalid"),
-        ("queue", f"{s['queue_depth']} waiting, {s['slots_in_use']} slots in use"),
+        ("queue", f"{slots} of {s['queue_capacity']}, segment {size_text(s['segment_bytes'])}"),
         ("batches", f"{s['batches_total']} run, avg size {s['avg_batch_size']:.2f}, "
                     f"{s['zero_copy_batches']} zero-copy, {s['gathered_batches']} gathered"),
         ("queue wait", f"p50 {q['p50']:.3f} ms  p99 {q['p99']:.3f} ms  max {q['max']:.3f} ms"),
@@ -299,8 +305,8 @@ def cmd_cleanup(args) -> int:
 
     from engine import layout, liveness, ring
     from engine.errors import EngineUnavailable
-    try:
-        seg = layout.Segment.attach(args.name)
+    try:  # the header page only: a leftover of any size goes without touching its memory
+        seg = layout.Segment.attach(args.name, header_only=True)
     except EngineUnavailable:
         seg = None  # absent, or not a valid segment: the lock decides below
     if seg is not None:

@@ -40,3 +40,8 @@ class EngineUnavailable(EngineError):
 
 class EngineAlreadyRunning(EngineError):
     """start() found a live engine of the same name."""
+
+
+class SegmentTooLarge(EngineError):
+    """The engine's segment would not fit in /dev/shm (or in the host's free
+    memory) with a margin left; nothing was created."""

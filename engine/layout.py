@@ -18,9 +18,10 @@ from typing import Optional, Tuple
 
 import numpy as np
 import posix_ipc
+import psutil
 
 from engine import ring
-from engine.errors import EngineAlreadyRunning, EngineUnavailable, InvalidInput
+from engine.errors import EngineAlreadyRunning, EngineUnavailable, InvalidInput, SegmentTooLarge
 
 NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}\Z")
 DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
@@ -29,6 +30,66 @@ DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32"
 
 def segment_name(name: str) -> str:
     return f"/shmbatch-{name}"
+
+
+# Where POSIX shared memory lives on Linux (glibc's shm_open).
+SHM_DIR = "/dev/shm"
+# An engine never takes the last of /dev/shm nor of the host's memory: after
+# its segment, 1/16 of /dev/shm's size (at least 1 MiB) must stay free there,
+# and 1/16 of the RAM (at least 64 MiB) must stay available.
+SHM_MARGIN_DIVISOR = 16
+SHM_MARGIN_MIN_BYTES = 1 << 20
+MEMORY_MARGIN_MIN_BYTES = 64 << 20
+
+
+def size_text(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def _round_up_text(n: int) -> str:
+    """A size for --shm-size / sizeLimit: n rounded up to whole MiB or GiB."""
+    gib, mib = -(-n // (1 << 30)), -(-n // (1 << 20))
+    return (f"{gib}g", f"{gib}Gi") if n >= 1 << 30 else (f"{mib}m", f"{mib}Mi")
+
+
+def check_fits(config: "EngineConfig", size: int) -> None:
+    """SegmentTooLarge, before anything is allocated, unless a segment of size
+    bytes fits in /dev/shm's free space and the host's available memory, with
+    their margins left (see SHM_MARGIN_DIVISOR)."""
+    st = os.statvfs(SHM_DIR)
+    shm_total, shm_free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+    shm_margin = max(SHM_MARGIN_MIN_BYTES, shm_total // SHM_MARGIN_DIVISOR)
+    memory = psutil.virtual_memory()
+    mem_margin = max(MEMORY_MARGIN_MIN_BYTES, memory.total // SHM_MARGIN_DIVISOR)
+    if size <= shm_free - shm_margin and size <= memory.available - mem_margin:
+        return
+    in_bytes, out_bytes = config.input_slot_bytes, config.output_slot_bytes
+    if config.in_place:
+        rows, per_slot = f"{size_text(in_bytes)} (answers overwrite their input)", in_bytes
+    else:
+        rows = f"({size_text(in_bytes)} input + {size_text(out_bytes)} output)"
+        per_slot = in_bytes + out_bytes
+    control = size - per_slot * config.queue_capacity
+    if size > shm_free - shm_margin:
+        # a /dev/shm of T fits it beside what is there now when T - used - T/16 >= size
+        docker, k8s = _round_up_text((size + shm_total - shm_free) * SHM_MARGIN_DIVISOR
+                                     // (SHM_MARGIN_DIVISOR - 1) + SHM_MARGIN_MIN_BYTES)
+        where = (f"/dev/shm has {size_text(max(0, shm_free))} free of {size_text(shm_total)} and "
+                 f"keeps {size_text(shm_margin)} (1/{SHM_MARGIN_DIVISOR}) free")
+        remedy = (f"give /dev/shm more room (Docker: --shm-size={docker}; Kubernetes: an emptyDir "
+                  f"volume {{medium: Memory, sizeLimit: {k8s}}} mounted at /dev/shm)")
+    else:
+        where = (f"the host has {size_text(memory.available)} of memory available and keeps "
+                 f"{size_text(mem_margin)} (1/{SHM_MARGIN_DIVISOR} of its RAM) free")
+        remedy = "free memory on the host"
+    raise SegmentTooLarge(
+        f"engine {config.name!r} needs {size_text(size)} ({size:,} B) of shared memory "
+        f"(queue_capacity {config.queue_capacity} x {rows} per slot, + {size_text(control)} "
+        f"header and slot control), but {where}: lower queue_capacity or the max shapes, "
+        f"or {remedy}")
 
 
 def _shape(value, what: str, allow_none: bool = False) -> Tuple:
@@ -209,13 +270,14 @@ class Segment:
     A live lock is how anyone tells a running engine from a crashed one.
     """
 
-    def __init__(self, shm, mapping, owner: bool):
+    def __init__(self, shm, mapping, owner: bool, header_only: bool = False):
         self._shm = shm
         self._mapping = mapping
         self.owner = owner
+        self.header_only = header_only  # the header page alone: figures and lock, no slots
         self.ring = ring.Ring(mapping)
         size = mapping.size()
-        code = self.ring.validate(size)
+        code = (self.ring.validate_header if header_only else self.ring.validate)(size)
         if code != ring.OK:
             what = "layout version" if code == ring.EVERSION else "header"
             self._close_mapping()
@@ -225,16 +287,19 @@ class Segment:
         self.config = EngineConfig.from_json(bytes(mapping[off:off + ring.CONFIG_BYTES]).rstrip(b"\0"))
         self.capacity = self.ring.field(ring.F_CAPACITY)
         self.incarnation = self.ring.field(ring.F_INCARNATION)
+        self.total_bytes = self.ring.field(ring.F_TOTAL_BYTES)
+        # the header's words, to read the engine's state per request without a C
+        # call (one would let another thread take the GIL); an aligned u64 load
+        self._words = np.ndarray((ring.WORDS,), np.uint64, buffer=mapping,
+                                 offset=self.ring.field(ring.F_OFF_WORDS))
+        if header_only:
+            return
         cfg = self.config
         self.inputs = np.ndarray((self.capacity, *cfg.padded_shape), cfg.input_dtype,
                                  buffer=mapping, offset=self.ring.field(ring.F_OFF_INPUT))
         self.outputs = np.ndarray((self.capacity, *cfg.output_shape), cfg.output_dtype,
                                   buffer=mapping, offset=self.ring.field(ring.F_OFF_OUTPUT))
         self.output_shape, self.output_dtype = tuple(cfg.output_shape), np.dtype(cfg.output_dtype)
-        # the header's words, to read the engine's state per request without a C
-        # call (one would let another thread take the GIL); an aligned u64 load
-        self._words = np.ndarray((ring.WORDS,), np.uint64, buffer=mapping,
-                                 offset=self.ring.field(ring.F_OFF_WORDS))
         self.fixed_shape = cfg.var_axis is None  # inputs go into their row as they are
         self.in_place = bool(self.ring.field(ring.F_IN_PLACE))  # outputs is inputs
 
@@ -248,6 +313,7 @@ class Segment:
         if size == 0:
             raise ValueError(f"an engine of {config.queue_capacity} slots of "
                              f"{config.input_slot_bytes} B input is too large")
+        check_fits(config, size)  # before anything is allocated
         for _ in range(2):
             try:
                 shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
@@ -257,29 +323,45 @@ class Segment:
         else:
             raise EngineAlreadyRunning(f"engine {config.name!r} could not be created: "
                                        f"{name} keeps reappearing")
-        fcntl.flock(shm.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        # commit every page now: a first touch on the request path costs a page
-        # allocation per 4 KiB (3.6 ms per 1 MiB request was measured without it)
-        os.posix_fallocate(shm.fd, 0, size)
-        mapping = _map(shm.fd, size)
-        raw = ring.Ring(mapping)
-        code = raw.init(size, config.queue_capacity, config.max_batch_size,
-                        config.input_slot_bytes, config.output_slot_bytes, config.in_place,
-                        secrets.randbits(64))
-        off = raw.field(ring.F_OFF_CONFIG)
-        blob = config.to_json()
-        if code != ring.OK or len(blob) > ring.CONFIG_BYTES:
+        mapping = raw = None
+        try:  # from here, any failure removes what was made before it raises
+            fcntl.flock(shm.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # commit every page now: a first touch on the request path costs a page
+            # allocation per 4 KiB (3.6 ms per 1 MiB request was measured without it);
+            # and a /dev/shm that fills up fails here, not as a SIGBUS on some request
+            try:
+                os.posix_fallocate(shm.fd, 0, size)
+            except OSError as e:
+                raise SegmentTooLarge(f"engine {config.name!r} could not commit its "
+                                      f"{size_text(size)} of shared memory in /dev/shm "
+                                      f"({os.strerror(e.errno)}); nothing was left behind") from None
+            mapping = _map(shm.fd, size)
+            raw = ring.Ring(mapping)
+            code = raw.init(size, config.queue_capacity, config.max_batch_size,
+                            config.input_slot_bytes, config.output_slot_bytes, config.in_place,
+                            secrets.randbits(64))
+            off = raw.field(ring.F_OFF_CONFIG)
+            blob = config.to_json()
+            if code != ring.OK or len(blob) > ring.CONFIG_BYTES:
+                raise ValueError(f"cannot lay out engine {config.name!r} (code {code})")
+            mapping[off:off + len(blob)] = blob
             raw.release()
-            mapping.close()
+            return cls(shm, mapping, owner=True)
+        except BaseException:
+            if raw is not None:
+                raw.release()
+            if mapping is not None:
+                mapping.close()
             shm.close_fd()
             posix_ipc.unlink_shared_memory(name)
-            raise ValueError(f"cannot lay out engine {config.name!r} (code {code})")
-        mapping[off:off + len(blob)] = blob
-        raw.release()
-        return cls(shm, mapping, owner=True)
+            raise
 
     @classmethod
-    def attach(cls, name: str) -> "Segment":
+    def attach(cls, name: str, header_only: bool = False) -> "Segment":
+        """Maps a running engine's segment. A dead engine's segment is refused
+        before its data regions are mapped (mapping a large leftover would
+        commit its memory); header_only maps the header page alone, alive or
+        dead: for cleanup and status."""
         if not isinstance(name, str) or not NAME_RE.match(name):
             raise ValueError(f"name must match [A-Za-z0-9_.-]{{1,64}}, got {name!r}")
         try:
@@ -295,9 +377,17 @@ class Segment:
         if st.st_size < ring.HEADER_BYTES:
             shm.close_fd()
             raise EngineUnavailable(f"engine {name!r} is not initialised yet")
-        mapping = _map(shm.fd, st.st_size)
+        if header_only:
+            mapping = mmap.mmap(shm.fd, ring.HEADER_BYTES, flags=mmap.MAP_SHARED)
+        elif not _locked(shm.fd):
+            shm.close_fd()
+            raise EngineUnavailable(f"engine {name!r} is not running (/dev/shm"
+                                    f"{segment_name(name)} is left by an engine that died: "
+                                    f"`shmbatch cleanup {name}` removes it)")
+        else:
+            mapping = _map(shm.fd, st.st_size)
         try:
-            return cls(shm, mapping, owner=False)
+            return cls(shm, mapping, owner=False, header_only=header_only)
         except EngineUnavailable:
             shm.close_fd()
             raise
@@ -324,14 +414,7 @@ class Segment:
 
     def holder_alive(self) -> bool:
         """True while the engine that created the segment holds its lock."""
-        if self.owner:
-            return True
-        try:
-            fcntl.flock(self._shm.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(self._shm.fd, fcntl.LOCK_UN)
-        return False
+        return self.owner or _locked(self._shm.fd)
 
     # -- teardown ------------------------------------------------------------
     def _close_mapping(self) -> None:
@@ -355,6 +438,16 @@ class Segment:
             posix_ipc.unlink_shared_memory(segment_name(self.config.name))
         except posix_ipc.ExistentialError:
             pass
+
+
+def _locked(fd: int) -> bool:
+    """Whether a live process holds the segment's exclusive lock (its engine)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
 
 
 def _map(fd: int, size: int) -> mmap.mmap:

@@ -48,13 +48,20 @@ def batcher_pids(r: ring.Ring, instances: int):
 
 
 def read_stats(segment) -> dict:
+    """The figures of contract section 5 (and more). From a header-only
+    mapping (a dead engine's status) the slot figures are None: they would
+    need the slots' control words, which live outside the header."""
     r = segment.ring
     w = r.word
     batches, items = w(ring.W_BATCHES), w(ring.W_ITEMS)
     sizes = r.histogram(ring.H_BATCH_SIZE)  # bucket n counts batches of n (n < 127)
     pids = batcher_pids(r, segment.config.instances)
-    ctl = np.zeros(segment.capacity, dtype=np.uint64)
-    r.snapshot(ctl, np.zeros_like(ctl))
+    queue_depth = slots_in_use = None
+    if not segment.header_only:
+        ctl = np.zeros(segment.capacity, dtype=np.uint64)
+        r.snapshot(ctl, np.zeros_like(ctl))
+        queue_depth = int((ring.ctl_state(ctl) == ring.READY).sum())
+        slots_in_use = int((ring.ctl_state(ctl) != ring.FREE).sum())
     return {
         "name": segment.name,
         "requests_total": w(ring.W_REQUESTS),
@@ -64,8 +71,8 @@ def read_stats(segment) -> dict:
         "errors_total": w(ring.W_ERRORS),
         "invalid_total": w(ring.W_INVALID),
         "batches_total": batches,
-        "queue_depth": int((ring.ctl_state(ctl) == ring.READY).sum()),
-        "slots_in_use": int((ring.ctl_state(ctl) != ring.FREE).sum()),
+        "queue_depth": queue_depth,
+        "slots_in_use": slots_in_use,
         "avg_batch_size": items / batches if batches else 0.0,
         "batch_size_counts": {int(n): int(c) for n, c in enumerate(sizes) if c},
         "queue_wait_ms": _summary_ms(r.histogram(ring.H_QUEUE_WAIT), w(ring.W_QUEUE_WAIT_MAX_NS),
@@ -83,6 +90,7 @@ def read_stats(segment) -> dict:
         "queue_capacity": segment.capacity,
         "max_batch_size": segment.config.max_batch_size,
         "max_delay_ms": segment.config.max_delay_ms,
+        "segment_bytes": segment.total_bytes,  # all of it committed in /dev/shm
     }
 
 

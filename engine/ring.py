@@ -88,6 +88,9 @@ class Ring:
     def validate(self, mapped_bytes: int) -> int:
         return lib.sb_validate(self.base, mapped_bytes)
 
+    def validate_header(self, mapped_bytes: int) -> int:
+        return lib.sb_validate_header(self.base, mapped_bytes)
+
     def field(self, field: int) -> int:
         return lib.sb_header_field(self.base, field)
 

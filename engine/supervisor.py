@@ -107,7 +107,15 @@ class Engine:
         """Creates the segment, starts the batchers; returns once clients can attach."""
         if self._seg is not None:
             raise RuntimeError(f"engine {self.name!r} is already started")
-        self._seg = Segment.create(self.config)
+        self._seg = Segment.create(self.config)  # SegmentTooLarge before allocating
+        try:
+            return self._start()
+        except BaseException:
+            if self._seg is not None:  # whatever failed: no segment, pipe or batcher is left
+                self._teardown()
+            raise
+
+    def _start(self) -> "Engine":
         r = self._seg.ring
         pid = os.getpid()
         r.set_word(ring.W_SUPERVISOR_START, liveness.start_ticks(pid) or 0)
@@ -124,9 +132,7 @@ class Engine:
         if not self._started.wait(self.start_timeout_s * self.config.instances + 10):
             self._start_error = BackendError("StartTimeout", "batchers did not start in time")
         if self._start_error is not None:
-            error = self._start_error
-            self._teardown()
-            raise error
+            raise self._start_error
         r.set_word(ring.W_ENGINE_STATE, ring.ENGINE_RUNNING)
         _live_engines.add(self)
         log.info("engine %s started: %d instance(s), batcher pids %s", self.name,
