@@ -29,7 +29,6 @@ for mode in $MODES; do
         fi
         start=$(date +%s)
         line=$(cd "$clone" && PYTHONPATH="$clone" "${prefix[@]}" python -m pytest -q -p no:cacheprovider 2>&1 | tail -1)
-        rc=${PIPESTATUS[0]}
         if [ ${#busy[@]} -gt 0 ]; then kill "${busy[@]}" 2>/dev/null; wait "${busy[@]}" 2>/dev/null; busy=(); fi
         [[ "$line" == *failed* || "$line" == *error* ]] && failed=$((failed + 1))
         printf '%-6s %2d/%d %4ds  %s\n' "$mode" "$i" "$N" "$(( $(date +%s) - start ))" "$line"
