@@ -28,10 +28,12 @@ for mode in $MODES; do
             for c in 0 1; do taskset -c "$c" sh -c 'while :; do :; done' & busy+=($!); done
         fi
         start=$(date +%s)
-        line=$(cd "$clone" && PYTHONPATH="$clone" "${prefix[@]}" python -m pytest -q -p no:cacheprovider 2>&1 | tail -1)
+        log=$(cd "$clone" && PYTHONPATH="$clone" "${prefix[@]}" python -m pytest -q -rf -p no:cacheprovider 2>&1)
+        line=$(tail -1 <<<"$log")
         if [ ${#busy[@]} -gt 0 ]; then kill "${busy[@]}" 2>/dev/null; wait "${busy[@]}" 2>/dev/null; busy=(); fi
         [[ "$line" == *failed* || "$line" == *error* ]] && failed=$((failed + 1))
         printf '%-6s %2d/%d %4ds  %s\n' "$mode" "$i" "$N" "$(( $(date +%s) - start ))" "$line"
+        grep '^FAILED\|^ERROR' <<<"$log" | sed 's/^/    /'
     done
 done
 echo "runs with a failure: $failed"
