@@ -1,0 +1,304 @@
+"""Requests whose answers wait in their slots: submit() Futures, the one
+completion thread that settles those nobody asks for, and the evictor that
+moves answered ones out of a full ring.
+
+A submit() Future's answer stays in its slot until someone asks: result(),
+exception() and done() take it in the asking thread, so a caller keeping many
+requests in flight costs no thread switch per request. Whoever waits without
+asking -- add_done_callback(), concurrent.futures.wait(), as_completed(),
+infer_async() -- hands the request to the client's completion thread, which
+sleeps on the ring's done_seq word and settles what is answered after each
+batch. The evictor sleeps on evict_seq and, when a client of any process
+finds the ring full, settles this client's answered Futures so their slots
+are free.
+
+Each class here reads a few fields of its client (duck-typed: this module
+does not import client.py, which imports it).
+"""
+import collections
+import concurrent.futures
+import itertools
+import os
+import threading
+import weakref
+
+import numpy as np
+
+from engine import ring, waiting
+
+# a Future's states, as concurrent.futures names them
+_PENDING, _FINISHED = concurrent.futures._base.PENDING, concurrent.futures._base.FINISHED
+
+# How often an idle evictor checks that its client still exists.
+EVICTOR_SLICE_NS = 1_000_000_000
+
+
+class Request(concurrent.futures.Future):
+    """The Future of submit(): settled by whoever asks first (see the module
+    docstring). A Future dropped while its request is pending gives its slot back."""
+
+    def __init__(self, client, seg, slot, gen, deadline, timeout, out=None):
+        # Future.__init__'s state, set here so that all futures of a client share
+        # one condition: Future.__init__ makes one per request (~2 us, as much as
+        # the rest of submit()). The stdlib only ever locks it around short
+        # updates, never waits on it here (result() and exception() are ours).
+        self._condition = client._futures_cond
+        self._state, self._result, self._exception = _PENDING, None, None
+        self._waiter_list, self._done_callbacks = None, []
+        self.client, self.seg, self.slot, self.gen = client, seg, slot, gen
+        self.deadline, self.timeout, self.out = deadline, timeout, out
+        self._pid = client._pid
+        self._watched = False
+        self._ref = weakref.ref(self)
+        client._held[slot] = self._ref  # for Client._sweep_answered
+        # once answered: the engine's (arrival_ns, claim_ns, done_ns) of the request
+        # (CLOCK_MONOTONIC): its queue wait is claim - arrival, its batch done - claim
+        self.stamps_ns = None
+
+    def result(self, timeout=None):
+        if self._state == _PENDING:
+            self._settle(timeout)
+        if self._state == _FINISHED and self._exception is None:
+            return self._result  # what super().result() returns, without its lock
+        return super().result(timeout=0)
+
+    def exception(self, timeout=None):
+        if self._state == _PENDING:
+            self._settle(timeout)
+        return super().exception(timeout=0)
+
+    def done(self) -> bool:
+        if self._state == _PENDING:
+            self._settle(0)
+        return self._state != _PENDING
+
+    def cancel(self) -> bool:
+        with self._condition:
+            if self._state != _PENDING or self.seg.ring.abandon(self.slot, self.gen) != ring.OK:
+                return False  # settled, or answered already: too late to withdraw
+            return super().cancel()
+
+    def add_done_callback(self, fn) -> None:
+        super().add_done_callback(fn)
+        self._watch()
+
+    # concurrent.futures.wait() and as_completed() wait on a future by appending
+    # to its _waiters list: that is the moment it needs the completer
+    @property
+    def _waiters(self):
+        if self._waiter_list is None:
+            self._waiter_list = _WatchOnAppend(self)
+        return self._waiter_list
+
+    def _watch(self) -> None:
+        if not self._watched and self._state == _PENDING:
+            self._watched = True
+            self.client._completer_for().add(self)
+
+    def try_settle(self, error=None) -> bool:
+        """Settles the future if its request is over (waiting.settle_now)."""
+        # one settler at a time, the asker or the completer: the lock under
+        # self._condition, taken without the Condition's Python-level wrapper
+        with self.client._futures_lock:
+            if self._state != _PENDING:
+                return True
+            settled, value, failure, self.stamps_ns = waiting.settle_now(
+                self.seg, self.slot, self.gen, self.out, error)
+            if settled and self.client._held.get(self.slot) is self._ref:
+                del self.client._held[self.slot]
+            if settled and failure is None and not self._waiter_list and not self._done_callbacks:
+                self._result, self._state = value, _FINISHED  # set_result, when nobody waits
+            elif failure is not None:
+                self.set_exception(failure)
+            elif settled:
+                self.set_result(value)
+            return settled
+
+    def _settle(self, wait_s) -> None:
+        """Settles the future, waiting up to wait_s for its answer (None: as
+        long as the request lives); a wait that ends first leaves it pending."""
+        if self.try_settle():
+            return
+        client, seg = self.client, self.seg
+        until = None if wait_s is None else ring.now_ns() + max(0, int(wait_s * 1e9))
+        why, _ = waiting.wait(
+            lambda slice_ns: seg.ring.wait_slot(self.slot, self.gen, slice_ns, client._spin_ns),
+            lambda: client._seg is not None and waiting.engine_lives(seg), self.deadline, until)
+        if why == waiting.ANSWERED:
+            self.try_settle()  # answered (or no longer ours): settles for sure
+        elif why == waiting.EXPIRED:
+            self.try_settle(waiting.timed_out(self.timeout))
+        elif why == waiting.GONE:
+            self.try_settle(waiting.client_closed(client.name) if client._seg is None
+                            else waiting.engine_gone(client.name))
+
+    def __del__(self):
+        # only in the process that sent it: a forked child's copy is not the owner
+        try:
+            if (self._state == _PENDING and os.getpid() == self._pid and not self.seg.closed
+                    and self.seg.ring.abandon(self.slot, self.gen) == ring.EBUSY):
+                self.seg.ring.release_slot(self.slot, self.gen)
+        except Exception:  # at interpreter exit, modules may be gone already
+            pass
+
+
+class _WatchOnAppend(list):
+    """A future's waiter list that hands the future to the completer when
+    concurrent.futures.wait() or as_completed() appends a waiter."""
+
+    def __init__(self, future):
+        super().__init__()
+        self.future = future
+
+    def append(self, waiter) -> None:
+        super().append(waiter)
+        self.future._watch()
+
+
+class Ticket:
+    """An infer_async() request: settled through the callbacks it was given."""
+    __slots__ = ("client", "seg", "slot", "gen", "deadline", "timeout", "on_value", "on_error")
+
+    def __init__(self, client, seg, slot, gen, deadline, timeout, on_value, on_error):
+        self.client, self.seg, self.slot, self.gen = client, seg, slot, gen
+        self.deadline, self.timeout = deadline, timeout
+        self.on_value, self.on_error = on_value, on_error
+
+    def try_settle(self, error=None) -> bool:
+        settled, value, failure, _ = waiting.settle_now(self.seg, self.slot, self.gen, None, error)
+        if failure is not None:
+            self.on_error(failure)
+        elif settled:
+            self.on_value(value)
+        return settled
+
+
+class Completer(threading.Thread):
+    """Settles, in one thread per client and process, the requests whose owner
+    waits without asking. It sleeps on done_seq, so it wakes once per finished
+    batch, not per request."""
+
+    def __init__(self, client):
+        super().__init__(name=f"shmbatch-completer-{client.name}", daemon=True)
+        self.client = client
+        self.cond = threading.Condition()
+        self.incoming = collections.deque()  # appended by add(), drained by run()
+        self.pending = {}  # the completer's own: id -> request
+        self.ids = itertools.count()
+        self.idle = False
+        self.closed = False
+        self.checked_ns = ring.now_ns()
+
+    def add(self, request) -> None:
+        self.incoming.append(request)
+        if self.idle:  # else it takes the request on its next pass: waking it per
+            with self.cond:  # request would cost a context switch each
+                self.cond.notify()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify()
+        self.join(timeout=5.0)
+
+    def run(self) -> None:
+        while True:
+            self._drain()
+            if not self.pending:
+                with self.cond:
+                    self.idle = True  # add() reads it after appending: no lost wake-up
+                    if not self.incoming and not self.closed:
+                        self.cond.wait(timeout=1.0)
+                    self.idle = False
+                self._drain()
+            if self.closed:
+                self._fail_all(waiting.client_closed(self.client.name))
+                return
+            if not self.pending:
+                continue
+            seg = next(iter(self.pending.values())).seg
+            seen = seg.ring.done_seq()  # before polling: a later batch wakes us
+            next_deadline = self._settle()
+            if self.pending and not self.incoming:
+                wait_ns = waiting.LIVENESS_SLICE_NS
+                if next_deadline is not None:
+                    wait_ns = max(0, min(wait_ns, next_deadline - ring.now_ns()))
+                seg.ring.wait_done_seq(seen, wait_ns)
+
+    def _drain(self) -> None:
+        while self.incoming:
+            self.pending[next(self.ids)] = self.incoming.popleft()
+
+    def _settle(self):
+        """Settles every request that is over; returns the nearest deadline still pending."""
+        by_seg, next_deadline = {}, None
+        for key, t in self.pending.items():
+            by_seg.setdefault(id(t.seg), []).append((key, t))
+        now = ring.now_ns()
+        for group in by_seg.values():
+            seg = group[0][1].seg
+            slots = np.fromiter((t.slot for _, t in group), np.uint32, len(group))
+            gens = np.fromiter((t.gen for _, t in group), np.uint32, len(group))
+            codes = np.empty(len(group), np.int32)
+            seg.ring.poll(slots, gens, codes)
+            lives = None
+            for (key, t), code in zip(group, codes.tolist()):
+                if code != ring.EBUSY:
+                    settled = t.try_settle()
+                elif t.deadline is not None and now >= t.deadline:
+                    settled = t.try_settle(waiting.timed_out(t.timeout))
+                else:
+                    if lives is None:  # probe at most once a slice: it costs 2 syscalls
+                        lives = now - self.checked_ns < waiting.LIVENESS_SLICE_NS
+                        if not lives:
+                            lives, self.checked_ns = waiting.engine_lives(seg), now
+                    settled = not lives and t.try_settle(waiting.engine_gone(self.client.name))
+                if settled:
+                    del self.pending[key]
+                elif t.deadline is not None:
+                    next_deadline = min(next_deadline or t.deadline, t.deadline)
+        return next_deadline
+
+    def _fail_all(self, error) -> None:
+        self._drain()
+        for t in self.pending.values():
+            t.try_settle(error)
+        self.pending.clear()
+
+
+class Evictor(threading.Thread):
+    """Moves its client's answered Futures out of the ring when a client of
+    any process finds it full (it bumps evict_seq): one sleeping thread per
+    client that has used submit(), woken only then."""
+
+    def __init__(self, client):
+        super().__init__(name=f"shmbatch-evictor-{client.name}", daemon=True)
+        self.client = weakref.ref(client)  # the thread must not keep its client alive
+
+    def run(self) -> None:
+        while True:
+            client = self.client()
+            if client is None or client._seg is None or client._pid != os.getpid():
+                return
+            seg, client = client._seg, None
+            seen = seg.ring.evict_seq()
+            seg.ring.wait_evict(seen, EVICTOR_SLICE_NS)
+            if seg.ring.evict_seq() != seen:
+                client = self.client()
+                if client is not None:
+                    client._sweep_answered()
+                    client = None
+
+
+def sweep(held: dict) -> int:
+    """Settles the answered Futures among held (slot -> weakref of a pending
+    Future), dropping the entries of Futures gone; returns how many it settled."""
+    settled = 0
+    for slot, ref in list(held.items()):
+        future = ref()
+        if future is None:
+            if held.get(slot) is ref:
+                del held[slot]
+        elif future._state == _PENDING and future.try_settle():
+            settled += 1
+    return settled

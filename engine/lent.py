@@ -1,0 +1,60 @@
+"""Lent slots (Client.request()): a large input written once, in place, in
+the request's own row of shared memory, and its answer read there."""
+import os
+from typing import Optional
+
+import numpy as np
+
+from engine import ring, waiting
+from engine.errors import EngineUnavailable
+
+
+class SlotRequest:
+    """A slot lent by Client.request(): its input row to fill, then its answer
+    to read in place. Use it as a context manager, in the process that made it."""
+
+    def __init__(self, client, seg, slot: int, gen: int):
+        self.client, self.seg, self.slot, self.gen = client, seg, slot, gen
+        self.input = seg.inputs[slot]  # writable: the request's row in shared memory
+        self._sent = False
+        self._pid = client._pid
+
+    def infer(self, timeout: Optional[float] = 1.0) -> np.ndarray:
+        """Sends the row as it is now; blocks until its answer; returns it as a
+        read-only view of the slot's output row (valid until the slot is freed)."""
+        if self._sent:
+            raise RuntimeError("a SlotRequest sends once: use client.request() again")
+        deadline = waiting.deadline_ns(timeout)
+        self._sent = True
+        if self.seg.ring.publish(self.slot, self.gen, 0) != ring.OK:
+            raise EngineUnavailable(f"engine {self.client.name!r} reclaimed the request "
+                                    f"before it was queued")
+        self.client._await(self.seg, self.slot, self.gen, deadline, timeout, take=False)
+        answer = self.seg.outputs[self.slot].view()
+        answer.flags.writeable = False
+        return answer
+
+    def close(self) -> None:
+        """Frees the slot: drops an unsent request, abandons a pending one,
+        releases an answered one (each a no-op once the slot is no longer ours)."""
+        if self.input is None:
+            return
+        self.input = None
+        r = self.seg.ring
+        if not self._sent:
+            r.cancel(self.slot, self.gen)
+        elif r.abandon(self.slot, self.gen) == ring.EBUSY:  # answered: ours to release
+            r.release_slot(self.slot, self.gen)
+
+    def __enter__(self) -> "SlotRequest":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            if os.getpid() == self._pid and not self.seg.closed:
+                self.close()
+        except Exception:  # at interpreter exit, modules may be gone already
+            pass

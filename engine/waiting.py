@@ -1,0 +1,120 @@
+"""How a client waits for its requests: one loop, and one translation of ring
+codes into errors, shared by infer(), infer_many(), Futures and the
+completion thread.
+
+A wait runs in slices of at most LIVENESS_SLICE_NS, so that an engine that
+died meanwhile is noticed; it ends when the ticket is answered, when the
+request's deadline passes, when the engine is found gone, or when the
+caller's own patience (`until_ns`, a Future's result(timeout)) runs out.
+Giving up on a request abandons it with a CAS on its ticket, so that a late
+answer can never reach a newer request that reuses the slot.
+"""
+from typing import Callable, Optional
+
+import numpy as np
+
+from engine import ring
+from engine.errors import BackendError, EngineError, EngineUnavailable, RequestTimeout
+
+# How often a waiting client checks that the engine still lives (its lock).
+LIVENESS_SLICE_NS = 100_000_000
+
+# why a wait ended
+ANSWERED, EXPIRED, GONE, WAITED = "answered", "expired", "gone", "waited"
+
+
+def deadline_ns(timeout: Optional[float]) -> Optional[int]:
+    """The request's deadline on ring.now_ns()'s clock (None: none)."""
+    if timeout is None:
+        return None
+    if timeout < 0:
+        raise ValueError(f"timeout must be >= 0 or None, got {timeout}")
+    return ring.now_ns() + int(timeout * 1e9)
+
+
+def engine_lives(seg) -> bool:
+    return seg.engine_state() != ring.ENGINE_STOPPED and seg.holder_alive()
+
+
+def wait(wait_slice: Callable[[int], int], lives: Callable[[], bool],
+         deadline: Optional[int], until: Optional[int] = None):
+    """Calls wait_slice(slice_ns) -- a C wait returning a ring code -- until it
+    returns anything but ETIMEOUT; returns (why, code)."""
+    while True:
+        now = ring.now_ns()
+        if deadline is not None and now >= deadline:
+            return EXPIRED, ring.ETIMEOUT
+        if until is not None and now >= until:
+            return WAITED, ring.ETIMEOUT
+        slice_ns = min(LIVENESS_SLICE_NS, *(t - now for t in (deadline, until) if t is not None))
+        code = wait_slice(slice_ns)
+        if code != ring.ETIMEOUT:
+            return ANSWERED, code
+        if slice_ns == LIVENESS_SLICE_NS and not lives():
+            return GONE, code
+
+
+# -- errors ------------------------------------------------------------------------
+
+def timed_out(timeout, count: int = 1) -> RequestTimeout:
+    if count == 1:
+        return RequestTimeout(f"expected an answer within {timeout} s, got none (request abandoned)")
+    return RequestTimeout(f"expected {count} answers within {timeout} s, got fewer "
+                          f"(requests abandoned)")
+
+
+def engine_gone(name: str) -> EngineUnavailable:
+    return EngineUnavailable(f"engine {name!r} stopped or died while the request waited")
+
+
+def client_closed(name: str) -> EngineUnavailable:
+    return EngineUnavailable(f"client of {name!r} is closed")
+
+
+def backend_error(status: int, text: str) -> BackendError:
+    if status == ring.STATUS_BATCHER_DIED:
+        return BackendError("BatcherDied", text)
+    exc_type, _, message = text.partition(": ")
+    return BackendError(exc_type, message)
+
+
+def failed(seg, slot: int, gen: int, code: int) -> EngineError:
+    """The error of a ticket whose wait ended with code (neither OK nor
+    ETIMEOUT); a FAILED slot's error is read and the slot released."""
+    if code == ring.EFAILED:
+        status, text = seg.ring.slot_error(slot)
+        seg.ring.release_slot(slot, gen)
+        return backend_error(status, text)
+    return EngineUnavailable(f"engine {seg.name!r} reclaimed the request (code {code})")
+
+
+def give_up(seg, slot: int, gen: int, error: EngineError) -> Optional[EngineError]:
+    """Abandons the ticket; returns error, or None when it was answered that
+    instant (then its answer is the caller's to take). A timeout is counted."""
+    if seg.ring.abandon(slot, gen) == ring.EBUSY:
+        return None
+    if isinstance(error, RequestTimeout):
+        seg.ring.add_word(ring.W_TIMEOUTS)
+    return error
+
+
+def settle_now(seg, slot: int, gen: int, out: Optional[np.ndarray],
+               error: Optional[EngineError] = None):
+    """A ticket's outcome without waiting: (settled, value, error, stamps).
+    Answered: its answer taken (into out, or a new array) with the request's
+    (arrival_ns, claim_ns, done_ns). Not answered: with error, the request
+    abandoned and error returned (unless it was answered that instant);
+    without, (False, None, None, None)."""
+    r = seg.ring
+    if out is None:
+        out = np.empty(seg.output_shape, seg.output_dtype)
+    code, stamps = r.take_timed(slot, gen, out)
+    if code == ring.ETIMEOUT:
+        if error is None:
+            return False, None, None, None
+        if give_up(seg, slot, gen, error) is not None:
+            return True, None, error, None
+        code, stamps = r.take_timed(slot, gen, out)
+    if code == ring.OK:
+        return True, out, None, stamps
+    return True, None, failed(seg, slot, gen, code), None
