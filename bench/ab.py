@@ -25,7 +25,8 @@ PROBE = r"""
 import json, sys
 import numpy as np
 import engine
-from engine import bench, ring
+from engine import ring
+from engine.tools import bench
 what, seconds = sys.argv[1], float(sys.argv[2])
 load = bench.Load(backend="engine.backends:identity", backend_args={})
 if what == "rtt":

@@ -24,7 +24,7 @@ import urllib.request
 
 import numpy as np
 
-from engine import bench
+from engine.tools import bench
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"

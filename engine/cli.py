@@ -8,7 +8,6 @@ import signal
 import sys
 import tomllib
 
-from engine import bench
 from engine.errors import EngineError
 
 
@@ -82,12 +81,17 @@ def _bench_parser(sub):
 
 
 def _rows(args):
+    from engine.tools import bench
     if args.batch_sizes is None and args.delays_ms is None:
         return bench.DEFAULT_ROWS
     return list(itertools.product(args.batch_sizes or [1, 2, 4, 8, 16, 32], args.delays_ms or [0.0]))
 
 
 def cmd_bench(args) -> int:
+    from engine import tools
+    from engine.tools import bench
+    if args.out:
+        tools.pyplot()  # the plot's dependency, asked for before minutes of measuring
     backend_args = key_values(args.backend_arg)
     if args.backend == "engine.backends:synthetic":
         backend_args = {"fixed_ms": 2.0, "per_item_us": 100.0, **backend_args}
@@ -342,7 +346,7 @@ def _tune_parser(sub):
 
 
 def cmd_tune(args) -> int:
-    from engine import tune
+    from engine.tools import tune
     if None in args.input_shape:
         raise ValueError("tune needs a fixed --input-shape (the padded shape of a batch)")
     tune.run(args.backend, key_values(args.backend_arg), args.input_shape, args.input_dtype,

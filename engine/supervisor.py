@@ -16,6 +16,7 @@ stop() refuses new requests (EngineUnavailable), serves what is queued,
 stops the batchers and unlinks the segment.
 """
 import atexit
+import dataclasses
 import logging
 import multiprocessing.connection
 import os
@@ -75,16 +76,13 @@ class Engine:
         # a batch running longer is taken for a hung backend: its batcher is killed,
         # the batch fails (BatcherDied) and a new batcher serves the queue
         self.batch_timeout_s = batch_timeout_s
-        self._hung = [False] * instances
         if not reap_interval_s > 0:
             raise ValueError(f"reap_interval_s must be > 0, got {reap_interval_s}")
         # how often dead clients' slots are looked for; a client that finds the
         # ring full reclaims them at once, without waiting for this
         self.reap_interval_s = reap_interval_s
         self._seg: Optional[Segment] = None
-        self._procs = [None] * instances
-        self._restart_at_ns = [0] * instances
-        self._backoff_s = [0.0] * instances
+        self._instances = [_Instance(i) for i in range(instances)]
         self._monitor: Optional[threading.Thread] = None
         self._started = threading.Event()
         self._start_error: Optional[BaseException] = None
@@ -136,7 +134,7 @@ class Engine:
         r.set_word(ring.W_ENGINE_STATE, ring.ENGINE_RUNNING)
         _live_engines.add(self)
         log.info("engine %s started: %d instance(s), batcher pids %s", self.name,
-                 self.config.instances, [p.pid for p in self._procs])
+                 self.config.instances, [b.proc.pid for b in self._instances])
         return self
 
     def stop(self) -> None:
@@ -160,7 +158,7 @@ class Engine:
             if not reaper.Census(r, self._seg.capacity).count(ring.WRITING, ring.READY,
                                                               ring.CLAIMED):
                 return
-            alive = any(p is not None and p.is_alive() for p in self._procs)
+            alive = any(b.proc is not None and b.proc.is_alive() for b in self._instances)
             if not alive:
                 log.error("engine %s: no batcher left to drain the queue", self.name)
                 return
@@ -175,7 +173,8 @@ class Engine:
             os.write(self._wake_w, b"x")
         if self._monitor is not None:
             self._monitor.join(timeout=30)
-        for proc in self._procs:
+        for b in self._instances:
+            proc, b.proc = b.proc, None
             if proc is None:
                 continue
             proc.join(timeout=10)
@@ -184,7 +183,6 @@ class Engine:
                 proc.kill()
                 proc.join(timeout=10)
             proc.close()
-        self._procs = [None] * self.config.instances
         for fd in (self._wake_r, self._wake_w):
             if fd is not None:
                 os.close(fd)
@@ -206,7 +204,7 @@ class Engine:
         return metrics.read_stats(self._seg)
 
     # -- the monitor thread --------------------------------------------------
-    def _spawn(self, i: int) -> "_Batcher":
+    def _spawn(self, i: int) -> "BatcherProcess":
         """Starts batcher i and waits until it serves (or its factory fails)."""
         read_fd, write_fd = os.pipe()
         reader = multiprocessing.connection.Connection(read_fd, writable=False)
@@ -220,7 +218,7 @@ class Engine:
             except Exception as e:
                 raise BackendError(type(e).__name__, f"cannot pass the backend to a "
                                    f"batcher process: {e}") from None
-            proc = _Batcher([sys.executable, "-c", "from engine.batcher import _entry; _entry()"], stdin=subprocess.PIPE,
+            proc = BatcherProcess([sys.executable, "-c", "from engine.batcher import _entry; _entry()"], stdin=subprocess.PIPE,
                             pass_fds=(write_fd,))
             os.close(write_fd)
             write_fd = None
@@ -258,41 +256,42 @@ class Engine:
     def _monitor_main(self) -> None:
         try:
             for i in range(self.config.instances):
-                self._procs[i] = self._spawn(i)
+                self._instances[i].proc = self._spawn(i)
         except BaseException as e:
             self._start_error = e
             self._started.set()
             return
         self._started.set()
         while not self._stopping.is_set():
-            waitables = [p.sentinel for p in self._procs if p is not None] + [self._wake_r]
+            waitables = [b.proc.sentinel for b in self._instances if b.proc is not None]
+            waitables.append(self._wake_r)
             multiprocessing.connection.wait(waitables, timeout=self.reap_interval_s)
             if self._stopping.is_set():
                 break
-            for i, proc in enumerate(self._procs):
-                if proc is None or not proc.is_alive():
-                    self._replace(i, proc)
+            for b in self._instances:
+                if b.proc is None or not b.proc.is_alive():
+                    self._replace(b)
                 elif self.batch_timeout_s is not None:
-                    self._kill_if_hung(i, proc)
+                    self._kill_if_hung(b)
             self._reap_clients()
 
-    def _kill_if_hung(self, i: int, proc) -> None:
-        started_ns = self._seg.batch_started_ns(i)
+    def _kill_if_hung(self, b: "_Instance") -> None:
+        started_ns = self._seg.batch_started_ns(b.index)
         if started_ns and ring.now_ns() - started_ns > self.batch_timeout_s * 1e9:
             log.error("engine %s: batcher %d (pid %d) ran one batch over batch_timeout_s=%g; "
-                      "killing it", self.name, i, proc.pid, self.batch_timeout_s)
-            self._hung[i] = True
-            proc.kill()  # the next pass sees it dead: its batch fails, a new one starts
+                      "killing it", self.name, b.index, b.proc.pid, self.batch_timeout_s)
+            b.hung = True
+            b.proc.kill()  # the next pass sees it dead: its batch fails, a new one starts
 
-    def _replace(self, i: int, proc) -> None:
-        r = self._seg.ring
+    def _replace(self, b: "_Instance") -> None:
+        r, i, proc = self._seg.ring, b.index, b.proc
         if proc is not None:
             proc.join(0)
             why = (f"killed by signal {-proc.exitcode}" if proc.exitcode and proc.exitcode < 0
                    else f"exit code {proc.exitcode}")
-            if self._hung[i]:
+            if b.hung:
                 why = f"hung: its batch ran over batch_timeout_s={self.batch_timeout_s:g}"
-                self._hung[i] = False
+                b.hung = False
             self._seg.mark_batch(i, 0)
             failed = r.reap_batcher(i, f"batcher {i} (pid {proc.pid}) died ({why}) "
                                        f"while serving this request".encode())
@@ -301,15 +300,15 @@ class Engine:
             log.warning("engine %s: batcher %d (pid %d) died (%s); failed %d claimed "
                         "request(s); restarting", self.name, i, proc.pid, why, failed)
             proc.close()
-            self._procs[i] = None
-        if ring.now_ns() < self._restart_at_ns[i]:
+            b.proc = None
+        if ring.now_ns() < b.restart_at_ns:
             return
         try:
-            self._procs[i] = self._spawn(i)
-            self._backoff_s[i] = 0.0
+            b.proc = self._spawn(i)
+            b.backoff_s = 0.0
         except BackendError as e:
-            backoff = self._backoff_s[i] = min(_RESTART_BACKOFF_MAX_S, 2 * self._backoff_s[i] or 0.5)
-            self._restart_at_ns[i] = ring.now_ns() + int(backoff * 1e9)
+            backoff = b.backoff_s = min(_RESTART_BACKOFF_MAX_S, 2 * b.backoff_s or 0.5)
+            b.restart_at_ns = ring.now_ns() + int(backoff * 1e9)
             log.error("engine %s: batcher %d did not restart (%s); next try in %.1f s",
                       self.name, i, e, backoff)
 
@@ -320,8 +319,20 @@ class Engine:
             log.info("engine %s: reclaimed slot %d of dead client pid %d", self.name, slot, pid)
 
 
-class _Batcher(subprocess.Popen):
-    """A batcher process, with the few multiprocessing.Process names used here."""
+@dataclasses.dataclass
+class _Instance:
+    """Instance `index` of the engine: its batcher process (None between a
+    death and the restart) and its restart state."""
+    index: int
+    proc: Optional["BatcherProcess"] = None
+    restart_at_ns: int = 0  # no restart before this (backoff after failed starts)
+    backoff_s: float = 0.0
+    hung: bool = False  # killed by the watchdog (batch_timeout_s), not crashed
+
+
+class BatcherProcess(subprocess.Popen):
+    """The handle of a batcher process (the loop it runs is batcher.Batcher),
+    with the few multiprocessing.Process names used here."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -4,7 +4,8 @@ import json
 import numpy as np
 import pytest
 
-from engine import bench, cli
+from engine import cli
+from engine.tools import bench
 
 
 def test_poisson_arrivals_are_seeded_increasing_and_at_the_rate():
@@ -90,7 +91,7 @@ def test_baseline_rows_answer_every_request_correctly():
 
 
 def test_tune_fits_the_cost_model_and_recommends_within_the_slo():
-    from engine import tune
+    from engine.tools import tune
     service = {n: 2.0 + 0.1 * n for n in tune.batch_sizes(64)}  # the seed's S(n), exact
     f_ms, c_ms = tune.fit(service)
     assert (f_ms, c_ms) == (pytest.approx(2.0), pytest.approx(0.1))

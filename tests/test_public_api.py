@@ -24,3 +24,11 @@ def test_the_command_runs_as_a_module_and_lists_its_subcommands():
     assert out.returncode == 0
     for sub in ("serve", "status", "bench", "cleanup", "tune"):
         assert sub in out.stdout
+
+
+def test_the_serving_runtime_imports_no_tooling():
+    code = ("import sys, engine, engine.cli, engine.batcher, engine.metrics; "
+            "print(sorted(m for m in sys.modules if m.startswith(('engine.tools', 'matplotlib'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

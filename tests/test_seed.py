@@ -5,7 +5,7 @@ answers, counts and batch sizes hold on any machine; its queue-wait bound is
 a figure of `shmbatch bench`."""
 import pytest
 
-from engine import bench
+from engine.tools import bench
 
 FIXED_MS, PER_ITEM_US = 2.0, 100.0
 LOAD = bench.Load(backend_args={"fixed_ms": FIXED_MS, "per_item_us": PER_ITEM_US},

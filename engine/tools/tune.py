@@ -17,7 +17,7 @@ from typing import Dict, List, Sequence
 
 import numpy as np
 
-from engine import backends
+from engine import backends, tools
 
 
 def batch_sizes(limit: int) -> List[int]:
@@ -99,9 +99,7 @@ def run(backend, backend_args, input_shape, dtype, slo_ms, limit=64, out_dir=Non
 def _write(out_dir: str, result: dict) -> None:
     import json
 
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = tools.pyplot()
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "tune.json"), "w") as f:
         json.dump(result, f, indent=2)

@@ -19,11 +19,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from engine import ring
-from engine.baselines import Caller, Server
+from engine import ring, tools
 from engine.client import Client
 from engine.errors import EngineError, QueueFull, RequestTimeout
 from engine.supervisor import Engine
+from engine.tools.baselines import Caller, Server
 
 DEFAULT_ROWS = [(1, 0.0), (32, 0.0), (8, 1.0), (32, 2.0), (32, 5.0)]
 
@@ -644,9 +644,7 @@ def write_outputs(out_dir: str, result: dict, load: Load) -> None:
 
 
 def plot(path: str, rows: Sequence[dict], load: Load) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = tools.pyplot()
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     delays = sorted({r["max_delay_ms"] for r in rows})
