@@ -880,6 +880,16 @@ static uint32_t bucket_of(uint64_t v)
 	return b < SB_HIST_BUCKETS ? b : SB_HIST_BUCKETS - 1;
 }
 
+uint64_t sb_bucket_lower_ns(uint32_t b)
+{
+	/* bucket_of inverted: bucket 4k + s starts at (4 + s) << (k + 6) */
+	if (b == 0)
+		return 0;
+	if (b >= SB_HIST_BUCKETS)
+		b = SB_HIST_BUCKETS - 1;
+	return (uint64_t)(4 + b % 4) << (b / 4 + 6);
+}
+
 static void record_max(uint64_t *word, uint64_t v)
 {
 	uint64_t cur = sb_load_relaxed(word);

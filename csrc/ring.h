@@ -114,6 +114,11 @@
 #define SB_MAX_INSTANCES 32
 #define SB_HIST_BUCKETS 128
 
+/* the control word's fields (drawn above) that Python reads too */
+#define SB_STATE_MASK 0xF
+#define SB_PID_SHIFT 10
+#define SB_PID_MASK 0x3FFFFF
+
 /* slot states (ctl bits 0-3) */
 #define SB_FREE 0
 #define SB_WRITING 1
@@ -276,6 +281,8 @@ int sb_reap_slot(void *base, uint32_t slot, uint64_t expected_ctl);
 uint32_t sb_reap_batcher(void *base, uint32_t batcher, const char *msg,
 			 uint32_t msg_len);
 void sb_histogram(const void *base, int which, uint64_t *buckets);
+/* the lowest value (ns) that lands in a time histogram's bucket */
+uint64_t sb_bucket_lower_ns(uint32_t bucket);
 
 /* time; and the floor a cross-process request cannot beat: a futex
  * ping-pong on word[0] of a shared mapping (role 0 pings, role 1 answers),
@@ -288,12 +295,9 @@ uint32_t sb_pingpong(void *word, uint32_t role, uint32_t rounds, uint64_t spin_n
 
 #define SB_MAGIC 0x48435441424d4853ull /* "SHMBATCH" as little-endian bytes */
 
-#define SB_STATE_MASK 0xFull
 #define SB_WAITING_BIT 0x10ull
 #define SB_BATCHER_SHIFT 5
 #define SB_BATCHER_MASK 0x1Full
-#define SB_PID_SHIFT 10
-#define SB_PID_MASK 0x3FFFFFull
 #define SB_CTL(gen, pid, batcher, state)                                       \
 	(((uint64_t)(gen) << 32) | ((uint64_t)(pid) << SB_PID_SHIFT) |         \
 	 ((uint64_t)(batcher) << SB_BATCHER_SHIFT) | (uint64_t)(state))

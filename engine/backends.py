@@ -33,13 +33,21 @@ def identity():
     return run
 
 
-def resolve(spec: Union[str, Callable]) -> Callable:
-    """A "module:factory" string or a zero-argument callable -> the factory."""
+def check_spec(spec: Union[str, Callable]) -> None:
+    """ValueError unless spec is a "module:factory" string or a callable (nothing imported)."""
     if callable(spec):
-        return spec
+        return
     module, sep, attr = str(spec).partition(":")
     if not sep or not module or not attr:
         raise ValueError(f"backend must be 'module:factory' or a callable, got {spec!r}")
+
+
+def resolve(spec: Union[str, Callable]) -> Callable:
+    """A "module:factory" string or a zero-argument callable -> the factory."""
+    check_spec(spec)
+    if callable(spec):
+        return spec
+    module, _, attr = str(spec).partition(":")
     factory = getattr(importlib.import_module(module), attr)
     if not callable(factory):
         raise ValueError(f"backend {spec!r} is not callable")

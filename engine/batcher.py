@@ -33,11 +33,10 @@ from engine.layout import Segment, describe, shape_text
 # lost parent even if the kernel's parent-death signal did not fire.
 IDLE_CHECK_NS = 1_000_000_000
 
-# After a batch, a batcher that finds nothing queued spins this long before
-# it sleeps: under steady load the next request comes within it, and neither
-# side then pays a kernel wake-up. One spin per batch at most: an idle
-# batcher sleeps. Never on one CPU, where it would delay the clients.
-SPIN_NS = 50_000 if len(os.sched_getaffinity(0)) > 1 else 0  # read before any pinning
+# After a batch, a batcher that finds nothing queued spins up to ring.SPIN_NS
+# before it sleeps: under steady load the next request comes within it. One
+# spin per batch at most: an idle batcher sleeps.
+SPIN_NS = ring.SPIN_NS  # read at import, before any pinning
 
 
 class BadResult(Exception):

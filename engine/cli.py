@@ -52,12 +52,34 @@ def numbers(kind):
     return parse
 
 
+def _knobs():
+    from engine.supervisor import KNOBS  # Engine(...)'s keywords, each once
+    return KNOBS
+
+
+def _knob_flag(p, knob, with_default: bool = False) -> None:
+    """The flag of one of Engine(...)'s knobs, parsed as the knob says; serve
+    takes no defaults (a --config file's keys may stand in for flags)."""
+    kind, doc = knob.metadata["cli"], knob.metadata["doc"]
+    default = knob.default if with_default else None
+    if kind == "key_values":  # --backend-arg K=V, repeated
+        p.add_argument("--backend-arg", action="append", metavar="KEY=VALUE", help=doc)
+        return
+    flag = "--" + knob.name.replace("_", "-")
+    if kind == "cpus":
+        p.add_argument(flag, action="append", type=cpu_list, metavar="0[,1...]",
+                       help=f"{doc}; one flag per instance")
+        return
+    parse = {"int": int, "float": float, "shape": shape}.get(kind, str)
+    metavar = {"callable": "MOD:FACTORY", "gpus": "0,1"}.get(kind)
+    p.add_argument(flag, type=parse, default=default, metavar=metavar, help=doc)
+
+
 def _backend_flags(p) -> None:
-    """The backend and its input, as bench and tune take them."""
-    p.add_argument("--backend", default="engine.backends:synthetic")
-    p.add_argument("--backend-arg", action="append", metavar="KEY=VALUE")
-    p.add_argument("--input-shape", type=shape, default=(16,))
-    p.add_argument("--input-dtype", default="float32")
+    """The backend and its input, as bench and tune take them (with the knobs' defaults)."""
+    for knob in _knobs():
+        if knob.name in ("backend", "backend_args", "input_shape", "input_dtype"):
+            _knob_flag(p, knob, with_default=True)
 
 
 def _bench_parser(sub):
@@ -139,10 +161,7 @@ def cmd_bench(args) -> int:
     return 1 if bad else 0
 
 
-ENGINE_KEYS = ("name", "backend", "backend_args", "input_shape", "input_dtype", "max_input_shape",
-               "output_shape", "output_dtype", "max_batch_size", "max_delay_ms", "queue_capacity",
-               "instances", "cpus", "gpus", "batch_timeout_s")
-SERVE_KEYS = ENGINE_KEYS + ("metrics_port", "metrics_host")
+SERVE_ONLY_KEYS = ("metrics_port", "metrics_host")
 
 
 def cpu_list(text: str):
@@ -152,23 +171,8 @@ def cpu_list(text: str):
 def _serve_parser(sub):
     p = sub.add_parser("serve", help="run an engine in the foreground until SIGINT/SIGTERM")
     p.add_argument("--config", metavar="FILE.toml", help="the keys of engine.Engine(...); flags override")
-    p.add_argument("--name")
-    p.add_argument("--backend", help="MOD:FACTORY")
-    p.add_argument("--backend-arg", action="append", metavar="KEY=VALUE")
-    p.add_argument("--input-shape", type=shape)
-    p.add_argument("--input-dtype")
-    p.add_argument("--max-input-shape", type=shape)
-    p.add_argument("--output-shape", type=shape)
-    p.add_argument("--output-dtype")
-    p.add_argument("--max-batch-size", type=int)
-    p.add_argument("--max-delay-ms", type=float)
-    p.add_argument("--queue-capacity", type=int)
-    p.add_argument("--instances", type=int)
-    p.add_argument("--cpus", action="append", type=cpu_list, metavar="0[,1...]",
-                   help="CPU affinity of the next instance; repeat per instance")
-    p.add_argument("--gpus", metavar="0,1", help="CUDA_VISIBLE_DEVICES of each instance")
-    p.add_argument("--batch-timeout-s", type=float,
-                   help="kill and replace a batcher whose batch runs longer (its batch fails)")
+    for knob in _knobs():
+        _knob_flag(p, knob)
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
     p.add_argument("--metrics-host", help="address for /metrics (default 0.0.0.0)")
     p.add_argument("--log-level", default="INFO")
@@ -193,20 +197,23 @@ def serve_settings(args) -> dict:
                 settings = tomllib.load(f)
             except tomllib.TOMLDecodeError as e:
                 raise ValueError(f"{args.config}: {e}") from None
-        unknown = sorted(set(settings) - set(SERVE_KEYS))
+    knobs = _knobs()
+    keys = [k.name for k in knobs] + list(SERVE_ONLY_KEYS)
+    if args.config:
+        unknown = sorted(set(settings) - set(keys))
         if unknown:
             raise ValueError(f"{args.config}: unknown key(s) {', '.join(unknown)}; "
-                             f"expected some of {', '.join(SERVE_KEYS)}")
-    for key in SERVE_KEYS:
+                             f"expected some of {', '.join(keys)}")
+    for key in keys:
         value = getattr(args, key, None)
         if value is not None and key != "backend_args":
             settings[key] = value
     settings["backend_args"] = {**settings.get("backend_args", {}), **key_values(args.backend_arg)}
-    for key in ("input_shape", "max_input_shape", "output_shape"):
-        if key in settings:
-            settings[key] = _config_shape(settings[key], key)
-    if isinstance(settings.get("gpus"), str):
-        settings["gpus"] = [g.strip() for g in settings["gpus"].split(",") if g.strip()]
+    for knob in knobs:
+        if knob.metadata["cli"] == "shape" and knob.name in settings:
+            settings[knob.name] = _config_shape(settings[knob.name], knob.name)
+        if knob.metadata["cli"] == "gpus" and isinstance(settings.get(knob.name), str):
+            settings[knob.name] = [g.strip() for g in settings[knob.name].split(",") if g.strip()]
     missing = [k for k in ("name", "backend", "input_shape", "output_shape") if k not in settings]
     if missing:
         raise ValueError("missing " + ", ".join(f"--{k.replace('_', '-')}" for k in missing)

@@ -39,12 +39,11 @@ from engine.errors import EngineError, EngineUnavailable, InvalidInput, QueueFul
 from engine.layout import Segment
 from engine.lent import SlotRequest
 
-# A blocking wait first spins this long if the client's previous wait ended
-# within it: a fast backend's answer then costs no kernel wake-up (about half
-# of a short round trip). After a longer wait the next one sleeps at once, so
-# a slow backend's clients burn no CPU. Never on one CPU, where a spinning
-# client would only delay the batcher it waits for.
-SPIN_NS = 50_000 if len(os.sched_getaffinity(0)) > 1 else 0
+# A blocking wait first spins up to ring.SPIN_NS if the client's previous
+# wait ended within it: a fast backend's answer then costs no kernel wake-up.
+# After a longer wait the next one sleeps at once, so a slow backend's
+# clients burn no CPU.
+SPIN_NS = ring.SPIN_NS
 
 # How long a client that found the ring full of answers waits for other
 # processes' evictors to move them out, before it raises QueueFull.

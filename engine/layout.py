@@ -112,20 +112,29 @@ def describe(x: np.ndarray) -> str:
     return f"{x.dtype}{shape_text(x.shape)}"
 
 
+def knob(default, cli: str, doc: str):
+    """A dataclass field that is one of Engine(...)'s knobs: its default, how
+    `shmbatch serve` parses its flag (str, int, float, shape, cpus, gpus,
+    key_values, callable), and what it does. Engine, the CLI's flags and the
+    TOML keys are all read off these fields (EngineConfig, EngineOptions)."""
+    return dataclasses.field(default=default, metadata={"cli": cli, "doc": doc})
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """What Engine(...) was given, validated; immutable once the engine runs."""
+    """The knobs a client needs too, validated; stored as JSON in the
+    segment's header, immutable once the engine runs."""
 
-    name: str
-    input_shape: Tuple
-    input_dtype: str = "float32"
-    output_shape: Tuple = ()
-    output_dtype: str = "float32"
-    max_input_shape: Optional[Tuple] = None
-    max_batch_size: int = 32
-    max_delay_ms: float = 0.0
-    queue_capacity: int = 1024
-    instances: int = 1
+    name: str = knob(None, "str", "[A-Za-z0-9_.-]{1,64}; names the shared-memory segment")
+    input_shape: Tuple = knob((16,), "shape", "per-request shape; a None dim is variable")
+    input_dtype: str = knob("float32", "str", "numpy dtype of the input")
+    output_shape: Tuple = knob((16,), "shape", "per-request shape of the answer")
+    output_dtype: str = knob("float32", "str", "numpy dtype of the answer")
+    max_input_shape: Optional[Tuple] = knob(None, "shape", "the padding bound of a variable dim")
+    max_batch_size: int = knob(32, "int", "flush when this many are gathered ...")
+    max_delay_ms: float = knob(0.0, "float", "... or when the oldest has waited this long")
+    queue_capacity: int = knob(1024, "int", "requests queued or being computed at most")
+    instances: int = knob(1, "int", "batcher processes serving the one queue")
 
     def __post_init__(self):
         put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen)

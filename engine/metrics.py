@@ -12,6 +12,23 @@ from engine import liveness, ring
 
 _LOWER_NS, _UPPER_NS = ring.hist_bounds_ns()
 
+# The counters, each named once: (stats() key, header word, Prometheus outcome
+# of shmbatch_requests_total or None).
+COUNTERS = (
+    ("requests_total", ring.W_REQUESTS, None),
+    ("answered_total", ring.W_ANSWERED, "ok"),
+    ("rejected_total", ring.W_REJECTED, "rejected"),
+    ("timeouts_total", ring.W_TIMEOUTS, "timeout"),
+    ("errors_total", ring.W_ERRORS, "error"),
+    ("invalid_total", ring.W_INVALID, "invalid"),
+    ("batches_total", ring.W_BATCHES, None),
+    ("zero_copy_batches", ring.W_ZERO_COPY, None),
+    ("gathered_batches", ring.W_GATHERED, None),
+    ("reclaimed_slots_total", ring.W_RECLAIMED, None),
+    ("stale_completions_total", ring.W_STALE, None),
+    ("batcher_restarts_total", ring.W_RESTARTS, None),
+)
+
 
 def percentile_ns(counts: np.ndarray, q: float) -> float:
     """The q-quantile (0..1) of a ring histogram, interpolated within its bucket."""
@@ -64,13 +81,7 @@ def read_stats(segment) -> dict:
         slots_in_use = int((ring.ctl_state(ctl) != ring.FREE).sum())
     return {
         "name": segment.name,
-        "requests_total": w(ring.W_REQUESTS),
-        "answered_total": w(ring.W_ANSWERED),
-        "rejected_total": w(ring.W_REJECTED),
-        "timeouts_total": w(ring.W_TIMEOUTS),
-        "errors_total": w(ring.W_ERRORS),
-        "invalid_total": w(ring.W_INVALID),
-        "batches_total": batches,
+        **{key: w(word) for key, word, _ in COUNTERS},
         "queue_depth": queue_depth,
         "slots_in_use": slots_in_use,
         "avg_batch_size": items / batches if batches else 0.0,
@@ -79,11 +90,6 @@ def read_stats(segment) -> dict:
                                      w(ring.W_QUEUE_WAIT_SUM_NS)),
         "service_ms": _summary_ms(r.histogram(ring.H_SERVICE), w(ring.W_SERVICE_MAX_NS),
                                   w(ring.W_SERVICE_SUM_NS)),
-        "zero_copy_batches": w(ring.W_ZERO_COPY),
-        "gathered_batches": w(ring.W_GATHERED),
-        "reclaimed_slots_total": w(ring.W_RECLAIMED),
-        "stale_completions_total": w(ring.W_STALE),
-        "batcher_restarts_total": w(ring.W_RESTARTS),
         "instances": segment.config.instances,
         "instances_alive": len(pids),
         "batcher_pids": pids,
@@ -124,10 +130,9 @@ class Collector:
         labels = {"engine": self.segment.name}
         requests = CounterMetricFamily("shmbatch_requests", "Requests by outcome.",
                                        labels=["engine", "outcome"])
-        for outcome, word in (("ok", ring.W_ANSWERED), ("rejected", ring.W_REJECTED),
-                              ("timeout", ring.W_TIMEOUTS), ("error", ring.W_ERRORS),
-                              ("invalid", ring.W_INVALID)):
-            requests.add_metric([labels["engine"], outcome], w(word))
+        for _, word, outcome in COUNTERS:
+            if outcome is not None:
+                requests.add_metric([labels["engine"], outcome], w(word))
         yield requests
         batches = CounterMetricFamily("shmbatch_batches", "Batches run.", labels=["engine"])
         batches.add_metric([labels["engine"]], w(ring.W_BATCHES))

@@ -8,6 +8,7 @@ request is decided by the client and batcher modules.
 The SB_* constants of csrc/ring.h are re-exported without their prefix
 (``ring.READY``, ``ring.ETIMEOUT``, ``ring.W_REQUESTS`` ...).
 """
+import os
 import threading
 import time
 
@@ -21,6 +22,13 @@ globals().update({n[3:]: getattr(lib, n) for n in dir(lib) if n.startswith("SB_"
 # would let another thread take the GIL (a context switch when one waits)
 now_ns = time.monotonic_ns
 MAX_NS = 2**64 - 1  # "any time": a cutoff every arrival is before
+
+# How long a waiter (client or batcher) may spin re-reading the word it waits
+# for before it sleeps: a spinner is not marked asleep, so its waker skips the
+# wake syscall and neither side pays the kernel's wake-up (about half of a
+# short round trip). Never on one CPU, where a spinner only delays the other
+# side. Read at import, before a batcher pins itself.
+SPIN_NS = 50_000 if len(os.sched_getaffinity(0)) > 1 else 0
 spin_ns = lib.sb_spin_ns  # busy-waits in C, without the GIL
 
 
@@ -251,17 +259,16 @@ class Ring:
 
 def ctl_state(ctl: np.ndarray) -> np.ndarray:
     """The state field of control words (vectorised; ring.h's bit layout)."""
-    return ctl & np.uint64(0xF)
+    return ctl & np.uint64(STATE_MASK)
 
 
 def ctl_pid(ctl: np.ndarray) -> np.ndarray:
-    return (ctl >> np.uint64(10)) & np.uint64(0x3FFFFF)
+    return (ctl >> np.uint64(PID_SHIFT)) & np.uint64(PID_MASK)
 
 
 def hist_bounds_ns():
-    """(lower, upper) of each histogram bucket in ns: ring.c's bucket_of, inverted."""
-    b = np.arange(HIST_BUCKETS + 1)
-    octave, step = b // 4 + 8, b % 4
-    edges = ((4 + step) << (octave - 2)).astype(np.float64)
-    edges[0] = 0.0
-    return edges[:-1], edges[1:]
+    """(lower, upper) of each time histogram bucket in ns, as ring.c buckets them
+    (the last bucket's upper edge: where the next would start)."""
+    lower = np.array([lib.sb_bucket_lower_ns(b) for b in range(HIST_BUCKETS)], np.float64)
+    top = float(lower[-1] + (lower[-1] - lower[-2]))
+    return lower, np.append(lower[1:], top)

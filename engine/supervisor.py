@@ -27,9 +27,9 @@ import threading
 import weakref
 from typing import Optional
 
-from engine import liveness, metrics, reaper, ring
+from engine import backends, liveness, metrics, reaper, ring
 from engine.errors import BackendError, EngineUnavailable
-from engine.layout import EngineConfig, Segment
+from engine.layout import EngineConfig, Segment, knob
 
 log = logging.getLogger("shmbatch")
 
@@ -47,40 +47,55 @@ def _per_instance(value, instances: int, what: str):
     return value
 
 
-class Engine:
-    """A dynamic batching engine serving one backend (contract section 1)."""
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """The knobs only the engine's own process needs (the others are EngineConfig's)."""
 
-    def __init__(self, name: str, backend="engine.backends:synthetic", backend_args=None,
-                 input_shape=(16,), input_dtype="float32", max_input_shape=None,
-                 output_shape=(16,), output_dtype="float32", max_batch_size: int = 32,
-                 max_delay_ms: float = 0.0, queue_capacity: int = 1024, instances: int = 1,
-                 cpus=None, gpus=None, start_timeout_s: float = 120.0,
-                 drain_timeout_s: float = 30.0, batch_timeout_s: Optional[float] = None,
-                 reap_interval_s: float = REAP_INTERVAL_S):
-        self.config = EngineConfig(
-            name=name, input_shape=input_shape, input_dtype=input_dtype,
-            output_shape=output_shape, output_dtype=output_dtype,
-            max_input_shape=max_input_shape, max_batch_size=max_batch_size,
-            max_delay_ms=max_delay_ms, queue_capacity=queue_capacity, instances=instances)
-        if not callable(backend) and ":" not in str(backend):
-            raise ValueError(f"backend must be 'module:factory' or a callable, got {backend!r}")
-        self.backend = backend
-        self.backend_args = dict(backend_args or {})
+    backend: object = knob("engine.backends:synthetic", "callable",
+                           "MOD:FACTORY imported in each batcher, or a picklable callable")
+    backend_args: dict = knob(None, "key_values", "keyword arguments for the factory")
+    cpus: Optional[list] = knob(None, "cpus", "CPU affinity of each instance, e.g. [[0], [1]]")
+    gpus: Optional[list] = knob(None, "gpus", "CUDA_VISIBLE_DEVICES of each instance, e.g. [0, 1]")
+    start_timeout_s: float = knob(120.0, "float", "a batcher not serving by then fails start()")
+    drain_timeout_s: float = knob(30.0, "float", "stop() answers what is queued for this long")
+    batch_timeout_s: Optional[float] = knob(
+        None, "float", "a batch running longer is a hung model: its batcher is killed and "
+        "replaced, that batch fails (BatcherDied)")
+    reap_interval_s: float = knob(REAP_INTERVAL_S, "float",
+                                  "how often dead clients' slots are looked for (a client that "
+                                  "finds the ring full reclaims them at once)")
+
+    def __post_init__(self):
+        backends.check_spec(self.backend)
+        object.__setattr__(self, "backend_args", dict(self.backend_args or {}))
+        if self.batch_timeout_s is not None and not self.batch_timeout_s > 0:
+            raise ValueError(f"batch_timeout_s must be > 0 or None, got {self.batch_timeout_s}")
+        if not self.reap_interval_s > 0:
+            raise ValueError(f"reap_interval_s must be > 0, got {self.reap_interval_s}")
+
+
+# Every keyword Engine(...) takes, in order: the segment's knobs, then the engine's own.
+KNOBS = tuple(dataclasses.fields(EngineConfig)) + tuple(dataclasses.fields(EngineOptions))
+
+
+class Engine:
+    """A dynamic batching engine serving one backend (contract section 1).
+
+    Engine(name, **knobs): the knobs are the fields of EngineConfig and
+    EngineOptions (see KNOBS), each with its default and what it does."""
+
+    def __init__(self, name: str, **knobs):
+        config_keys = {f.name for f in dataclasses.fields(EngineConfig)}
+        unknown = sorted(set(knobs) - {f.name for f in KNOBS})
+        if unknown:
+            raise TypeError(f"Engine() got unknown knob(s) {', '.join(unknown)}; expected some of "
+                            f"{', '.join(f.name for f in KNOBS if f.name != 'name')}")
+        self.config = EngineConfig(name=name, **{k: v for k, v in knobs.items() if k in config_keys})
+        self.options = EngineOptions(**{k: v for k, v in knobs.items() if k not in config_keys})
+        instances = self.config.instances
         self.cpus = [None if c is None else ([c] if isinstance(c, int) else list(c))
-                     for c in _per_instance(cpus, instances, "cpus")]
-        self.gpus = _per_instance(gpus, instances, "gpus")
-        self.start_timeout_s = start_timeout_s
-        self.drain_timeout_s = drain_timeout_s
-        if batch_timeout_s is not None and not batch_timeout_s > 0:
-            raise ValueError(f"batch_timeout_s must be > 0 or None, got {batch_timeout_s}")
-        # a batch running longer is taken for a hung backend: its batcher is killed,
-        # the batch fails (BatcherDied) and a new batcher serves the queue
-        self.batch_timeout_s = batch_timeout_s
-        if not reap_interval_s > 0:
-            raise ValueError(f"reap_interval_s must be > 0, got {reap_interval_s}")
-        # how often dead clients' slots are looked for; a client that finds the
-        # ring full reclaims them at once, without waiting for this
-        self.reap_interval_s = reap_interval_s
+                     for c in _per_instance(self.options.cpus, instances, "cpus")]
+        self.gpus = _per_instance(self.options.gpus, instances, "gpus")
         self._seg: Optional[Segment] = None
         self._instances = [_Instance(i) for i in range(instances)]
         self._monitor: Optional[threading.Thread] = None
@@ -127,7 +142,7 @@ class Engine:
         self._monitor = threading.Thread(target=self._monitor_main, daemon=True,
                                          name=f"shmbatch-supervisor-{self.name}")
         self._monitor.start()
-        if not self._started.wait(self.start_timeout_s * self.config.instances + 10):
+        if not self._started.wait(self.options.start_timeout_s * self.config.instances + 10):
             self._start_error = BackendError("StartTimeout", "batchers did not start in time")
         if self._start_error is not None:
             raise self._start_error
@@ -146,7 +161,7 @@ class Engine:
         r = seg.ring
         r.set_word(ring.W_ENGINE_STATE, ring.ENGINE_STOPPING)
         r.wake_work()  # a batcher waiting for a deadline flushes now
-        self._drain(self.drain_timeout_s)
+        self._drain(self.options.drain_timeout_s)
         self._teardown()
         log.info("engine %s stopped", self.name)
 
@@ -210,8 +225,9 @@ class Engine:
         reader = multiprocessing.connection.Connection(read_fd, writable=False)
         proc = None
         try:
-            args = dict(name=self.name, instance=i, backend=self.backend,
-                        backend_args=self.backend_args, cpus=self.cpus[i], gpu=self.gpus[i],
+            args = dict(name=self.name, instance=i, backend=self.options.backend,
+                        backend_args=self.options.backend_args, cpus=self.cpus[i],
+                        gpu=self.gpus[i],
                         ready_fd=write_fd)
             try:
                 payload = pickle.dumps(list(sys.path)) + pickle.dumps(args)
@@ -227,9 +243,9 @@ class Engine:
                 proc.stdin.close()
             except BrokenPipeError:
                 pass  # it died at once: the recv below says so
-            if not reader.poll(self.start_timeout_s):
+            if not reader.poll(self.options.start_timeout_s):
                 raise BackendError("StartTimeout", f"batcher {i} not ready within "
-                                   f"{self.start_timeout_s} s")
+                                   f"{self.options.start_timeout_s} s")
             try:
                 msg = reader.recv()
             except EOFError:
@@ -265,21 +281,22 @@ class Engine:
         while not self._stopping.is_set():
             waitables = [b.proc.sentinel for b in self._instances if b.proc is not None]
             waitables.append(self._wake_r)
-            multiprocessing.connection.wait(waitables, timeout=self.reap_interval_s)
+            multiprocessing.connection.wait(waitables, timeout=self.options.reap_interval_s)
             if self._stopping.is_set():
                 break
             for b in self._instances:
                 if b.proc is None or not b.proc.is_alive():
                     self._replace(b)
-                elif self.batch_timeout_s is not None:
+                elif self.options.batch_timeout_s is not None:
                     self._kill_if_hung(b)
             self._reap_clients()
 
     def _kill_if_hung(self, b: "_Instance") -> None:
         started_ns = self._seg.batch_started_ns(b.index)
-        if started_ns and ring.now_ns() - started_ns > self.batch_timeout_s * 1e9:
+        if started_ns and ring.now_ns() - started_ns > self.options.batch_timeout_s * 1e9:
             log.error("engine %s: batcher %d (pid %d) ran one batch over batch_timeout_s=%g; "
-                      "killing it", self.name, b.index, b.proc.pid, self.batch_timeout_s)
+                      "killing it", self.name, b.index, b.proc.pid,
+                      self.options.batch_timeout_s)
             b.hung = True
             b.proc.kill()  # the next pass sees it dead: its batch fails, a new one starts
 
@@ -290,7 +307,7 @@ class Engine:
             why = (f"killed by signal {-proc.exitcode}" if proc.exitcode and proc.exitcode < 0
                    else f"exit code {proc.exitcode}")
             if b.hung:
-                why = f"hung: its batch ran over batch_timeout_s={self.batch_timeout_s:g}"
+                why = f"hung: its batch ran over batch_timeout_s={self.options.batch_timeout_s:g}"
                 b.hung = False
             self._seg.mark_batch(i, 0)
             failed = r.reap_batcher(i, f"batcher {i} (pid {proc.pid}) died ({why}) "

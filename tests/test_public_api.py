@@ -1,4 +1,5 @@
 """The names of contract sections 1-3 stay what they are."""
+import argparse
 import subprocess
 import sys
 
@@ -32,3 +33,19 @@ def test_the_serving_runtime_imports_no_tooling():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_every_knob_is_an_engine_keyword_a_serve_flag_and_a_config_key(tmp_path):
+    from engine import cli
+    from engine.supervisor import KNOBS
+    names = [k.name for k in KNOBS]
+    assert len(names) == len(set(names)) and "max_batch_size" in names and "backend" in names
+    flags = subprocess.run([sys.executable, "-m", "engine", "serve", "--help"], capture_output=True,
+                           text=True, timeout=60).stdout
+    for knob in KNOBS:
+        flag = "--backend-arg" if knob.name == "backend_args" else "--" + knob.name.replace("_", "-")
+        assert flag in flags and knob.metadata["doc"]
+    config = tmp_path / "engine.toml"
+    config.write_text("".join(f"{k} = 1\n" for k in names if k != "backend_args"))
+    args = argparse.Namespace(config=str(config), backend_arg=None, **dict.fromkeys(names))
+    assert set(names) - {"backend_args"} <= set(cli.serve_settings(args))  # every key read

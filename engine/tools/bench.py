@@ -558,15 +558,14 @@ def copy_once_rps(shape, dtype, repeats: int = 2000) -> float:
 
 def overhead(load: Load, seconds: float = 2.0, log=print) -> dict:
     """The engine's own cost, side by side with the baselines, in one run."""
-    from engine.client import SPIN_NS
     floor = ring.pingpong_floor_ns(5000)
-    spin_floor = ring.pingpong_floor_ns(5000, SPIN_NS)
+    spin_floor = ring.pingpong_floor_ns(5000, ring.SPIN_NS)
     out = {"floor_p50_us": float(np.percentile(floor, 50) / 1e3),
            "floor_p99_us": float(np.percentile(floor, 99) / 1e3),
            "spin_floor_p50_us": float(np.percentile(spin_floor, 50) / 1e3),
            "copy_once_rps": copy_once_rps(load.input_shape, load.dtype), "runs": []}
     log(f"futex ping-pong floor (C, 2 processes): p50 {out['floor_p50_us']:.1f} us, "
-        f"p99 {out['floor_p99_us']:.1f} us (spinning up to {SPIN_NS / 1e3:.0f} us first: "
+        f"p99 {out['floor_p99_us']:.1f} us (spinning up to {ring.SPIN_NS / 1e3:.0f} us first: "
         f"p50 {out['spin_floor_p50_us']:.1f} us); copy-once bound "
         f"{out['copy_once_rps']:,.0f} req/s for {load.dtype}{list(load.input_shape)}")
     # in flight per pipelined client: 256, or fewer for big inputs (each slot is committed memory)
