@@ -49,20 +49,20 @@ def main():
 
         def claim_serve():
             _, s, g = r.submit(pid, 0, x, 0)
-            n, claim_ns, _, _ = r.claim(0, 32, 1, ring.MAX_NS, b.batch)
+            n, claim_ns, _, _ = r.claim(0, 32, 1, ring.MAX_NS, b.claimed)
             t = time.perf_counter_ns()
             b.serve(n, claim_ns)
             serve_ns.append(time.perf_counter_ns() - t)
             r.take(s, g, 0, 0, out)
         serve_ns = []
-        rows["batcher: claim (1024-slot scan) + serve() + client take, 1 request"] = per_call_us(claim_serve)
+        rows["batcher: claim (ready-bitmap pass) + serve() + client take, 1 request"] = per_call_us(claim_serve)
         rows["  of which serve() (Python + backend + complete)"] = np.median(serve_ns) / 1e3
-        rows["ring: claim with nothing ready (1024-slot scan)"] = per_call_us(
-            lambda: r.claim(0, 32, 32, 0, b.batch))
+        rows["ring: claim with nothing ready (ready-bitmap pass)"] = per_call_us(
+            lambda: r.claim(0, 32, 32, 0, b.claimed))
 
         def one_request_in_process():
             _, s, g = r.submit(pid, 0, x, 0)
-            n, claim_ns, _, _ = r.claim(0, 32, 1, ring.MAX_NS, b.batch)
+            n, claim_ns, _, _ = r.claim(0, 32, 1, ring.MAX_NS, b.claimed)
             b.serve(n, claim_ns)
             r.take(s, g, 0, 0, out)
         rows["whole request in ONE process, no wake-up (client + batcher)"] = per_call_us(one_request_in_process)

@@ -20,6 +20,8 @@
 #define sb_add_relaxed(p, v)    __atomic_fetch_add((p), (v), __ATOMIC_RELAXED)
 #define sb_add_seq_cst(p, v)    __atomic_fetch_add((p), (v), __ATOMIC_SEQ_CST)
 #define sb_sub_seq_cst(p, v)    __atomic_fetch_sub((p), (v), __ATOMIC_SEQ_CST)
+#define sb_or_relaxed(p, v)     __atomic_fetch_or((p), (v), __ATOMIC_RELAXED)
+#define sb_and_relaxed(p, v)    __atomic_fetch_and((p), (v), __ATOMIC_RELAXED)
 
 /* A spin-wait hint: lets the sibling hyperthread run and saves power. */
 #if defined(__x86_64__) || defined(__i386__)

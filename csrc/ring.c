@@ -26,6 +26,7 @@ _Static_assert(offsetof(sb_header, total_bytes) == 48, "layout drawing");
 _Static_assert(offsetof(sb_header, in_place) == 56, "layout drawing");
 _Static_assert(offsetof(sb_header, off_ctl) == 64, "layout drawing");
 _Static_assert(offsetof(sb_header, off_output) == 96, "layout drawing");
+_Static_assert(offsetof(sb_header, off_ready) == 104, "layout drawing");
 _Static_assert(offsetof(sb_header, config) == 128, "layout drawing");
 _Static_assert(offsetof(sb_header, work_seq) == 2176, "layout drawing");
 _Static_assert(offsetof(sb_header, done_seq) == 2240, "layout drawing");
@@ -45,6 +46,28 @@ static inline sb_header *hdr(const void *base) { return (sb_header *)base; }
 static inline uint64_t *ctl_at(const void *base, uint32_t slot)
 {
 	return (uint64_t *)((char *)base + hdr(base)->off_ctl) + slot;
+}
+
+/* the ready[] word of a slot, and its bit in it */
+static inline uint64_t *ready_word(const void *base, uint32_t slot)
+{
+	return (uint64_t *)((char *)base + hdr(base)->off_ready) + slot / 64;
+}
+
+static inline uint64_t ready_bit(uint32_t slot) { return 1ull << (slot % 64); }
+
+/* relaxed: the bitmap is a hint ordered by the CAS on ctl beside each use
+ * (see ring.h, THE READY BITMAP): publish's release CAS comes after the set,
+ * claim's acquire CAS before the clear, abandon's and reap's release CAS
+ * after theirs */
+static inline void mark_ready(const void *base, uint32_t slot)
+{
+	sb_or_relaxed(ready_word(base, slot), ready_bit(slot));
+}
+
+static inline void unmark_ready(const void *base, uint32_t slot)
+{
+	sb_and_relaxed(ready_word(base, slot), ~ready_bit(slot));
 }
 
 static inline sb_slot_meta *meta_at(const void *base, uint32_t slot)
@@ -190,7 +213,7 @@ static inline int64_t remaining_ns(uint64_t deadline_ns)
 /* ---- setup ---- */
 
 struct offsets {
-	uint64_t ctl, meta, errmsg, input, output, total;
+	uint64_t ctl, ready, meta, errmsg, input, output, total;
 };
 
 static uint64_t align_up(uint64_t x, uint64_t a) { return (x + a - 1) & ~(a - 1); }
@@ -204,7 +227,8 @@ static int compute_offsets(uint32_t cap, uint64_t in_bytes, uint64_t out_bytes,
 	    in_place > 1 || (in_place && out_bytes != in_bytes))
 		return SB_EBADARG;
 	o->ctl = SB_HEADER_BYTES;
-	o->meta = align_up(o->ctl + 8ull * cap, 64);
+	o->ready = align_up(o->ctl + 8ull * cap, 64);
+	o->meta = align_up(o->ready + 8ull * ((cap + 63) / 64), 64);
 	o->errmsg = align_up(o->meta + sizeof(sb_slot_meta) * cap, 64);
 	o->input = align_up(o->errmsg + (uint64_t)SB_ERRMSG_BYTES * cap, 4096);
 	o->output = in_place ? o->input : align_up(o->input + in_bytes * cap, 4096);
@@ -242,6 +266,7 @@ int sb_init(void *base, uint64_t total_bytes, uint32_t capacity,
 	h->in_place = in_place;
 	h->total_bytes = o.total;
 	h->off_ctl = o.ctl;
+	h->off_ready = o.ready;
 	h->off_meta = o.meta;
 	h->off_errmsg = o.errmsg;
 	h->off_input = o.input;
@@ -274,7 +299,8 @@ int sb_validate(const void *base, uint64_t mapped_bytes)
 	if (compute_offsets(h->capacity, h->input_slot_bytes, h->output_slot_bytes,
 			    h->in_place, &o) ||
 	    h->max_batch == 0 || h->max_batch > h->capacity ||
-	    o.ctl != h->off_ctl || o.meta != h->off_meta || o.errmsg != h->off_errmsg ||
+	    o.ctl != h->off_ctl || o.ready != h->off_ready || o.meta != h->off_meta ||
+	    o.errmsg != h->off_errmsg ||
 	    o.input != h->off_input || o.output != h->off_output ||
 	    o.total != h->total_bytes || o.total > mapped_bytes)
 		return SB_ECORRUPT;
@@ -296,6 +322,7 @@ uint64_t sb_header_field(const void *base, int field)
 	case SB_F_OFF_OUTPUT: return h->off_output;
 	case SB_F_OFF_WORDS: return offsetof(sb_header, words);
 	case SB_F_IN_PLACE: return h->in_place;
+	case SB_F_OFF_READY: return h->off_ready;
 	}
 	return 0;
 }
@@ -409,9 +436,12 @@ static int publish_one(void *base, uint32_t slot, uint32_t gen, uint32_t length,
 	m->length = length;
 	m->arrival_ns = now;
 	uint64_t cur = sb_load_relaxed(c);
+	if (SB_CTL_GEN(cur) != gen || SB_CTL_STATE(cur) != SB_WRITING)
+		return SB_ESTALE;
+	mark_ready(base, slot); /* before READY: every READY slot has its bit */
 	do {
 		if (SB_CTL_GEN(cur) != gen || SB_CTL_STATE(cur) != SB_WRITING)
-			return SB_ESTALE;
+			return SB_ESTALE; /* reaped meanwhile: the bit stays, a wasted look */
 		/* release: the input row and meta above are visible to the
 		 * batcher whose claim CAS reads READY */
 	} while (!sb_cas_acq_rel(c, &cur, with_state(cur, SB_READY)));
@@ -601,6 +631,7 @@ int sb_abandon(void *base, uint32_t slot, uint32_t gen)
 		switch (SB_CTL_STATE(cur)) {
 		case SB_READY:
 			want = freed(cur); /* no batcher has it: take it back now */
+			unmark_ready(base, slot); /* before the CAS: see ring.h */
 			break;
 		case SB_CLAIMED:
 			/* a batcher may still write the output row: it frees it */
@@ -745,24 +776,109 @@ static int by_arrival(const void *a, const void *b)
 	return x[1] < y[1] ? -1 : x[1] > y[1];
 }
 
+/* The READY slots in ascending order, from one pass over ready[] and the
+ * ctl of each set bit: O(C/64 + set bits). Start from READY_ITER; next_ready
+ * returns the next READY slot, or NO_SLOT when the pass is over. */
+#define NO_SLOT UINT32_MAX
+struct ready_iter {
+	uint32_t word; /* the next ready[] word to load */
+	uint64_t bits; /* the set bits of the word before it, not yet looked at */
+};
+#define READY_ITER {0, 0}
+
+static uint32_t next_ready(const void *base, struct ready_iter *it)
+{
+	uint32_t cap = hdr(base)->capacity, words = (cap + 63) / 64;
+	for (;;) {
+		while (!it->bits) {
+			if (it->word == words)
+				return NO_SLOT;
+			/* relaxed: the ctl load below is what is trusted */
+			it->bits = sb_load_relaxed(ready_word(base, 0) + it->word++);
+		}
+		uint32_t slot = (it->word - 1) * 64 + (uint32_t)__builtin_ctzll(it->bits);
+		it->bits &= it->bits - 1;
+		if (slot < cap && SB_CTL_STATE(sb_load_relaxed(ctl_at(base, slot))) == SB_READY) {
+			/* acquire: pairs with the publish CAS, so meta is set */
+			sb_fence_acquire();
+			return slot;
+		}
+	}
+}
+
+uint32_t sb_scan(const void *base, uint32_t max_out, uint32_t *slots,
+		 uint64_t *arrival_ns, uint32_t *lengths)
+{
+	struct ready_iter it = READY_ITER;
+	uint32_t k = 0;
+	for (uint32_t slot; (slot = next_ready(base, &it)) != NO_SLOT; k++) {
+		if (k < max_out) {
+			const sb_slot_meta *m = meta_at(base, slot);
+			slots[k] = slot;
+			arrival_ns[k] = m->arrival_ns;
+			lengths[k] = m->length;
+		}
+	}
+	return k;
+}
+
+/* Claims slot i for batcher if it is still READY, adding it to the claimed
+ * n (slots/gens/lengths, kept in ascending slot order, so contiguous rows
+ * show up as consecutive indices). Returns the new count. */
+static uint32_t claim_one(void *base, uint32_t batcher, uint32_t i, uint64_t claim_ns,
+			  uint32_t *slots, uint32_t *gens, uint32_t *lengths, uint32_t n)
+{
+	uint64_t *c = ctl_at(base, i);
+	uint64_t cur = sb_load_relaxed(c);
+	while (SB_CTL_STATE(cur) == SB_READY) {
+		/* keeps the waiting bit: the client may already sleep */
+		uint64_t next = with_state(cur, SB_CLAIMED) | ((uint64_t)batcher << SB_BATCHER_SHIFT);
+		/* acquire: the client's input row and meta are visible */
+		if (!sb_cas_acq_rel(c, &cur, next))
+			continue;
+		unmark_ready(base, i); /* after the CAS: see ring.h */
+		sb_slot_meta *m = meta_at(base, i);
+		m->claim_ns = claim_ns;
+		uint32_t p = n++;
+		for (; p > 0 && slots[p - 1] > i; p--) {
+			slots[p] = slots[p - 1];
+			gens[p] = gens[p - 1];
+			lengths[p] = lengths[p - 1];
+		}
+		slots[p] = i;
+		gens[p] = SB_CTL_GEN(cur);
+		lengths[p] = m->length; /* read once: the batcher uses this copy */
+		break;
+	}
+	return n;
+}
+
+uint32_t sb_claim_slots(void *base, uint32_t batcher, const uint32_t *want,
+			uint32_t n, uint64_t claim_ns, uint32_t *slots,
+			uint32_t *gens, uint32_t *lengths)
+{
+	uint32_t cap = hdr(base)->capacity, claimed = 0;
+	if (batcher > SB_BATCHER_MASK)
+		return 0;
+	for (uint32_t j = 0; j < n; j++)
+		if (want[j] < cap)
+			claimed = claim_one(base, batcher, want[j], claim_ns, slots, gens,
+					    lengths, claimed);
+	return claimed;
+}
+
 uint32_t sb_claim(void *base, uint32_t batcher, uint32_t max_n, uint32_t flush_n,
 		  uint64_t cutoff_ns, uint64_t *scratch, uint32_t *slots,
 		  uint32_t *gens, uint32_t *lengths, uint64_t *report)
 {
-	const uint64_t *ctl = ctl_at(base, 0);
-	uint32_t cap = hdr(base)->capacity, k = 0, n = 0;
+	struct ready_iter it = READY_ITER;
+	uint32_t k = 0, claimed = 0;
 	uint64_t oldest = UINT64_MAX;
 	report[SB_R_CLAIM_NS] = 0;
-	for (uint32_t i = 0; i < cap; i++) {
-		/* relaxed: only the state is read here; then, for a READY one, an
-		 * acquire fence pairs with the publish CAS, so arrival_ns is set */
-		if (SB_CTL_STATE(sb_load_relaxed(&ctl[i])) != SB_READY)
-			continue;
-		sb_fence_acquire();
-		uint64_t t = meta_at(base, i)->arrival_ns;
+	for (uint32_t slot; (slot = next_ready(base, &it)) != NO_SLOT; k++) {
+		uint64_t t = meta_at(base, slot)->arrival_ns;
 		scratch[2 * k] = t;
-		scratch[2 * k + 1] = i;
-		k++;
+		scratch[2 * k + 1] = slot;
 		if (t < oldest)
 			oldest = t;
 	}
@@ -776,35 +892,11 @@ uint32_t sb_claim(void *base, uint32_t batcher, uint32_t max_n, uint32_t flush_n
 		k = max_n;
 	}
 	uint64_t now = sb_now_ns();
-	for (uint32_t j = 0; j < k; j++) {
-		uint32_t i = (uint32_t)scratch[2 * j + 1];
-		uint64_t *c = ctl_at(base, i);
-		uint64_t cur = sb_load_relaxed(c);
-		while (SB_CTL_STATE(cur) == SB_READY) {
-			/* keeps the waiting bit: the client may already sleep */
-			uint64_t want = with_state(cur, SB_CLAIMED) |
-					((uint64_t)batcher << SB_BATCHER_SHIFT);
-			/* acquire: the client's input row and meta are visible */
-			if (!sb_cas_acq_rel(c, &cur, want))
-				continue;
-			sb_slot_meta *m = meta_at(base, i);
-			m->claim_ns = now;
-			/* insertion by slot index, so contiguous rows show up
-			 * as consecutive indices */
-			uint32_t p = n++;
-			for (; p > 0 && slots[p - 1] > i; p--) {
-				slots[p] = slots[p - 1];
-				gens[p] = gens[p - 1];
-				lengths[p] = lengths[p - 1];
-			}
-			slots[p] = i;
-			gens[p] = SB_CTL_GEN(cur);
-			lengths[p] = m->length; /* read once: the batcher uses this copy */
-			break;
-		}
-	}
+	for (uint32_t j = 0; j < k; j++)
+		claimed = claim_one(base, batcher, (uint32_t)scratch[2 * j + 1], now, slots,
+				    gens, lengths, claimed);
 	report[SB_R_CLAIM_NS] = now;
-	return n;
+	return claimed;
 }
 
 static void put_error(const void *base, uint32_t slot, uint32_t status,
@@ -953,8 +1045,10 @@ int sb_reap_slot(void *base, uint32_t slot, uint64_t expected_ctl)
 		return SB_EBADARG;
 	uint64_t want;
 	switch (SB_CTL_STATE(expected_ctl)) {
-	case SB_WRITING:
 	case SB_READY:
+		unmark_ready(base, slot); /* before the CAS: see ring.h */
+		/* fall through */
+	case SB_WRITING:
 	case SB_DONE:
 	case SB_FAILED:
 		want = freed(expected_ctl);

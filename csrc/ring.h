@@ -16,7 +16,7 @@
  *          |   32 input_slot_bytes u64   40 output_slot_bytes u64      |
  *          |   48 total_bytes u64        56 in_place u32               |
  *          |   64 off_ctl  72 off_meta  80 off_errmsg  88 off_input    |
- *          |   96 off_output            (u64 each)                     |
+ *          |   96 off_output  104 off_ready   (u64 each)               |
  *          |  128 config: 2048 B of UTF-8 JSON (the engine's settings) |
  *          | 2176 work_seq u32 (futex)  2180 batchers_sleeping u32     |
  *          | 2240 done_seq u32 (futex)  2244 done_waiters u32          |
@@ -26,7 +26,10 @@
  *          | 6464 free_seq u32 (futex)  6468 free_waiters u32          |
  *          | 6528 evict_seq u32 (futex) 6532 evictors u32              |
  *   8192   +-----------------------------------------------------------+
- *          | ctl[C]      u64 per slot, dense for the batcher's scan    |
+ *          | ctl[C]      u64 per slot: each slot's one control word    |
+ *          +------------------------------------------- 64-aligned ----+
+ *          | ready[ceil(C/64)] u64: bit s%64 of word s/64 set while    |
+ *          |             slot s may be READY (the batcher's scan)      |
  *          +------------------------------------------- 64-aligned ----+
  *          | meta[C]     sb_slot_meta, 64 B per slot                   |
  *          +------------------------------------------- 64-aligned ----+
@@ -77,12 +80,29 @@
  *   of a request is its one control word: a process killed at any
  *   instruction leaves every slot in one well-defined state whose actor is
  *   named in the word, and one CAS by the reaper moves it on. The batcher
- *   scans ctl[] for READY slots (8 bytes a slot, C <= 65536) instead of
- *   following a list, so a dead writer is simply never READY. A request
+ *   finds READY slots through the ready[] bitmap instead of following a
+ *   list, so a dead writer is simply never READY. A request
  *   takes the slot after the last one taken, unless a lower one was freed
  *   since: consecutive requests take consecutive slots (most batches are one
  *   contiguous run of rows, passed to the backend without a copy), and the
  *   slots in use stay the lowest ones (their rows stay in the CPU caches).
+ *
+ * THE READY BITMAP: a hint, never the truth (ctl is)
+ *   It lets a claim cost O(C/64 + ready) instead of O(C): the batcher reads
+ *   the words, and the ctl of each slot whose bit is set. Invariant: every
+ *   READY slot's bit is set (a set bit on a slot that is not READY is only a
+ *   wasted look). Each bit change sits where no other party can move the slot:
+ *   - publish sets the bit BEFORE its CAS WRITING -> READY (the slot is its
+ *     owner's alone while WRITING);
+ *   - claim clears it AFTER its CAS READY -> CLAIMED (only that batcher
+ *     moves a CLAIMED slot on, and only after the clear: no new READY can
+ *     be cleared by mistake);
+ *   - abandon and reap clear it BEFORE their CAS READY -> FREE (the slot
+ *     cannot be published again until that CAS).
+ *   A process killed between two of these steps leaves a set bit on a
+ *   WRITING or FREE slot (looked at, skipped) or a READY slot with its bit
+ *   (claimed as usual): never a READY slot without its bit. Clients killed
+ *   between the bit and the CAS leave a WRITING slot that the reaper frees.
  *
  * BLOCKING: futexes on shared words, never polling. Clients sleep on their
  * slot's ctl (low half); batchers sleep on work_seq, which every publish
@@ -106,7 +126,7 @@
 #include <stdint.h>
 
 /* --- cdef: everything from here to "cdef end" is read by cffi --------- */
-#define SB_LAYOUT_VERSION 3 /* 2: meta.done_ns, alloc_hint; 3: free_seq, evict_seq */
+#define SB_LAYOUT_VERSION 4 /* 2: done_ns, alloc_hint; 3: free_seq, evict_seq; 4: ready[] */
 #define SB_HEADER_BYTES 8192
 #define SB_CONFIG_BYTES 2048
 #define SB_ERRMSG_BYTES 256
@@ -151,6 +171,7 @@
 #define SB_F_OFF_OUTPUT 8
 #define SB_F_OFF_WORDS 9
 #define SB_F_IN_PLACE 10
+#define SB_F_OFF_READY 11
 
 /* words[]: identities and counters, all u64 */
 #define SB_W_ENGINE_STATE 0
@@ -258,10 +279,20 @@ int sb_wait_evict(void *base, uint32_t seen, int64_t timeout_ns);
 uint32_t sb_work_seq(const void *base);
 int sb_wait_work(void *base, uint32_t seen, int64_t timeout_ns, uint64_t spin_ns);
 void sb_wake_work(void *base);
-/* One pass over ctl[] that counts the READY slots and finds the oldest
- * arrival; if at least flush_n are READY or the oldest arrived at or before
- * cutoff_ns (the caller's flush rule), claims up to max_n of the oldest for
- * `batcher` into slots/gens/lengths (ascending slot order), else none.
+/* The two steps of a claim, for a policy of the caller's: sb_scan lists the
+ * READY slots (one pass over ready[]: up to max_out of them, ascending, with
+ * arrival and length; returns how many are READY in all), and
+ * sb_claim_slots claims exactly the n slots it is handed for `batcher` (those
+ * no longer READY are skipped) into slots/gens/lengths in ascending order,
+ * stamping claim_ns; returns how many it claimed. */
+uint32_t sb_scan(const void *base, uint32_t max_out, uint32_t *slots,
+		 uint64_t *arrival_ns, uint32_t *lengths);
+uint32_t sb_claim_slots(void *base, uint32_t batcher, const uint32_t *want,
+			uint32_t n, uint64_t claim_ns, uint32_t *slots,
+			uint32_t *gens, uint32_t *lengths);
+/* Both steps in one call for the flush rule's thresholds (the fast path):
+ * if at least flush_n are READY or the oldest arrived at or before cutoff_ns,
+ * claims up to max_n of the oldest (scratch: 2 * capacity u64), else none.
  * Returns how many it claimed; report[SB_R_*] says when and what it saw. */
 #define SB_R_CLAIM_NS 0
 #define SB_R_READY 1
@@ -318,8 +349,8 @@ typedef struct {
 	uint64_t total_bytes;
 	uint32_t in_place;    /* 1: output[] is input[]: answers overwrite their rows */
 	uint32_t _pad0;
-	uint64_t off_ctl, off_meta, off_errmsg, off_input, off_output;
-	uint64_t _pad1[3];
+	uint64_t off_ctl, off_meta, off_errmsg, off_input, off_output, off_ready;
+	uint64_t _pad1[2];
 	char config[SB_CONFIG_BYTES];
 	/* each futex word on its own cache line: clients and batchers both
 	 * write them, and they must not false-share with the counters */

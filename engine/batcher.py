@@ -1,10 +1,11 @@
 """The batcher process: gathers ready requests, calls the backend once, scatters.
 
-Flush rule (the seed's): with nothing queued, sleep on the ring's work word
-with no flush timer (after a batch, spin up to SPIN_NS first); once something
-is queued its deadline is the OLDEST request's arrival + max_delay; flush when
-max_batch_size are ready or the deadline passes, whichever comes first. The C
-claim applies the rule's two thresholds in its one pass over the slots.
+Flush rule (policy.FlushRule, the seed's): with nothing queued, sleep on the
+ring's work word with no flush timer (after a batch, spin up to SPIN_NS
+first); once something is queued its deadline is the OLDEST request's arrival
++ max_delay; flush when max_batch_size are ready or the deadline passes,
+whichever comes first. The C claim applies the rule's thresholds in its one
+pass over the ready slots.
 Requests that arrive during a backend call keep their arrival times, so under
 load the next batch leaves at once.
 
@@ -26,7 +27,7 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
-from engine import backends, liveness, ring
+from engine import backends, liveness, policy, ring
 from engine.layout import Segment, describe, shape_text
 
 # The idle wait has no flush timer; this bound only lets a batcher notice a
@@ -44,20 +45,21 @@ class BadResult(Exception):
 
 
 class Batcher:
+    """The loop of one batcher process: claim by the flush rule, serve, repeat."""
+
     def __init__(self, segment: Segment, instance: int, fn):
         cfg = segment.config
         self.seg = segment
         self.ring = segment.ring
         self.instance = instance
         self.fn = fn
-        self.max_batch = cfg.max_batch_size
-        self.max_delay_ns = int(cfg.max_delay_ms * 1e6)
+        self.rule = policy.FlushRule(cfg.max_batch_size, int(cfg.max_delay_ms * 1e6))
         self.var_axis = cfg.var_axis
         self.out_shape = tuple(cfg.output_shape)
         self.out_dtype = np.dtype(cfg.output_dtype)
         # preallocated once: the claim buffers and the gather buffer
-        self.batch = ring.Batch(segment.capacity, self.max_batch)
-        self.gather = np.zeros((self.max_batch, *cfg.padded_shape), dtype=cfg.input_dtype)
+        self.claimed = ring.ClaimBuffers(segment.capacity, cfg.max_batch_size)
+        self.gather_buffer = np.zeros((cfg.max_batch_size, *cfg.padded_shape), cfg.input_dtype)
 
     def run(self) -> None:
         """Serves until the engine is STOPPED and nothing is left to serve."""
@@ -65,12 +67,11 @@ class Batcher:
         while True:
             seen = r.work_seq()  # before the claim's scan: a publish after it wakes us
             state = self.seg.engine_state()
-            if state == ring.ENGINE_RUNNING:  # the flush rule: full, or the oldest is due
-                flush_n, cutoff_ns = self.max_batch, ring.now_ns() - self.max_delay_ns
-            else:  # stopping: drain what is left without waiting
-                flush_n, cutoff_ns = 1, ring.MAX_NS
-            n, claim_ns, ready, oldest_ns = r.claim(self.instance, self.max_batch, flush_n,
-                                                    cutoff_ns, self.batch)
+            now_ns = ring.now_ns()
+            # the flush rule's thresholds, applied by the C claim in its one pass
+            max_n, flush_n, cutoff_ns = self.rule.thresholds(now_ns, state != ring.ENGINE_RUNNING)
+            n, claim_ns, ready, oldest_ns = r.claim(self.instance, max_n, flush_n, cutoff_ns,
+                                                    self.claimed)
             if n:
                 self.serve(n, claim_ns)
                 spin_ns = SPIN_NS
@@ -80,43 +81,60 @@ class Batcher:
                 r.wait_work(seen, IDLE_CHECK_NS, spin_ns)
                 spin_ns = 0
             elif oldest_ns > cutoff_ns:  # not due yet: sleep until it is (else: raced, retry)
-                r.wait_work(seen, oldest_ns - cutoff_ns)
+                r.wait_work(seen, self.rule.wait_ns(oldest_ns, now_ns))
 
     def serve(self, n: int, claim_ns: int) -> None:
-        """Runs one claimed batch: slots[:n] in ascending slot order."""
+        """Runs one claimed batch, claimed.slots[:n] (ascending): gather, call,
+        check, scatter, complete. A backend's fault fails this batch only."""
         self.seg.mark_batch(self.instance, claim_ns)
-        slots = self.batch.slots[:n]
-        first = int(slots[0])
-        contiguous = int(slots[-1]) - first == n - 1
-        if contiguous:
-            batch = self.seg.inputs[first:first + n]
-        else:
-            # mode="clip": the slots are in range, and "raise" would buffer the copy (~4x slower)
-            batch = np.take(self.seg.inputs, slots, axis=0, out=self.gather[:n], mode="clip")
+        slots = self.claimed.slots[:n]
+        batch, contiguous = self.gather(slots)
         try:
-            if self.var_axis is None:
-                result = self.fn(batch)
-            else:
-                lengths = self.batch.lengths[:n].astype(np.int64)
-                index = [slice(None)] * batch.ndim
-                index[self.var_axis + 1] = slice(0, int(lengths.max()))
-                result = self.fn(batch[tuple(index)], lengths)
-            out = self.check_result(result, n)
-            if contiguous and self.seg.in_place and out is batch:
-                pass  # answered in place: the rows already hold the answers
-            elif contiguous:
-                self.seg.outputs[first:first + n] = out
-            else:
-                self.seg.outputs[slots] = out
+            out = self.check(self.call(batch, self.claimed.lengths[:n]), n)
+            self.scatter(slots, batch, out, contiguous)
             status, message = ring.STATUS_OK, b""
-        except Exception as e:  # the backend's fault fails this batch only
+        except Exception as e:
             status = ring.STATUS_BACKEND
             message = f"{type(e).__name__}: {e}".encode("utf-8", "replace")[:ring.ERRMSG_BYTES]
-        self.ring.complete(self.instance, self.batch, n, status, message)
-        self.ring.finish_batch(self.batch, n, claim_ns, ring.now_ns(), contiguous)
+        self.complete(n, claim_ns, contiguous, status, message)
+
+    def gather(self, slots: np.ndarray):
+        """(batch, contiguous): a view of the input rows when the slots are one
+        contiguous run, else a copy of them into the gather buffer."""
+        first, n = int(slots[0]), len(slots)
+        if int(slots[-1]) - first == n - 1:
+            return self.seg.inputs[first:first + n], True
+        # mode="clip": the slots are in range, and "raise" would buffer the copy (~4x slower)
+        return np.take(self.seg.inputs, slots, axis=0, out=self.gather_buffer[:n], mode="clip"), False
+
+    def call(self, batch: np.ndarray, lengths: np.ndarray):
+        """The backend on the batch (with a variable dim: cut to the longest
+        request, and the real lengths)."""
+        if self.var_axis is None:
+            return self.fn(batch)
+        lengths = lengths.astype(np.int64)
+        index = [slice(None)] * batch.ndim
+        index[self.var_axis + 1] = slice(0, int(lengths.max()))
+        return self.fn(batch[tuple(index)], lengths)
+
+    def scatter(self, slots: np.ndarray, batch: np.ndarray, out: np.ndarray, contiguous: bool) -> None:
+        """Each answer into its request's output row, by position."""
+        if contiguous and self.seg.in_place and out is batch:
+            return  # answered in place: the rows already hold the answers
+        if contiguous:
+            first = int(slots[0])
+            self.seg.outputs[first:first + len(slots)] = out
+        else:
+            self.seg.outputs[slots] = out
+
+    def complete(self, n: int, claim_ns: int, zero_copy: bool, status: int, message: bytes) -> None:
+        """Hands the answers (or the error) over, wakes the clients, counts the batch."""
+        self.ring.complete(self.instance, self.claimed, n, status, message)
+        self.ring.finish_batch(self.claimed, n, claim_ns, ring.now_ns(), zero_copy)
         self.seg.mark_batch(self.instance, 0)
 
-    def check_result(self, result, n: int) -> np.ndarray:
+    def check(self, result, n: int) -> np.ndarray:
+        """result as n outputs of the output spec, or BadResult saying what came."""
         if (type(result) is np.ndarray and result.dtype == self.out_dtype
                 and result.shape == (n, *self.out_shape)):
             return result  # the common case, checked cheaply

@@ -309,6 +309,9 @@ class Segment:
         self.outputs = np.ndarray((self.capacity, *cfg.output_shape), cfg.output_dtype,
                                   buffer=mapping, offset=self.ring.field(ring.F_OFF_OUTPUT))
         self.output_shape, self.output_dtype = tuple(cfg.output_shape), np.dtype(cfg.output_dtype)
+        # the READY bitmap (a hint for the batcher's scan; the C owns it: read-only here)
+        self.ready_words = np.ndarray((-(-self.capacity // 64),), np.uint64, buffer=mapping,
+                                      offset=self.ring.field(ring.F_OFF_READY))
         self.fixed_shape = cfg.var_axis is None  # inputs go into their row as they are
         self.in_place = bool(self.ring.field(ring.F_IN_PLACE))  # outputs is inputs
 
@@ -437,7 +440,7 @@ class Segment:
         """Unmaps (views must be dropped first) and closes the fd (and its lock)."""
         if self._shm is None:
             return
-        self.inputs = self.outputs = self._words = None
+        self.inputs = self.outputs = self._words = self.ready_words = None
         self._close_mapping()
         self._shm.close_fd()
         self._shm = None

@@ -60,7 +60,7 @@ def _ptr(array: np.ndarray, ctype: str):
     return ffi.from_buffer(ctype.replace(" *", "[]"), array)
 
 
-class Batch:
+class ClaimBuffers:
     """A batcher's claim arrays, made once with their C pointers (each
     pointer costs ~0.3 us to make; a batch would need seven)."""
 
@@ -223,7 +223,7 @@ class Ring:
     def wake_work(self) -> None:
         lib.sb_wake_work(self.base)
 
-    def claim(self, batcher: int, max_n: int, flush_n: int, cutoff_ns: int, batch: "Batch"):
+    def claim(self, batcher: int, max_n: int, flush_n: int, cutoff_ns: int, batch: ClaimBuffers):
         """Claims up to max_n of the oldest READY slots into batch.slots/gens/
         lengths (ascending slot order) if flush_n are READY or the oldest
         arrived by cutoff_ns; returns (claimed, claim_ns, ready, oldest_ns)."""
@@ -232,13 +232,26 @@ class Ring:
         report = batch.c_report
         return n, report[R_CLAIM_NS], report[R_READY], report[R_OLDEST_NS]
 
-    def complete(self, batcher: int, batch: "Batch", n: int, status=0, message: bytes = b"") -> int:
+    def scan(self, slots: np.ndarray, arrival_ns: np.ndarray, lengths: np.ndarray) -> int:
+        """Lists the READY slots (ascending) into the arrays, as many as fit;
+        returns how many are READY in all."""
+        return lib.sb_scan(self.base, len(slots), _ptr(slots, "uint32_t *"),
+                           _ptr(arrival_ns, "uint64_t *"), _ptr(lengths, "uint32_t *"))
+
+    def claim_slots(self, batcher: int, want: np.ndarray, claim_ns: int, batch: ClaimBuffers) -> int:
+        """Claims exactly the slots in want (uint32) that are still READY into
+        batch.slots/gens/lengths (ascending); returns how many."""
+        return lib.sb_claim_slots(self.base, batcher, _ptr(want, "uint32_t *"), len(want),
+                                  claim_ns, batch.c_slots, batch.c_gens, batch.c_lengths)
+
+    def complete(self, batcher: int, batch: ClaimBuffers, n: int, status=0,
+                 message: bytes = b"") -> int:
         """Answers batch.slots[:n] (DONE, or FAILED with message); returns how
         many reached a waiting client (the others were abandoned or stale)."""
         return lib.sb_complete(self.base, batcher, batch.c_slots, batch.c_gens, n, status,
                                message, len(message))
 
-    def finish_batch(self, batch: "Batch", n, claim_ns, done_ns, zero_copy: bool) -> None:
+    def finish_batch(self, batch: ClaimBuffers, n, claim_ns, done_ns, zero_copy: bool) -> None:
         lib.sb_finish_batch(self.base, batch.c_slots, n, claim_ns, done_ns, zero_copy)
 
     # -- reaper -----------------------------------------------------------

@@ -1,12 +1,13 @@
 """The C ring alone: its layout, its state machine, and many processes at once."""
 import multiprocessing
 import os
+import signal
 import threading
 
 import numpy as np
 import pytest
 
-from engine import ring
+from engine import liveness, reaper, ring
 from engine.layout import EngineConfig, Segment
 from conftest import unique_name
 
@@ -22,7 +23,7 @@ def segment():
 
 
 def claim_all(r, max_n=64, batcher=0, capacity=64):
-    b = ring.Batch(capacity, max_n)
+    b = ring.ClaimBuffers(capacity, max_n)
     n, *_ = r.claim(batcher, max_n, 1, ring.MAX_NS, b)
     return b.slots[:n].tolist(), b.gens[:n].tolist(), b.lengths[:n].tolist()
 
@@ -30,13 +31,13 @@ def claim_all(r, max_n=64, batcher=0, capacity=64):
 def ready_slots(r, capacity=64):
     """(READY slots, oldest arrival_ns): a claim's report, with a flush rule
     that lets it claim nothing."""
-    _, _, n, oldest_ns = r.claim(0, 1, capacity + 1, 0, ring.Batch(capacity, 1))
+    _, _, n, oldest_ns = r.claim(0, 1, capacity + 1, 0, ring.ClaimBuffers(capacity, 1))
     return n, oldest_ns
 
 
 def complete(r, slot, gen, batcher=0):
     """Completes one slot; True if it reached its client."""
-    b = ring.Batch(1, 1)
+    b = ring.ClaimBuffers(1, 1)
     b.slots[0], b.gens[0] = slot, gen
     return r.complete(batcher, b, 1) == 1
 
@@ -116,7 +117,7 @@ def test_take_leaves_a_failed_answer_to_its_owner(segment):
     r = segment.ring
     code, slot, gen = r.submit(os.getpid(), 0, np.ones(4, np.float32), 0)
     claim_all(r)
-    b = ring.Batch(1, 1)
+    b = ring.ClaimBuffers(1, 1)
     b.slots[0], b.gens[0] = slot, gen
     assert r.complete(0, b, 1, ring.STATUS_BACKEND, b"ValueError: no") == 1
     assert r.take(slot, gen, 0, 0, np.zeros(4, np.float32)) == ring.EFAILED
@@ -182,7 +183,7 @@ def test_claim_takes_the_oldest_first_and_at_most_max_n(segment):
 
 def test_claim_takes_none_until_flush_n_are_ready_or_the_oldest_is_due(segment):
     r = segment.ring
-    b = ring.Batch(segment.capacity, 8)
+    b = ring.ClaimBuffers(segment.capacity, 8)
     published = queue(r, 3)
     oldest_ns = ready_slots(r)[1]
     # 3 ready, 4 wanted, the oldest not yet due: nothing claimed, but seen
@@ -195,7 +196,7 @@ def test_claim_takes_none_until_flush_n_are_ready_or_the_oldest_is_due(segment):
 
 def test_claim_flushes_once_flush_n_are_ready_before_the_cutoff(segment):
     r = segment.ring
-    b = ring.Batch(segment.capacity, 8)
+    b = ring.ClaimBuffers(segment.capacity, 8)
     queue(r, 4)
     assert r.claim(0, 8, 4, 0, b)[0] == 4
 
@@ -236,6 +237,40 @@ def test_a_client_waiting_on_a_full_ring_gets_the_slot_freed_by_another_thread(s
     assert ring.now_ns() - started < 30 * 10**9  # woken, not timed out
 
 
+def _killed_between_bit_and_publish(name, out):
+    """A client that dies right after publish's first step: its slot's READY
+    bit is set, its CAS to READY never made (the slot stays WRITING)."""
+    seg = Segment.attach(name)
+    code, slot, gen = seg.ring.acquire(os.getpid(), liveness.start_ticks(os.getpid()))
+    seg.inputs[slot][:] = -1
+    seg.ready_words[slot // 64] |= np.uint64(1 << (slot % 64))  # publish's first step
+    out.put((code, slot, gen))
+    signal.pause()  # SIGKILLed here
+
+
+def test_a_client_killed_between_its_ready_bit_and_publish_loses_nor_doubles_a_slot(segment):
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_killed_between_bit_and_publish, args=(segment.name, out))
+    child.start()
+    code, slot, gen = out.get(timeout=60)
+    assert code == ring.OK
+    os.kill(child.pid, signal.SIGKILL)
+    child.join(timeout=30)
+    r = segment.ring
+    b = ring.ClaimBuffers(segment.capacity, 8)
+    assert r.claim(0, 8, 1, ring.MAX_NS, b)[0] == 0  # a set bit on a WRITING slot: skipped
+    census = reaper.Census(r, segment.capacity)
+    assert reaper.reap_dead_clients(r, census) == [(slot, child.pid)]  # not lost: reclaimed
+    code, again, new_gen = r.acquire(os.getpid(), 0)
+    assert (code, again, new_gen) == (ring.OK, slot, gen + 1)  # the slot comes back, once
+    segment.inputs[slot][:] = 7
+    assert r.publish(slot, new_gen, 0) == ring.OK
+    assert r.claim(0, 8, 1, ring.MAX_NS, b)[:1] == (1,) and b.slots[0] == slot
+    assert r.claim(0, 8, 1, ring.MAX_NS, b)[0] == 0  # claimed once, not twice
+    assert int(segment.ready_words[slot // 64]) & (1 << (slot % 64)) == 0
+
+
 def test_reaping_a_dead_batcher_fails_its_claims_only(segment):
     r = segment.ring
     mine = queue(r, 3)
@@ -268,7 +303,7 @@ def _ring_client(name, client_id, n, results):
 def _ring_batcher(name, batcher, stop):
     seg = Segment.attach(name)
     r = seg.ring
-    b = ring.Batch(seg.capacity, 8)
+    b = ring.ClaimBuffers(seg.capacity, 8)
     while not stop.is_set():
         seen = r.work_seq()
         n, claim_ns, _, _ = r.claim(batcher, 8, 1, ring.MAX_NS, b)

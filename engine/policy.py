@@ -1,0 +1,57 @@
+"""Which ready requests form the next batch: the flush rule, as pure functions.
+
+Today's rule (the design notes'): with nothing queued, wait for work with no
+timer; once something is queued, flush when max_batch requests are ready or
+when the OLDEST has waited max_delay, whichever comes first; a batch takes
+the oldest first, at most max_batch. While the engine drains (stopping), it
+flushes whatever is ready at once.
+
+The batcher applies the rule in C, in one pass and one call per batch
+(ring.claim), given the rule's thresholds(). next_batch() is the same rule on
+plain arrays: what a policy that must see the ready list in Python builds on
+(ring.scan and ring.claim_slots), and the rule's specification in the tests,
+which check the C claim against it.
+"""
+import dataclasses
+from typing import Optional
+
+import numpy as np
+
+ANY_TIME_NS = 2**64 - 1  # a cutoff every arrival is at or before
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """take: indices into the ready list, oldest first (empty: none now);
+    wait_ns: how long to wait before asking again (None: until work comes)."""
+    take: np.ndarray
+    wait_ns: Optional[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class FlushRule:
+    max_batch: int
+    max_delay_ns: int
+
+    def thresholds(self, now_ns: int, draining: bool = False):
+        """(max_n, flush_n, cutoff_ns) for the C claim: take up to max_n of the
+        oldest if flush_n are ready or the oldest arrived at or before cutoff_ns."""
+        if draining:
+            return self.max_batch, 1, ANY_TIME_NS
+        return self.max_batch, self.max_batch, now_ns - self.max_delay_ns
+
+    def wait_ns(self, oldest_ns: int, now_ns: int) -> int:
+        """With requests queued but not due: how long until the oldest is."""
+        return max(0, oldest_ns + self.max_delay_ns - now_ns)
+
+    def next_batch(self, arrival_ns: np.ndarray, now_ns: int, draining: bool = False) -> Decision:
+        """The rule on the ready requests' arrival stamps (in slot order)."""
+        n = len(arrival_ns)
+        if n == 0:
+            return Decision(np.empty(0, np.intp), None)
+        max_n, flush_n, cutoff_ns = self.thresholds(now_ns, draining)
+        oldest = int(arrival_ns.min())
+        if n < flush_n and oldest > cutoff_ns:
+            return Decision(np.empty(0, np.intp), self.wait_ns(oldest, now_ns))
+        order = np.argsort(arrival_ns, kind="stable")  # ties: the lower slot first
+        return Decision(order[:max_n], 0)

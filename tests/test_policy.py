@@ -1,0 +1,88 @@
+"""The flush rule alone, on hand-made ready lists; then the C claim held to it."""
+import os
+
+import numpy as np
+import pytest
+
+from engine import policy, ring
+from engine.layout import EngineConfig, Segment
+from conftest import unique_name
+
+MS = 1_000_000
+RULE = policy.FlushRule(max_batch=4, max_delay_ns=2 * MS)
+
+
+def arrivals(*ms):
+    return np.array([int(t * MS) for t in ms], np.uint64)
+
+
+def test_nothing_ready_waits_for_work_with_no_timer():
+    d = RULE.next_batch(arrivals(), now_ns=100 * MS)
+    assert len(d.take) == 0 and d.wait_ns is None
+
+
+def test_a_full_batch_flushes_at_once_oldest_first():
+    d = RULE.next_batch(arrivals(9.9, 9.7, 9.8, 9.6), now_ns=10 * MS)  # none due yet
+    assert list(d.take) == [3, 1, 2, 0] and d.wait_ns == 0
+
+
+def test_fewer_than_full_flush_once_the_oldest_is_due():
+    d = RULE.next_batch(arrivals(8.5, 8.0), now_ns=10 * MS)  # oldest waited exactly max_delay
+    assert list(d.take) == [1, 0]
+
+
+def test_fewer_than_full_and_none_due_wait_for_the_oldest_only():
+    d = RULE.next_batch(arrivals(9.5, 9.0, 9.9), now_ns=10 * MS)
+    assert len(d.take) == 0 and d.wait_ns == 1 * MS  # 9.0 + 2 - 10: the OLDEST's deadline
+
+
+def test_more_ready_than_fit_take_the_oldest_max_batch():
+    d = RULE.next_batch(arrivals(5, 1, 4, 2, 6, 3), now_ns=10 * MS)
+    assert list(d.take) == [1, 3, 5, 2]
+
+
+def test_ties_go_to_the_lower_slot_first():
+    d = RULE.next_batch(arrivals(3, 1, 1, 2, 1), now_ns=10 * MS)
+    assert list(d.take) == [1, 2, 4, 3]
+
+
+def test_draining_flushes_whatever_is_ready_at_once():
+    d = RULE.next_batch(arrivals(9.99), now_ns=10 * MS, draining=True)
+    assert list(d.take) == [0]
+
+
+def test_thresholds_are_the_rule_for_the_c_claim():
+    assert RULE.thresholds(10 * MS) == (4, 4, 8 * MS)
+    assert RULE.thresholds(10 * MS, draining=True) == (4, 1, policy.ANY_TIME_NS)
+
+
+@pytest.fixture
+def segment():
+    seg = Segment.create(EngineConfig(name=unique_name("policy"), input_shape=(4,),
+                                      output_shape=(4,), queue_capacity=256, max_batch_size=8))
+    yield seg
+    seg.unlink()
+    seg.close()
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_c_claim_takes_what_the_rule_says_on_random_ready_lists(segment, seed):
+    rng = np.random.default_rng(seed)
+    r, pid = segment.ring, os.getpid()
+    rule = policy.FlushRule(max_batch=int(rng.integers(1, 9)), max_delay_ns=int(rng.integers(0, 3)) * MS)
+    tickets = [r.acquire(pid, 0)[1:] for _ in range(int(rng.integers(1, 200)))]
+    for k in rng.permutation(len(tickets)):  # published in a random order: random arrivals
+        assert r.publish(*tickets[k], 0) == ring.OK
+    # some withdrawn again: their bits are cleared, their slots FREE
+    for k in rng.choice(len(tickets), size=len(tickets) // 4, replace=False):
+        r.abandon(*tickets[k])
+    cap = segment.capacity
+    slots, stamps, lengths = (np.zeros(cap, np.uint32), np.zeros(cap, np.uint64),
+                              np.zeros(cap, np.uint32))
+    n = r.scan(slots, stamps, lengths)
+    now = int(stamps[:n].max()) + int(rng.integers(0, 3)) * MS if n else ring.now_ns()
+    want = rule.next_batch(stamps[:n], now)
+    b = ring.ClaimBuffers(cap, rule.max_batch)
+    got, _, ready, _ = r.claim(0, *rule.thresholds(now), b)
+    assert ready == n
+    assert sorted(b.slots[:got].tolist()) == sorted(slots[want.take].tolist())
