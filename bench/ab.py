@@ -10,6 +10,7 @@ same machine, and the medians over the rounds are printed with their ratio.
 
 Measurements (--only picks some):
   rtt        1 client, 1 request at a time (identity backend): round trip p50
+  peak8      8 client processes, 1 request at a time each: requests/s
   pipelined  2 clients x 256 submit() Futures in flight: requests/s
   cap=N      1 client, sequential infer() on an engine of queue_capacity N:
              round trip p50 and p99 (e.g. cap=64 cap=65536)
@@ -32,6 +33,9 @@ load = bench.Load(backend="engine.backends:identity", backend_args={})
 if what == "rtt":
     run = bench.closed_loop("shmbatch", 1, 1, load, seconds)
     out = {"rtt_p50_us": run["rtt_p50_us"], "rtt_p99_us": run["rtt_p99_us"]}
+elif what == "peak8":
+    run = bench.closed_loop("shmbatch", 8, 1, load, seconds)
+    out = {"rps": run["rps"]}
 elif what == "pipelined":
     run = bench.closed_loop("shmbatch", 2, 256, load, seconds)
     out = {"rps": run["rps"]}
@@ -70,7 +74,7 @@ def main() -> int:
     p.add_argument("--after", required=True)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--seconds", type=float, default=2.0)
-    p.add_argument("--only", nargs="*", default=["rtt", "pipelined"])
+    p.add_argument("--only", nargs="*", default=["rtt", "peak8", "pipelined"])
     args = p.parse_args()
     trees = {"before": args.before, "after": args.after}
     results = {(what, label): [] for what in args.only for label in trees}
