@@ -49,7 +49,7 @@ def main():
 
         def claim_serve():
             _, s, g = r.submit(pid, 0, x, 0)
-            n, claim_ns, _, _ = r.claim(0, 32, 1, ring.MAX_NS, b.claimed)
+            n, claim_ns, *_ = r.claim(0, 32, 1, ring.MAX_NS, b.claimed)
             t = time.perf_counter_ns()
             b.serve(n, claim_ns)
             serve_ns.append(time.perf_counter_ns() - t)
@@ -62,7 +62,7 @@ def main():
 
         def one_request_in_process():
             _, s, g = r.submit(pid, 0, x, 0)
-            n, claim_ns, _, _ = r.claim(0, 32, 1, ring.MAX_NS, b.claimed)
+            n, claim_ns, *_ = r.claim(0, 32, 1, ring.MAX_NS, b.claimed)
             b.serve(n, claim_ns)
             r.take(s, g, 0, 0, out)
         rows["whole request in ONE process, no wake-up (client + batcher)"] = per_call_us(one_request_in_process)

@@ -35,6 +35,9 @@ _Static_assert(offsetof(sb_header, words) == 2368, "layout drawing");
 _Static_assert(offsetof(sb_header, hist) == 3392, "layout drawing");
 _Static_assert(offsetof(sb_header, free_seq) == 6464, "layout drawing");
 _Static_assert(offsetof(sb_header, evict_seq) == 6528, "layout drawing");
+_Static_assert(offsetof(sb_header, level_wait_sum) == 6592, "layout drawing");
+_Static_assert(offsetof(sb_header, level_wait_max) == 6656, "layout drawing");
+_Static_assert(offsetof(sb_header, level_hist) == 8192, "layout drawing");
 _Static_assert(sizeof(sb_slot_meta) == 64, "one cache line per slot");
 _Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
 	       "the futex word is the low half of ctl at its own address");
@@ -48,10 +51,18 @@ static inline uint64_t *ctl_at(const void *base, uint32_t slot)
 	return (uint64_t *)((char *)base + hdr(base)->off_ctl) + slot;
 }
 
-/* the ready[] word of a slot, and its bit in it */
-static inline uint64_t *ready_word(const void *base, uint32_t slot)
+static inline sb_slot_meta *meta_at(const void *base, uint32_t slot)
 {
-	return (uint64_t *)((char *)base + hdr(base)->off_ready) + slot / 64;
+	return (sb_slot_meta *)((char *)base + hdr(base)->off_meta) + slot;
+}
+
+static inline uint32_t ready_words(uint32_t capacity) { return (capacity + 63) / 64; }
+
+/* the ready[] word of a slot at a priority level, and its bit in it */
+static inline uint64_t *ready_word(const void *base, uint32_t level, uint32_t slot)
+{
+	return (uint64_t *)((char *)base + hdr(base)->off_ready) +
+	       (uint64_t)level * ready_words(hdr(base)->capacity) + slot / 64;
 }
 
 static inline uint64_t ready_bit(uint32_t slot) { return 1ull << (slot % 64); }
@@ -60,20 +71,19 @@ static inline uint64_t ready_bit(uint32_t slot) { return 1ull << (slot % 64); }
  * (see ring.h, THE READY BITMAP): publish's release CAS comes after the set,
  * claim's acquire CAS before the clear, abandon's and reap's release CAS
  * after theirs */
-static inline void mark_ready(const void *base, uint32_t slot)
+static inline void mark_ready(const void *base, uint32_t level, uint32_t slot)
 {
-	sb_or_relaxed(ready_word(base, slot), ready_bit(slot));
+	sb_or_relaxed(ready_word(base, level, slot), ready_bit(slot));
 }
 
+/* a READY slot's level is its meta's priority: set before READY, and not
+ * rewritten until the slot is acquired again */
 static inline void unmark_ready(const void *base, uint32_t slot)
 {
-	sb_and_relaxed(ready_word(base, slot), ~ready_bit(slot));
+	uint32_t level = meta_at(base, slot)->priority;
+	sb_and_relaxed(ready_word(base, level, slot), ~ready_bit(slot));
 }
 
-static inline sb_slot_meta *meta_at(const void *base, uint32_t slot)
-{
-	return (sb_slot_meta *)((char *)base + hdr(base)->off_meta) + slot;
-}
 
 static inline char *errmsg_at(const void *base, uint32_t slot)
 {
@@ -101,6 +111,10 @@ static inline uint64_t with_state(uint64_t cur, uint32_t state)
 {
 	return (cur & ~SB_STATE_MASK) | state;
 }
+
+static void put_error(const void *base, uint32_t slot, uint32_t status,
+		      const char *msg, uint32_t msg_len);
+static void bump_done_seq(sb_header *h);
 
 /* ---- time and futexes ---- */
 
@@ -219,16 +233,17 @@ struct offsets {
 static uint64_t align_up(uint64_t x, uint64_t a) { return (x + a - 1) & ~(a - 1); }
 
 static int compute_offsets(uint32_t cap, uint64_t in_bytes, uint64_t out_bytes,
-			   uint32_t in_place, struct offsets *o)
+			   uint32_t in_place, uint32_t levels, struct offsets *o)
 {
 	/* caps keep every product below 2^60: no overflow in the sums */
 	if (cap == 0 || cap > SB_MAX_CAPACITY || in_bytes == 0 ||
 	    in_bytes > (1ull << 40) || out_bytes == 0 || out_bytes > (1ull << 40) ||
-	    in_place > 1 || (in_place && out_bytes != in_bytes))
+	    in_place > 1 || (in_place && out_bytes != in_bytes) ||
+	    levels == 0 || levels > SB_MAX_PRIORITIES)
 		return SB_EBADARG;
 	o->ctl = SB_HEADER_BYTES;
 	o->ready = align_up(o->ctl + 8ull * cap, 64);
-	o->meta = align_up(o->ready + 8ull * ((cap + 63) / 64), 64);
+	o->meta = align_up(o->ready + 8ull * levels * ready_words(cap), 64);
 	o->errmsg = align_up(o->meta + sizeof(sb_slot_meta) * cap, 64);
 	o->input = align_up(o->errmsg + (uint64_t)SB_ERRMSG_BYTES * cap, 4096);
 	o->output = in_place ? o->input : align_up(o->input + in_bytes * cap, 4096);
@@ -237,21 +252,22 @@ static int compute_offsets(uint32_t cap, uint64_t in_bytes, uint64_t out_bytes,
 }
 
 uint64_t sb_layout_bytes(uint32_t capacity, uint64_t input_slot_bytes,
-			 uint64_t output_slot_bytes, uint32_t in_place)
+			 uint64_t output_slot_bytes, uint32_t in_place, uint32_t levels)
 {
 	struct offsets o;
-	if (compute_offsets(capacity, input_slot_bytes, output_slot_bytes, in_place, &o))
+	if (compute_offsets(capacity, input_slot_bytes, output_slot_bytes, in_place, levels, &o))
 		return 0;
 	return o.total;
 }
 
 int sb_init(void *base, uint64_t total_bytes, uint32_t capacity,
 	    uint32_t max_batch, uint64_t input_slot_bytes,
-	    uint64_t output_slot_bytes, uint32_t in_place, uint64_t incarnation)
+	    uint64_t output_slot_bytes, uint32_t in_place, uint32_t levels,
+	    uint64_t incarnation)
 {
 	struct offsets o;
 	sb_header *h = hdr(base);
-	if (compute_offsets(capacity, input_slot_bytes, output_slot_bytes, in_place, &o) ||
+	if (compute_offsets(capacity, input_slot_bytes, output_slot_bytes, in_place, levels, &o) ||
 	    o.total > total_bytes || max_batch == 0 || max_batch > capacity)
 		return SB_EBADARG;
 	/* the caller holds the only mapping (created O_EXCL): plain stores */
@@ -264,6 +280,7 @@ int sb_init(void *base, uint64_t total_bytes, uint32_t capacity,
 	h->input_slot_bytes = input_slot_bytes;
 	h->output_slot_bytes = output_slot_bytes;
 	h->in_place = in_place;
+	h->levels = levels;
 	h->total_bytes = o.total;
 	h->off_ctl = o.ctl;
 	h->off_ready = o.ready;
@@ -297,7 +314,7 @@ int sb_validate(const void *base, uint64_t mapped_bytes)
 	if (r != SB_OK)
 		return r;
 	if (compute_offsets(h->capacity, h->input_slot_bytes, h->output_slot_bytes,
-			    h->in_place, &o) ||
+			    h->in_place, h->levels, &o) ||
 	    h->max_batch == 0 || h->max_batch > h->capacity ||
 	    o.ctl != h->off_ctl || o.ready != h->off_ready || o.meta != h->off_meta ||
 	    o.errmsg != h->off_errmsg ||
@@ -323,6 +340,7 @@ uint64_t sb_header_field(const void *base, int field)
 	case SB_F_OFF_WORDS: return offsetof(sb_header, words);
 	case SB_F_IN_PLACE: return h->in_place;
 	case SB_F_OFF_READY: return h->off_ready;
+	case SB_F_LEVELS: return h->levels;
 	}
 	return 0;
 }
@@ -427,18 +445,20 @@ uint32_t sb_acquire_many(void *base, uint32_t pid, uint64_t start_ticks,
 }
 
 static int publish_one(void *base, uint32_t slot, uint32_t gen, uint32_t length,
-		       uint64_t now)
+		       uint64_t deadline_ns, uint32_t priority, uint64_t now)
 {
-	if (slot >= hdr(base)->capacity)
+	if (slot >= hdr(base)->capacity || priority >= hdr(base)->levels)
 		return SB_EBADARG;
 	uint64_t *c = ctl_at(base, slot);
 	sb_slot_meta *m = meta_at(base, slot);
-	m->length = length;
-	m->arrival_ns = now;
 	uint64_t cur = sb_load_relaxed(c);
 	if (SB_CTL_GEN(cur) != gen || SB_CTL_STATE(cur) != SB_WRITING)
 		return SB_ESTALE;
-	mark_ready(base, slot); /* before READY: every READY slot has its bit */
+	m->length = length;
+	m->arrival_ns = now;
+	m->deadline_ns = deadline_ns;
+	m->priority = priority;
+	mark_ready(base, priority, slot); /* before READY: every READY slot has its bit */
 	do {
 		if (SB_CTL_GEN(cur) != gen || SB_CTL_STATE(cur) != SB_WRITING)
 			return SB_ESTALE; /* reaped meanwhile: the bit stays, a wasted look */
@@ -458,28 +478,32 @@ static void work_arrived(sb_header *h, uint32_t published)
 		futex_wake(&h->work_seq, 1);
 }
 
-int sb_publish(void *base, uint32_t slot, uint32_t gen, uint32_t length)
+int sb_publish(void *base, uint32_t slot, uint32_t gen, uint32_t length,
+	       uint64_t deadline_ns, uint32_t priority)
 {
-	int r = publish_one(base, slot, gen, length, sb_now_ns());
+	int r = publish_one(base, slot, gen, length, deadline_ns, priority, sb_now_ns());
 	if (r == SB_OK)
 		work_arrived(hdr(base), 1);
 	return r;
 }
 
 uint32_t sb_publish_many(void *base, const uint32_t *slots, const uint32_t *gens,
-			 uint32_t n, uint32_t length)
+			 uint32_t n, uint32_t length, uint64_t deadline_ns,
+			 uint32_t priority)
 {
 	uint64_t now = sb_now_ns();
 	uint32_t published = 0;
 	for (uint32_t k = 0; k < n; k++)
-		published += publish_one(base, slots[k], gens[k], length, now) == SB_OK;
+		published += publish_one(base, slots[k], gens[k], length, deadline_ns,
+					 priority, now) == SB_OK;
 	if (published)
 		work_arrived(hdr(base), published);
 	return published;
 }
 
 int sb_submit(void *base, uint32_t pid, uint64_t start_ticks, const void *src,
-	      uint64_t nbytes, uint32_t length, uint32_t *ticket)
+	      uint64_t nbytes, uint32_t length, uint64_t deadline_ns,
+	      uint32_t priority, uint32_t *ticket)
 {
 	if (nbytes > hdr(base)->input_slot_bytes)
 		return SB_EBADARG;
@@ -488,7 +512,7 @@ int sb_submit(void *base, uint32_t pid, uint64_t start_ticks, const void *src,
 		return r;
 	/* WRITING: the row is ours alone; publish's release CAS shows it */
 	memcpy(input_row(base, ticket[0]), src, nbytes);
-	return sb_publish(base, ticket[0], ticket[1], length);
+	return sb_publish(base, ticket[0], ticket[1], length, deadline_ns, priority);
 }
 
 int sb_cancel(void *base, uint32_t slot, uint32_t gen)
@@ -768,46 +792,55 @@ void sb_wake_work(void *base)
 	futex_wake(&h->work_seq, INT_MAX);
 }
 
-static int by_arrival(const void *a, const void *b)
-{
-	const uint64_t *x = a, *y = b; /* {arrival_ns, slot} pairs */
-	if (x[0] != y[0])
-		return x[0] < y[0] ? -1 : 1;
-	return x[1] < y[1] ? -1 : x[1] > y[1];
-}
-
-/* The READY slots in ascending order, from one pass over ready[] and the
- * ctl of each set bit: O(C/64 + set bits). Start from READY_ITER; next_ready
- * returns the next READY slot, or NO_SLOT when the pass is over. */
+/* The READY slots, most urgent level first and ascending within a level,
+ * from one pass over ready[] and the ctl of each set bit: O(L * C/64 + set
+ * bits). Start from READY_ITER; next_ready returns the next READY slot (its
+ * level in it->level), or NO_SLOT when the pass is over. A set bit whose slot
+ * is not READY at that level is a stale hint: skipped. */
 #define NO_SLOT UINT32_MAX
 struct ready_iter {
-	uint32_t word; /* the next ready[] word to load */
-	uint64_t bits; /* the set bits of the word before it, not yet looked at */
+	uint32_t level; /* the level being read */
+	uint32_t word;  /* the next word of it to load */
+	uint64_t bits;  /* the set bits of the word before it, not yet looked at */
 };
-#define READY_ITER {0, 0}
+#define READY_ITER {0, 0, 0}
 
 static uint32_t next_ready(const void *base, struct ready_iter *it)
 {
-	uint32_t cap = hdr(base)->capacity, words = (cap + 63) / 64;
+	uint32_t cap = hdr(base)->capacity, words = ready_words(cap);
+	uint32_t levels = hdr(base)->levels;
 	for (;;) {
 		while (!it->bits) {
-			if (it->word == words)
-				return NO_SLOT;
+			if (it->word == words) {
+				if (++it->level >= levels)
+					return NO_SLOT;
+				it->word = 0;
+			}
 			/* relaxed: the ctl load below is what is trusted */
-			it->bits = sb_load_relaxed(ready_word(base, 0) + it->word++);
+			it->bits = sb_load_relaxed(ready_word(base, it->level, 0) + it->word++);
 		}
 		uint32_t slot = (it->word - 1) * 64 + (uint32_t)__builtin_ctzll(it->bits);
 		it->bits &= it->bits - 1;
-		if (slot < cap && SB_CTL_STATE(sb_load_relaxed(ctl_at(base, slot))) == SB_READY) {
-			/* acquire: pairs with the publish CAS, so meta is set */
-			sb_fence_acquire();
+		if (slot >= cap || SB_CTL_STATE(sb_load_relaxed(ctl_at(base, slot))) != SB_READY)
+			continue;
+		/* acquire: pairs with the publish CAS, so meta is set */
+		sb_fence_acquire();
+		if (meta_at(base, slot)->priority == it->level)
 			return slot;
-		}
 	}
 }
 
+uint32_t sb_queued(const void *base, uint32_t max_priority)
+{
+	uint32_t words = ready_words(hdr(base)->capacity), n = 0;
+	for (uint32_t level = 0; level <= max_priority && level < hdr(base)->levels; level++)
+		for (uint32_t w = 0; w < words; w++) /* relaxed: a hint */
+			n += (uint32_t)__builtin_popcountll(sb_load_relaxed(ready_word(base, level, 0) + w));
+	return n;
+}
+
 uint32_t sb_scan(const void *base, uint32_t max_out, uint32_t *slots,
-		 uint64_t *arrival_ns, uint32_t *lengths)
+		 uint64_t *arrival_ns, uint32_t *lengths, uint32_t *priorities)
 {
 	struct ready_iter it = READY_ITER;
 	uint32_t k = 0;
@@ -817,6 +850,7 @@ uint32_t sb_scan(const void *base, uint32_t max_out, uint32_t *slots,
 			slots[k] = slot;
 			arrival_ns[k] = m->arrival_ns;
 			lengths[k] = m->length;
+			priorities[k] = it.level;
 		}
 	}
 	return k;
@@ -853,6 +887,31 @@ static uint32_t claim_one(void *base, uint32_t batcher, uint32_t i, uint64_t cla
 	return n;
 }
 
+/* Fails a READY request unstarted (its deadline is past, or certain to be
+ * by the time a batch could finish): READY -> FAILED with SB_STATUS_EXPIRED,
+ * its bit cleared before the CAS as for an abandon. 1 if it did. */
+static int expire_one(void *base, uint32_t slot, uint64_t now)
+{
+	static const char why[] = "deadline passed before a batch could start it (not computed)";
+	uint64_t *c = ctl_at(base, slot);
+	uint64_t cur = sb_load_relaxed(c);
+	unmark_ready(base, slot); /* before the CAS: see ring.h */
+	while (SB_CTL_STATE(cur) == SB_READY) {
+		sb_slot_meta *m = meta_at(base, slot);
+		m->done_ns = now;
+		put_error(base, slot, SB_STATUS_EXPIRED, why, sizeof(why) - 1);
+		/* release: the error is written before FAILED */
+		if (!sb_cas_acq_rel(c, &cur, SB_CTL(SB_CTL_GEN(cur), SB_CTL_PID(cur), 0, SB_FAILED)))
+			continue;
+		sb_add_relaxed(&hdr(base)->words[SB_W_EXPIRED], 1);
+		if (cur & SB_WAITING_BIT)
+			futex_wake(futex_word(c), INT_MAX);
+		return 1;
+	}
+	/* claimed or withdrawn meanwhile: if READY again it has its new bit */
+	return 0;
+}
+
 uint32_t sb_claim_slots(void *base, uint32_t batcher, const uint32_t *want,
 			uint32_t n, uint64_t claim_ns, uint32_t *slots,
 			uint32_t *gens, uint32_t *lengths)
@@ -867,33 +926,51 @@ uint32_t sb_claim_slots(void *base, uint32_t batcher, const uint32_t *want,
 	return claimed;
 }
 
+static int by_level_arrival(const void *a, const void *b)
+{
+	const uint64_t *x = a, *y = b; /* {level, arrival_ns, slot} triples */
+	for (int f = 0; f < 3; f++)
+		if (x[f] != y[f])
+			return x[f] < y[f] ? -1 : 1;
+	return 0;
+}
+
 uint32_t sb_claim(void *base, uint32_t batcher, uint32_t max_n, uint32_t flush_n,
-		  uint64_t cutoff_ns, uint64_t *scratch, uint32_t *slots,
-		  uint32_t *gens, uint32_t *lengths, uint64_t *report)
+		  uint64_t cutoff_ns, uint64_t expire_ns, uint64_t *scratch,
+		  uint32_t *slots, uint32_t *gens, uint32_t *lengths, uint64_t *report)
 {
 	struct ready_iter it = READY_ITER;
-	uint32_t k = 0, claimed = 0;
-	uint64_t oldest = UINT64_MAX;
+	uint32_t k = 0, claimed = 0, expired = 0;
+	uint64_t oldest = UINT64_MAX, now = sb_now_ns();
 	report[SB_R_CLAIM_NS] = 0;
-	for (uint32_t slot; (slot = next_ready(base, &it)) != NO_SLOT; k++) {
-		uint64_t t = meta_at(base, slot)->arrival_ns;
-		scratch[2 * k] = t;
-		scratch[2 * k + 1] = slot;
-		if (t < oldest)
-			oldest = t;
+	for (uint32_t slot; (slot = next_ready(base, &it)) != NO_SLOT;) {
+		const sb_slot_meta *m = meta_at(base, slot);
+		uint64_t deadline = m->deadline_ns;
+		if (deadline && deadline < expire_ns) {
+			expired += expire_one(base, slot, now);
+			continue;
+		}
+		scratch[3 * k] = it.level;
+		scratch[3 * k + 1] = m->arrival_ns;
+		scratch[3 * k + 2] = slot;
+		if (m->arrival_ns < oldest)
+			oldest = m->arrival_ns;
+		k++;
 	}
+	if (expired)
+		bump_done_seq(hdr(base)); /* their waiters may sleep on done_seq */
 	report[SB_R_READY] = k;
 	report[SB_R_OLDEST_NS] = oldest;
+	report[SB_R_EXPIRED] = expired;
 	if (batcher > SB_BATCHER_MASK || max_n == 0 || k == 0 ||
 	    (k < flush_n && oldest > cutoff_ns))
 		return 0; /* nothing, or the flush rule says not yet */
-	if (k > max_n) { /* more ready than fit: the oldest go first */
-		qsort(scratch, k, 2 * sizeof(uint64_t), by_arrival);
+	if (k > max_n) { /* more ready than fit: the most urgent, then the oldest */
+		qsort(scratch, k, 3 * sizeof(uint64_t), by_level_arrival);
 		k = max_n;
 	}
-	uint64_t now = sb_now_ns();
 	for (uint32_t j = 0; j < k; j++)
-		claimed = claim_one(base, batcher, (uint32_t)scratch[2 * j + 1], now, slots,
+		claimed = claim_one(base, batcher, (uint32_t)scratch[3 * j + 2], now, slots,
 				    gens, lengths, claimed);
 	report[SB_R_CLAIM_NS] = now;
 	return claimed;
@@ -972,6 +1049,18 @@ static uint32_t bucket_of(uint64_t v)
 	return b < SB_HIST_BUCKETS ? b : SB_HIST_BUCKETS - 1;
 }
 
+void sb_level_wait(const void *base, uint32_t level, uint64_t *buckets,
+		   uint64_t *sum_ns, uint64_t *max_ns)
+{
+	const sb_header *h = hdr(base);
+	if (level >= SB_MAX_PRIORITIES)
+		return;
+	for (uint32_t b = 0; b < SB_HIST_BUCKETS; b++)
+		buckets[b] = sb_load_relaxed(&h->level_hist[level][b]);
+	*sum_ns = sb_load_relaxed(&h->level_wait_sum[level]);
+	*max_ns = sb_load_relaxed(&h->level_wait_max[level]);
+}
+
 uint64_t sb_bucket_lower_ns(uint32_t b)
 {
 	/* bucket_of inverted: bucket 4k + s starts at (4 + s) << (k + 6) */
@@ -1001,9 +1090,14 @@ void sb_finish_batch(void *base, const uint32_t *slots, uint32_t n,
 			continue;
 		/* the batcher's own copy of claim_ns; arrival_ns was set before
 		 * the publish that our claim acquired */
-		uint64_t arrival = meta_at(base, slots[k])->arrival_ns;
+		const sb_slot_meta *m = meta_at(base, slots[k]);
+		uint64_t arrival = m->arrival_ns;
 		uint64_t wait = claim_ns > arrival ? claim_ns - arrival : 0;
+		uint32_t level = m->priority < SB_MAX_PRIORITIES ? m->priority : SB_MAX_PRIORITIES - 1;
 		sb_add_relaxed(&h->hist[SB_H_QUEUE_WAIT][bucket_of(wait)], 1);
+		sb_add_relaxed(&h->level_hist[level][bucket_of(wait)], 1);
+		sb_add_relaxed(&h->level_wait_sum[level], wait);
+		record_max(&h->level_wait_max[level], wait);
 		total_wait += wait;
 		if (wait > worst)
 			worst = wait;

@@ -8,13 +8,13 @@
  * SEGMENT LAYOUT (byte offsets from base; C = capacity, the number of slots)
  *
  *   0      +-----------------------------------------------------------+
- *          | sb_header                                  8192 B, 64-al. |
+ *          | sb_header                                 16384 B, 64-al. |
  *          |    0 magic "SHMBATCH" (u64, stored last with release)     |
  *          |    8 layout_version u32     12 header_bytes u32           |
  *          |   16 incarnation u64 (random per creation)                |
  *          |   24 capacity u32           28 max_batch u32              |
  *          |   32 input_slot_bytes u64   40 output_slot_bytes u64      |
- *          |   48 total_bytes u64        56 in_place u32               |
+ *          |   48 total_bytes u64  56 in_place u32  60 levels u32      |
  *          |   64 off_ctl  72 off_meta  80 off_errmsg  88 off_input    |
  *          |   96 off_output  104 off_ready   (u64 each)               |
  *          |  128 config: 2048 B of UTF-8 JSON (the engine's settings) |
@@ -25,11 +25,14 @@
  *          | 3392 hist[3][128] u64: queue wait, service, batch size    |
  *          | 6464 free_seq u32 (futex)  6468 free_waiters u32          |
  *          | 6528 evict_seq u32 (futex) 6532 evictors u32              |
- *   8192   +-----------------------------------------------------------+
+ *          | 6592 level_wait_sum[8] u64  6656 level_wait_max[8] u64    |
+ *          | 8192 level_hist[8][128] u64: queue wait per priority      |
+ *  16384   +-----------------------------------------------------------+
  *          | ctl[C]      u64 per slot: each slot's one control word    |
  *          +------------------------------------------- 64-aligned ----+
- *          | ready[ceil(C/64)] u64: bit s%64 of word s/64 set while    |
- *          |             slot s may be READY (the batcher's scan)      |
+ *          | ready[L][ceil(C/64)] u64, L = priority levels: bit s%64   |
+ *          |             of word s/64 of level p set while slot s may  |
+ *          |             be READY at priority p (the batcher's scan)   |
  *          +------------------------------------------- 64-aligned ----+
  *          | meta[C]     sb_slot_meta, 64 B per slot                   |
  *          +------------------------------------------- 64-aligned ----+
@@ -126,12 +129,13 @@
 #include <stdint.h>
 
 /* --- cdef: everything from here to "cdef end" is read by cffi --------- */
-#define SB_LAYOUT_VERSION 4 /* 2: done_ns, alloc_hint; 3: free_seq, evict_seq; 4: ready[] */
-#define SB_HEADER_BYTES 8192
+#define SB_LAYOUT_VERSION 5 /* 3: free_seq, evict_seq; 4: ready[]; 5: levels, deadlines */
+#define SB_HEADER_BYTES 16384
 #define SB_CONFIG_BYTES 2048
 #define SB_ERRMSG_BYTES 256
 #define SB_MAX_CAPACITY 65536
 #define SB_MAX_INSTANCES 32
+#define SB_MAX_PRIORITIES 8
 #define SB_HIST_BUCKETS 128
 
 /* the control word's fields (drawn above) that Python reads too */
@@ -172,6 +176,7 @@
 #define SB_F_OFF_WORDS 9
 #define SB_F_IN_PLACE 10
 #define SB_F_OFF_READY 11
+#define SB_F_LEVELS 12
 
 /* words[]: identities and counters, all u64 */
 #define SB_W_ENGINE_STATE 0
@@ -195,6 +200,13 @@
 #define SB_W_INVALID 22
 #define SB_W_QUEUE_WAIT_SUM_NS 23
 #define SB_W_SERVICE_SUM_NS 24
+#define SB_W_EXPIRED 25       /* failed unstarted: deadline passed (or certain to) */
+#define SB_W_OVERLOADED 26    /* refused at enqueue by the admission estimate */
+#define SB_W_ISOLATED 27      /* failed alone after their batch was split */
+#define SB_W_BATCH_LIMIT 28   /* the batchers' current batch limit (AIMD) */
+#define SB_W_FIT_FIXED_NS 29  /* measured service time S(n) ~ fixed + n * per_item */
+#define SB_W_FIT_ITEM_PS 30   /* per_item, in picoseconds */
+#define SB_W_RETRY_CALLS 31   /* extra backend calls made to isolate failures */
 #define SB_W_BATCH_START 32   /* + instance: claim_ns of the batch it serves, 0 idle */
 #define SB_W_BATCHER_PID 64
 #define SB_W_BATCHER_START 96
@@ -214,13 +226,15 @@
 #define SB_STATUS_OK 0
 #define SB_STATUS_BACKEND 1
 #define SB_STATUS_BATCHER_DIED 2
+#define SB_STATUS_EXPIRED 3
 
 /* setup (supervisor) */
 uint64_t sb_layout_bytes(uint32_t capacity, uint64_t input_slot_bytes,
-			 uint64_t output_slot_bytes, uint32_t in_place);
+			 uint64_t output_slot_bytes, uint32_t in_place, uint32_t levels);
 int sb_init(void *base, uint64_t total_bytes, uint32_t capacity,
 	    uint32_t max_batch, uint64_t input_slot_bytes,
-	    uint64_t output_slot_bytes, uint32_t in_place, uint64_t incarnation);
+	    uint64_t output_slot_bytes, uint32_t in_place, uint32_t levels,
+	    uint64_t incarnation);
 int sb_validate(const void *base, uint64_t mapped_bytes);
 /* the header alone (magic, version): for cleanup and the status of a dead
  * engine, which map the header page only and never touch the data regions */
@@ -234,7 +248,10 @@ void sb_word_add(void *base, int word, uint64_t delta);
  * rejection, after it has tried to make room) */
 int sb_acquire(void *base, uint32_t pid, uint64_t start_ticks,
 	       uint32_t *slot, uint32_t *gen);
-int sb_publish(void *base, uint32_t slot, uint32_t gen, uint32_t length);
+/* a request's attributes, set at publish: its real length (0: fixed shape),
+ * its deadline (CLOCK_MONOTONIC ns, 0: none) and its priority level */
+int sb_publish(void *base, uint32_t slot, uint32_t gen, uint32_t length,
+	       uint64_t deadline_ns, uint32_t priority);
 int sb_cancel(void *base, uint32_t slot, uint32_t gen);
 int sb_wait_slot(void *base, uint32_t slot, uint32_t gen, int64_t timeout_ns,
 		 uint64_t spin_ns);
@@ -247,7 +264,8 @@ int sb_release(void *base, uint32_t slot, uint32_t gen);
 #define SB_T_CLAIM 1
 #define SB_T_DONE 2
 int sb_submit(void *base, uint32_t pid, uint64_t start_ticks, const void *src,
-	      uint64_t nbytes, uint32_t length, uint32_t *ticket);
+	      uint64_t nbytes, uint32_t length, uint64_t deadline_ns,
+	      uint32_t priority, uint32_t *ticket);
 int sb_take(void *base, uint32_t slot, uint32_t gen, int64_t timeout_ns,
 	    uint64_t spin_ns, void *dst, uint64_t nbytes, uint64_t *times);
 int sb_abandon(void *base, uint32_t slot, uint32_t gen);
@@ -255,7 +273,11 @@ int sb_abandon(void *base, uint32_t slot, uint32_t gen);
 uint32_t sb_acquire_many(void *base, uint32_t pid, uint64_t start_ticks,
 			 uint32_t n, uint32_t *slots, uint32_t *gens);
 uint32_t sb_publish_many(void *base, const uint32_t *slots, const uint32_t *gens,
-			 uint32_t n, uint32_t length);
+			 uint32_t n, uint32_t length, uint64_t deadline_ns,
+			 uint32_t priority);
+/* how many requests are READY at priority max_priority or more urgent (a
+ * popcount of their bitmaps: a hint, for the admission estimate) */
+uint32_t sb_queued(const void *base, uint32_t max_priority);
 int sb_wait_all(void *base, const uint32_t *slots, const uint32_t *gens,
 		uint32_t n, int64_t timeout_ns, uint64_t spin_ns);
 uint32_t sb_release_many(void *base, const uint32_t *slots, const uint32_t *gens,
@@ -280,26 +302,31 @@ uint32_t sb_work_seq(const void *base);
 int sb_wait_work(void *base, uint32_t seen, int64_t timeout_ns, uint64_t spin_ns);
 void sb_wake_work(void *base);
 /* The two steps of a claim, for a policy of the caller's: sb_scan lists the
- * READY slots (one pass over ready[]: up to max_out of them, ascending, with
- * arrival and length; returns how many are READY in all), and
+ * READY slots (one pass over ready[], most urgent level first, ascending
+ * within a level: up to max_out of them, with arrival, length and priority;
+ * returns how many are READY in all), and
  * sb_claim_slots claims exactly the n slots it is handed for `batcher` (those
  * no longer READY are skipped) into slots/gens/lengths in ascending order,
  * stamping claim_ns; returns how many it claimed. */
 uint32_t sb_scan(const void *base, uint32_t max_out, uint32_t *slots,
-		 uint64_t *arrival_ns, uint32_t *lengths);
+		 uint64_t *arrival_ns, uint32_t *lengths, uint32_t *priorities);
 uint32_t sb_claim_slots(void *base, uint32_t batcher, const uint32_t *want,
 			uint32_t n, uint64_t claim_ns, uint32_t *slots,
 			uint32_t *gens, uint32_t *lengths);
 /* Both steps in one call for the flush rule's thresholds (the fast path):
- * if at least flush_n are READY or the oldest arrived at or before cutoff_ns,
- * claims up to max_n of the oldest (scratch: 2 * capacity u64), else none.
- * Returns how many it claimed; report[SB_R_*] says when and what it saw. */
+ * first fails, unstarted, every READY request whose deadline is before
+ * expire_ns (SB_STATUS_EXPIRED); then, if at least flush_n are READY or the
+ * oldest of any level arrived at or before cutoff_ns, claims up to max_n of
+ * them, most urgent level first, oldest first within it (scratch: 3 *
+ * capacity u64), else none. Returns how many it claimed; report[SB_R_*]
+ * says when and what it saw. */
 #define SB_R_CLAIM_NS 0
 #define SB_R_READY 1
 #define SB_R_OLDEST_NS 2
+#define SB_R_EXPIRED 3
 uint32_t sb_claim(void *base, uint32_t batcher, uint32_t max_n, uint32_t flush_n,
-		  uint64_t cutoff_ns, uint64_t *scratch, uint32_t *slots,
-		  uint32_t *gens, uint32_t *lengths, uint64_t *report);
+		  uint64_t cutoff_ns, uint64_t expire_ns, uint64_t *scratch,
+		  uint32_t *slots, uint32_t *gens, uint32_t *lengths, uint64_t *report);
 uint32_t sb_complete(void *base, uint32_t batcher, const uint32_t *slots,
 		     const uint32_t *gens, uint32_t n, uint32_t status,
 		     const char *msg, uint32_t msg_len);
@@ -312,6 +339,9 @@ int sb_reap_slot(void *base, uint32_t slot, uint64_t expected_ctl);
 uint32_t sb_reap_batcher(void *base, uint32_t batcher, const char *msg,
 			 uint32_t msg_len);
 void sb_histogram(const void *base, int which, uint64_t *buckets);
+/* the queue wait of one priority level: histogram, sum and max (ns) */
+void sb_level_wait(const void *base, uint32_t level, uint64_t *buckets,
+		   uint64_t *sum_ns, uint64_t *max_ns);
 /* the lowest value (ns) that lands in a time histogram's bucket */
 uint64_t sb_bucket_lower_ns(uint32_t bucket);
 
@@ -348,7 +378,7 @@ typedef struct {
 	uint64_t output_slot_bytes;
 	uint64_t total_bytes;
 	uint32_t in_place;    /* 1: output[] is input[]: answers overwrite their rows */
-	uint32_t _pad0;
+	uint32_t levels;      /* priority levels: ready[] has one bitmap each */
 	uint64_t off_ctl, off_meta, off_errmsg, off_input, off_output, off_ready;
 	uint64_t _pad1[2];
 	char config[SB_CONFIG_BYTES];
@@ -361,6 +391,10 @@ typedef struct {
 	uint64_t hist[3][SB_HIST_BUCKETS];
 	uint32_t free_seq, free_waiters, _pad5[14];
 	uint32_t evict_seq, evictors, _pad6[14];
+	uint64_t level_wait_sum[SB_MAX_PRIORITIES];
+	uint64_t level_wait_max[SB_MAX_PRIORITIES];
+	uint64_t _pad7[(8192 - 6720) / 8];
+	uint64_t level_hist[SB_MAX_PRIORITIES][SB_HIST_BUCKETS];
 } sb_header;
 
 typedef struct {
@@ -372,7 +406,9 @@ typedef struct {
 	uint32_t status;      /* SB_STATUS_* of a FAILED slot */
 	uint32_t errmsg_len;
 	uint64_t done_ns;     /* when its batch finished, set before DONE/FAILED */
-	uint64_t _pad[2];
+	uint64_t deadline_ns; /* CLOCK_MONOTONIC; 0: none */
+	uint32_t priority;    /* its level: 0 is the most urgent */
+	uint32_t _pad;
 } sb_slot_meta;
 
 #endif

@@ -11,10 +11,11 @@ from engine.errors import EngineAlreadyRunning as EngineAlreadyRunning
 from engine.errors import EngineError as EngineError
 from engine.errors import EngineUnavailable as EngineUnavailable
 from engine.errors import InvalidInput as InvalidInput
+from engine.errors import Overloaded as Overloaded
 from engine.errors import QueueFull as QueueFull
 from engine.errors import RequestTimeout as RequestTimeout
 from engine.errors import SegmentTooLarge as SegmentTooLarge
 from engine.supervisor import Engine as Engine
 
-__all__ = ["Engine", "Client", "EngineError", "InvalidInput", "QueueFull", "RequestTimeout",
+__all__ = ["Engine", "Client", "EngineError", "InvalidInput", "QueueFull", "Overloaded", "RequestTimeout",
            "BackendError", "EngineUnavailable", "EngineAlreadyRunning", "SegmentTooLarge"]

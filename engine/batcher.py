@@ -27,7 +27,7 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
-from engine import backends, liveness, policy, ring
+from engine import admission, aimd, backends, liveness, policy, ring
 from engine.layout import Segment, describe, shape_text
 
 # The idle wait has no flush timer; this bound only lets a batcher notice a
@@ -38,6 +38,11 @@ IDLE_CHECK_NS = 1_000_000_000
 # before it sleeps: under steady load the next request comes within it. One
 # spin per batch at most: an idle batcher sleeps.
 SPIN_NS = ring.SPIN_NS  # read at import, before any pinning
+
+
+def _message(e: Exception) -> bytes:
+    """A backend's exception as a failed request's error text."""
+    return f"{type(e).__name__}: {e}".encode("utf-8", "replace")[:ring.ERRMSG_BYTES]
 
 
 class BadResult(Exception):
@@ -54,6 +59,11 @@ class Batcher:
         self.instance = instance
         self.fn = fn
         self.rule = policy.FlushRule(cfg.max_batch_size, int(cfg.max_delay_ms * 1e6))
+        self.max_batch = cfg.max_batch_size
+        self.limit = segment.batch_limit() or cfg.max_batch_size  # AIMD's, with slo_ms
+        self.slo_ns = None if cfg.slo_ms is None else int(cfg.slo_ms * 1e6)
+        self.isolate = cfg.isolate_failures
+        self.fit = admission.ServiceFit()
         self.var_axis = cfg.var_axis
         self.out_shape = tuple(cfg.output_shape)
         self.out_dtype = np.dtype(cfg.output_dtype)
@@ -68,10 +78,14 @@ class Batcher:
             seen = r.work_seq()  # before the claim's scan: a publish after it wakes us
             state = self.seg.engine_state()
             now_ns = ring.now_ns()
-            # the flush rule's thresholds, applied by the C claim in its one pass
+            # the flush rule's thresholds, applied by the C claim in its one pass; a
+            # request that cannot finish even alone in a batch starting now is
+            # failed unstarted (expired): computing it helps nobody
             max_n, flush_n, cutoff_ns = self.rule.thresholds(now_ns, state != ring.ENGINE_RUNNING)
-            n, claim_ns, ready, oldest_ns = r.claim(self.instance, max_n, flush_n, cutoff_ns,
-                                                    self.claimed)
+            expire_ns = now_ns + self.fit.estimate()[0]
+            n, claim_ns, ready, oldest_ns, _ = r.claim(self.instance, min(max_n, self.limit),
+                                                       min(flush_n, self.limit), cutoff_ns,
+                                                       self.claimed, expire_ns)
             if n:
                 self.serve(n, claim_ns)
                 spin_ns = SPIN_NS
@@ -85,7 +99,8 @@ class Batcher:
 
     def serve(self, n: int, claim_ns: int) -> None:
         """Runs one claimed batch, claimed.slots[:n] (ascending): gather, call,
-        check, scatter, complete. A backend's fault fails this batch only."""
+        check, scatter, complete. A backend's fault fails this batch only,
+        or, with isolate_failures, only the requests that fail alone."""
         self.seg.mark_batch(self.instance, claim_ns)
         slots = self.claimed.slots[:n]
         batch, contiguous = self.gather(slots)
@@ -94,9 +109,52 @@ class Batcher:
             self.scatter(slots, batch, out, contiguous)
             status, message = ring.STATUS_OK, b""
         except Exception as e:
-            status = ring.STATUS_BACKEND
-            message = f"{type(e).__name__}: {e}".encode("utf-8", "replace")[:ring.ERRMSG_BYTES]
-        self.complete(n, claim_ns, contiguous, status, message)
+            status, message = ring.STATUS_BACKEND, _message(e)
+        if status != ring.STATUS_OK and self.isolate and n > 1:
+            self.isolate_failures(np.arange(n), message)
+        else:
+            self.ring.complete(self.instance, self.claimed, n, status, message)
+        done_ns = ring.now_ns()
+        self.ring.finish_batch(self.claimed, n, claim_ns, done_ns, contiguous)
+        self.seg.mark_batch(self.instance, 0)
+        self.learn(n, done_ns - claim_ns)
+
+    def learn(self, n: int, service_ns: int) -> None:
+        """Feeds the batch's service time to the fit that admission reads and,
+        with slo_ms, to the batch limit (a request waits for at most one batch
+        in service and then its own: each must take at most half the objective)."""
+        self.fit.add(n, service_ns)
+        fixed_ns, per_item_ns = self.fit.estimate()
+        self.seg.publish_service_fit(fixed_ns, per_item_ns)
+        if self.slo_ns is not None:
+            self.limit = aimd.next_limit(self.limit, service_ns, self.slo_ns // 2, self.max_batch)
+            self.seg.set_batch_limit(self.limit)
+
+    def isolate_failures(self, failed: np.ndarray, message: bytes) -> None:
+        """The requests at claimed positions `failed` failed together: retried in
+        halves until each failing one is alone, so the others get their answers
+        (each from exactly one successful call; about 2 log2(n) extra calls for
+        one failing request). A failing request alone fails with its own error."""
+        if len(failed) == 1:
+            self._complete_part(failed, ring.STATUS_BACKEND, message)
+            self.ring.add_word(ring.W_ISOLATED)
+            return
+        for half in np.array_split(failed, 2):
+            self.ring.add_word(ring.W_RETRY_CALLS)
+            slots = self.claimed.slots[half]
+            try:
+                batch = np.take(self.seg.inputs, slots, axis=0, out=self.gather_buffer[:len(half)],
+                                mode="clip")
+                out = self.check(self.call(batch, self.claimed.lengths[half]), len(half))
+                self.seg.outputs[slots] = out
+            except Exception as e:
+                self.isolate_failures(half, _message(e))
+                continue
+            self._complete_part(half, ring.STATUS_OK, b"")
+
+    def _complete_part(self, positions: np.ndarray, status: int, message: bytes) -> None:
+        self.ring.complete_some(self.instance, self.claimed.slots[positions],
+                                self.claimed.gens[positions], status, message)
 
     def gather(self, slots: np.ndarray):
         """(batch, contiguous): a view of the input rows when the slots are one
@@ -126,12 +184,6 @@ class Batcher:
             self.seg.outputs[first:first + len(slots)] = out
         else:
             self.seg.outputs[slots] = out
-
-    def complete(self, n: int, claim_ns: int, zero_copy: bool, status: int, message: bytes) -> None:
-        """Hands the answers (or the error) over, wakes the clients, counts the batch."""
-        self.ring.complete(self.instance, self.claimed, n, status, message)
-        self.ring.finish_batch(self.claimed, n, claim_ns, ring.now_ns(), zero_copy)
-        self.seg.mark_batch(self.instance, 0)
 
     def check(self, result, n: int) -> np.ndarray:
         """result as n outputs of the output spec, or BadResult saying what came."""

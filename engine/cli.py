@@ -43,6 +43,13 @@ def shape(text: str):
         raise argparse.ArgumentTypeError(f"expected a shape like 128,3, got {text!r}") from None
 
 
+def boolean(text: str) -> bool:
+    value = toml_value(text.lower())
+    if not isinstance(value, bool):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return value
+
+
 def numbers(kind):
     def parse(text: str):
         try:
@@ -70,7 +77,7 @@ def _knob_flag(p, knob, with_default: bool = False) -> None:
         p.add_argument(flag, action="append", type=cpu_list, metavar="0[,1...]",
                        help=f"{doc}; one flag per instance")
         return
-    parse = {"int": int, "float": float, "shape": shape}.get(kind, str)
+    parse = {"int": int, "float": float, "shape": shape, "bool": boolean}.get(kind, str)
     metavar = {"callable": "MOD:FACTORY", "gpus": "0,1"}.get(kind)
     p.add_argument(flag, type=parse, default=default, metavar=metavar, help=doc)
 

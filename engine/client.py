@@ -34,8 +34,8 @@ from typing import Optional
 
 import numpy as np
 
-from engine import futures, liveness, reaper, ring, waiting
-from engine.errors import EngineError, EngineUnavailable, InvalidInput, QueueFull
+from engine import admission, futures, liveness, reaper, ring, waiting
+from engine.errors import EngineError, EngineUnavailable, InvalidInput, Overloaded, QueueFull
 from engine.layout import Segment
 from engine.lent import SlotRequest
 
@@ -48,6 +48,10 @@ SPIN_NS = ring.SPIN_NS
 # How long a client that found the ring full of answers waits for other
 # processes' evictors to move them out, before it raises QueueFull.
 EVICT_WAIT_NS = 100_000_000
+
+# Priority shares: a request of priority p > 0 is refused while the requests
+# queued at p or less urgent fill (SHARE_STEPS - p) / SHARE_STEPS of the queue.
+SHARE_STEPS = 8
 
 _clients = weakref.WeakSet()
 
@@ -102,31 +106,34 @@ class Client:
         self._evictor: Optional[futures.Evictor] = None
 
     # -- public API ---------------------------------------------------------
-    def infer(self, x, timeout: Optional[float] = 1.0, out: Optional[np.ndarray] = None) -> np.ndarray:
+    def infer(self, x, timeout: Optional[float] = 1.0, out: Optional[np.ndarray] = None,
+              priority: int = 0) -> np.ndarray:
         """Blocks until the answer to x comes; returns it as a new array, or
         in out (a writable C-contiguous array of the output's dtype and shape,
-        reused by the caller: a large answer then lands in warm memory)."""
+        reused by the caller: a large answer then lands in warm memory). The
+        timeout is also the request's deadline inside the engine; priority 0
+        is the most urgent."""
         deadline = waiting.deadline_ns(timeout)
-        seg, slot, gen = self._enqueue(x, deadline, out)
+        seg, slot, gen = self._enqueue(x, deadline, out, priority)
         return self._await(seg, slot, gen, deadline, timeout, out)
 
-    def submit(self, x, timeout: Optional[float] = 1.0,
-               out: Optional[np.ndarray] = None) -> concurrent.futures.Future:
+    def submit(self, x, timeout: Optional[float] = 1.0, out: Optional[np.ndarray] = None,
+               priority: int = 0) -> concurrent.futures.Future:
         """Enqueues x now; the Future resolves to its answer (or error), in
         out if given (as for infer). cancel() withdraws the request while no
         batch has answered it."""
         deadline = waiting.deadline_ns(timeout)
-        seg, slot, gen = self._enqueue(x, deadline, out)
+        seg, slot, gen = self._enqueue(x, deadline, out, priority)
         if self._evictor is None:
             self._start_evictor()
         return futures.Request(self, seg, slot, gen, deadline, timeout, out)
 
-    async def infer_async(self, x, timeout: Optional[float] = 1.0) -> np.ndarray:
+    async def infer_async(self, x, timeout: Optional[float] = 1.0, priority: int = 0) -> np.ndarray:
         """infer() for asyncio: awaits the answer without blocking the loop."""
         deadline = waiting.deadline_ns(timeout)
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        seg, slot, gen = self._enqueue(x, deadline)
+        seg, slot, gen = self._enqueue(x, deadline, None, priority)
 
         def settle(value, error):
             if not future.done():
@@ -160,7 +167,8 @@ class Client:
             raise EngineUnavailable(f"cannot enqueue on engine {self.name!r} (code {code})")
         return SlotRequest(self, seg, slot, gen)
 
-    def infer_many(self, xs: np.ndarray, timeout: Optional[float] = 1.0) -> np.ndarray:
+    def infer_many(self, xs: np.ndarray, timeout: Optional[float] = 1.0,
+                   priority: int = 0) -> np.ndarray:
         """Sends xs[0], xs[1], ... as len(xs) requests at once and blocks until all
         are answered; returns the answers stacked, shape (n, *output_shape).
 
@@ -170,7 +178,7 @@ class Client:
         chunk starts; on any error no answer of the call is returned.
         """
         deadline = waiting.deadline_ns(timeout)
-        seg, xs, length = self._validated(xs, many=True)
+        seg, xs, length = self._validated(xs, many=True, priority=priority)
         cfg, n, r = seg.config, len(xs), seg.ring
         out = np.empty((n, *cfg.output_shape), cfg.output_dtype)
         chunk = min(n, max(1, seg.capacity // 2))
@@ -192,7 +200,7 @@ class Client:
                 padded[(slice(None),) * (cfg.var_axis + 1) + (slice(0, length),)] = rows
                 rows = padded
             seg.inputs[s] = rows
-            r.publish_many(s, g, k, length)
+            r.publish_many(s, g, k, length, deadline or 0, priority)
             self._await_all(seg, s, g, k, deadline, timeout)
             r.poll(s, g, codes[:k])
             failed = np.nonzero(codes[:k] == ring.EFAILED)[0]
@@ -239,25 +247,32 @@ class Client:
         self.close()
 
     # -- the request path ---------------------------------------------------
-    def _validated(self, x, many=False, out=None):
+    def _validated(self, x, many=False, out=None, priority=0):
         """(segment, array, real length): the running engine's segment, and x
-        (and out) checked against its spec before anything is enqueued."""
+        (and out, and priority) checked against its spec before anything is
+        enqueued."""
         seg = self._segment()  # a forked child was rebound at the fork (register_at_fork)
         try:
             array, length = (seg.config.check_many if many else seg.config.check_input)(x)
             if out is not None:
                 seg.config.check_out(out)
+            if priority and not (type(priority) is int and 0 <= priority < seg.config.priority_levels):
+                raise InvalidInput(f"priority: expected an int in [0, "
+                                   f"{seg.config.priority_levels}), got {priority!r}")
         except EngineError:
             seg.ring.add_word(ring.W_INVALID)
             raise
         return seg, array, length
 
-    def _enqueue(self, x, deadline, out=None):
-        seg, array, length = self._validated(x, out=out)
+    def _enqueue(self, x, deadline, out=None, priority=0):
+        seg, array, length = self._validated(x, out=out, priority=priority)
         r = seg.ring
+        if deadline is not None or priority:
+            self._admit(seg, deadline, priority)
         fused = seg.fixed_shape and array.flags.c_contiguous
         if fused:  # one C call: take, copy, publish
-            code, slot, gen = r.submit(self._pid, self._start_ticks, array, length)
+            code, slot, gen = r.submit(self._pid, self._start_ticks, array, length,
+                                       deadline or 0, priority)
         else:
             code, slot, gen = r.acquire(self._pid, self._start_ticks)
         if code == ring.EFULL:
@@ -269,11 +284,42 @@ class Client:
             except BaseException:
                 r.cancel(slot, gen)
                 raise
-            code = r.publish(slot, gen, length)
+            code = r.publish(slot, gen, length, deadline or 0, priority)
         if code != ring.OK:
             raise EngineUnavailable(f"cannot enqueue on engine {self.name!r} (code {code}: the "
                                     f"engine reclaimed the request or refused it)")
         return seg, slot, gen
+
+    def _admit(self, seg, deadline, priority) -> None:
+        """Refuses at once what the queue cannot take or finish in time:
+        QueueFull when a less urgent level already fills its share (each
+        level more urgent than p keeps 1/SHARE_STEPS of the queue for
+        itself), Overloaded when the predicted wait (admission.py) ends after
+        the deadline."""
+        r, cfg = seg.ring, seg.config
+        if priority:
+            held = r.queued(cfg.priority_levels - 1) - r.queued(priority - 1)
+            share = seg.capacity * (SHARE_STEPS - priority) // SHARE_STEPS
+            if held >= share:
+                r.add_word(ring.W_REJECTED)
+                raise QueueFull(f"priority {priority} may hold {share} of queue_capacity "
+                                f"{seg.capacity} (the rest is kept for more urgent "
+                                f"requests), got {held} queued")
+        if deadline is None or cfg.admission != "deadline":
+            return
+        fixed_ns, per_item_ns = seg.service_fit()
+        if not fixed_ns and not per_item_ns:
+            return  # no batch measured yet
+        ahead = r.queued(priority)
+        wait_ns = admission.predicted_wait_ns(ahead, seg.batch_limit() or cfg.max_batch_size,
+                                              cfg.instances, fixed_ns, per_item_ns)
+        left_ns = deadline - ring.now_ns()
+        if wait_ns > left_ns:
+            r.add_word(ring.W_OVERLOADED)
+            raise Overloaded(f"predicted wait {wait_ns / 1e6:.2f} ms exceeds the request's "
+                             f"deadline of {max(0, left_ns) / 1e6:.2f} ms ({ahead} queued ahead "
+                             f"at priority <= {priority}; S(n) = {fixed_ns / 1e6:.2f} ms + n x "
+                             f"{per_item_ns / 1e3:.1f} us)")
 
     def _make_room(self, seg, deadline):
         """(code, slot, generation) of a slot taken after the ring was found

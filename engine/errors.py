@@ -17,6 +17,12 @@ class QueueFull(EngineError):
     """queue_capacity requests are queued or in flight; nothing was enqueued."""
 
 
+class Overloaded(QueueFull):
+    """Refused at enqueue, at once: by the engine's own figures (the queue
+    ahead, its measured service time) the request could not be answered
+    before its deadline. Nothing was enqueued."""
+
+
 class RequestTimeout(EngineError, TimeoutError):
     """No answer came within the timeout; the request was abandoned."""
 

@@ -135,6 +135,14 @@ class EngineConfig:
     max_delay_ms: float = knob(0.0, "float", "... or when the oldest has waited this long")
     queue_capacity: int = knob(1024, "int", "requests queued or being computed at most")
     instances: int = knob(1, "int", "batcher processes serving the one queue")
+    priority_levels: int = knob(1, "int", "requests carry a priority in [0, levels); 0 is "
+                                "the most urgent")
+    slo_ms: Optional[float] = knob(None, "float", "a latency objective: the batch limit adapts "
+                                   "to it (AIMD)")
+    admission: str = knob("deadline", "str", "'deadline': refuse at enqueue what cannot finish "
+                          "before its deadline; 'none': only queue_capacity refuses")
+    isolate_failures: bool = knob(True, "bool", "a failed batch is split and retried so only "
+                                  "the failing requests fail")
 
     def __post_init__(self):
         put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen)
@@ -173,6 +181,17 @@ class EngineConfig:
                              f"queue_capacity ({self.queue_capacity})")
         if self.instances > ring.MAX_INSTANCES:
             raise ValueError(f"instances must be <= {ring.MAX_INSTANCES}, got {self.instances}")
+        if not 1 <= int(self.priority_levels) <= ring.MAX_PRIORITIES:
+            raise ValueError(f"priority_levels must be in 1..{ring.MAX_PRIORITIES}, "
+                             f"got {self.priority_levels}")
+        put("priority_levels", int(self.priority_levels))
+        if self.slo_ms is not None:
+            if not float(self.slo_ms) > 0:
+                raise ValueError(f"slo_ms must be > 0 or None, got {self.slo_ms}")
+            put("slo_ms", float(self.slo_ms))
+        if self.admission not in ("deadline", "none"):
+            raise ValueError(f"admission must be 'deadline' or 'none', got {self.admission!r}")
+        put("isolate_failures", bool(self.isolate_failures))
         if not float(self.max_delay_ms) >= 0:
             raise ValueError(f"max_delay_ms must be >= 0, got {self.max_delay_ms}")
         put("max_delay_ms", float(self.max_delay_ms))
@@ -310,8 +329,8 @@ class Segment:
                                   buffer=mapping, offset=self.ring.field(ring.F_OFF_OUTPUT))
         self.output_shape, self.output_dtype = tuple(cfg.output_shape), np.dtype(cfg.output_dtype)
         # the READY bitmap (a hint for the batcher's scan; the C owns it: read-only here)
-        self.ready_words = np.ndarray((-(-self.capacity // 64),), np.uint64, buffer=mapping,
-                                      offset=self.ring.field(ring.F_OFF_READY))
+        self.ready_words = np.ndarray((cfg.priority_levels, -(-self.capacity // 64)), np.uint64,
+                                      buffer=mapping, offset=self.ring.field(ring.F_OFF_READY))
         self.fixed_shape = cfg.var_axis is None  # inputs go into their row as they are
         self.in_place = bool(self.ring.field(ring.F_IN_PLACE))  # outputs is inputs
 
@@ -321,7 +340,7 @@ class Segment:
         engine's segment of the same name is removed first, a live one refused."""
         name = segment_name(config.name)
         size = ring.layout_bytes(config.queue_capacity, config.input_slot_bytes,
-                                 config.output_slot_bytes, config.in_place)
+                                 config.output_slot_bytes, config.in_place, config.priority_levels)
         if size == 0:
             raise ValueError(f"an engine of {config.queue_capacity} slots of "
                              f"{config.input_slot_bytes} B input is too large")
@@ -351,7 +370,7 @@ class Segment:
             raw = ring.Ring(mapping)
             code = raw.init(size, config.queue_capacity, config.max_batch_size,
                             config.input_slot_bytes, config.output_slot_bytes, config.in_place,
-                            secrets.randbits(64))
+                            config.priority_levels, secrets.randbits(64))
             off = raw.field(ring.F_OFF_CONFIG)
             blob = config.to_json()
             if code != ring.OK or len(blob) > ring.CONFIG_BYTES:
@@ -420,6 +439,22 @@ class Segment:
         """Says when the batch that batcher `instance` serves was claimed (0:
         none), for the supervisor's watchdog; a plain aligned store, no C call."""
         self._words[ring.W_BATCH_START + instance] = claim_ns
+
+    def publish_service_fit(self, fixed_ns: int, per_item_ns: float) -> None:
+        """The batchers' fit of S(n) = fixed + n * per_item, for admission."""
+        self._words[ring.W_FIT_FIXED_NS] = fixed_ns
+        self._words[ring.W_FIT_ITEM_PS] = int(per_item_ns * 1000)
+
+    def service_fit(self):
+        """(fixed_ns, per_item_ns), 0 and 0.0 before any batch."""
+        return int(self._words[ring.W_FIT_FIXED_NS]), int(self._words[ring.W_FIT_ITEM_PS]) / 1000
+
+    def set_batch_limit(self, limit: int) -> None:
+        self._words[ring.W_BATCH_LIMIT] = limit
+
+    def batch_limit(self) -> int:
+        """The batchers' current batch limit (0 before the engine sets it)."""
+        return int(self._words[ring.W_BATCH_LIMIT])
 
     def batch_started_ns(self, instance: int) -> int:
         return int(self._words[ring.W_BATCH_START + instance])

@@ -19,14 +19,14 @@ class SlotRequest:
         self._sent = False
         self._pid = client._pid
 
-    def infer(self, timeout: Optional[float] = 1.0) -> np.ndarray:
+    def infer(self, timeout: Optional[float] = 1.0, priority: int = 0) -> np.ndarray:
         """Sends the row as it is now; blocks until its answer; returns it as a
         read-only view of the slot's output row (valid until the slot is freed)."""
         if self._sent:
             raise RuntimeError("a SlotRequest sends once: use client.request() again")
         deadline = waiting.deadline_ns(timeout)
         self._sent = True
-        if self.seg.ring.publish(self.slot, self.gen, 0) != ring.OK:
+        if self.seg.ring.publish(self.slot, self.gen, 0, deadline or 0, priority) != ring.OK:
             raise EngineUnavailable(f"engine {self.client.name!r} reclaimed the request "
                                     f"before it was queued")
         self.client._await(self.seg, self.slot, self.gen, deadline, timeout, take=False)

@@ -27,6 +27,10 @@ COUNTERS = (
     ("reclaimed_slots_total", ring.W_RECLAIMED, None),
     ("stale_completions_total", ring.W_STALE, None),
     ("batcher_restarts_total", ring.W_RESTARTS, None),
+    ("overloaded_total", ring.W_OVERLOADED, "overloaded"),
+    ("expired_total", ring.W_EXPIRED, "expired"),
+    ("isolated_failures_total", ring.W_ISOLATED, None),
+    ("isolation_calls_total", ring.W_RETRY_CALLS, None),
 )
 
 
@@ -73,6 +77,7 @@ def read_stats(segment) -> dict:
     batches, items = w(ring.W_BATCHES), w(ring.W_ITEMS)
     sizes = r.histogram(ring.H_BATCH_SIZE)  # bucket n counts batches of n (n < 127)
     pids = batcher_pids(r, segment.config.instances)
+    levels = segment.config.priority_levels
     queue_depth = slots_in_use = None
     if not segment.header_only:
         ctl = np.zeros(segment.capacity, dtype=np.uint64)
@@ -97,6 +102,8 @@ def read_stats(segment) -> dict:
         "max_batch_size": segment.config.max_batch_size,
         "max_delay_ms": segment.config.max_delay_ms,
         "segment_bytes": segment.total_bytes,  # all of it committed in /dev/shm
+        "batch_limit": segment.batch_limit(),
+        "priority": [_summary_ms(*r.level_wait(level)) for level in range(levels)],
     }
 
 

@@ -2,8 +2,9 @@
 
 Today's rule (the design notes'): with nothing queued, wait for work with no
 timer; once something is queued, flush when max_batch requests are ready or
-when the OLDEST has waited max_delay, whichever comes first; a batch takes
-the oldest first, at most max_batch. While the engine drains (stopping), it
+when the OLDEST (of any priority) has waited max_delay, whichever comes
+first; a batch takes the most urgent priority first and the oldest first
+within it, at most max_batch. While the engine drains (stopping), it
 flushes whatever is ready at once.
 
 The batcher applies the rule in C, in one pass and one call per batch
@@ -44,8 +45,12 @@ class FlushRule:
         """With requests queued but not due: how long until the oldest is."""
         return max(0, oldest_ns + self.max_delay_ns - now_ns)
 
-    def next_batch(self, arrival_ns: np.ndarray, now_ns: int, draining: bool = False) -> Decision:
-        """The rule on the ready requests' arrival stamps (in slot order)."""
+    def next_batch(self, arrival_ns: np.ndarray, now_ns: int, draining: bool = False,
+                   priority: Optional[np.ndarray] = None) -> Decision:
+        """The rule on the ready requests' arrival stamps and priorities (0 the
+        most urgent; none: all 0), listed in slot order: the flush deadline is
+        the oldest's of any level; a batch takes the most urgent first, the
+        oldest first within a level."""
         n = len(arrival_ns)
         if n == 0:
             return Decision(np.empty(0, np.intp), None)
@@ -53,5 +58,7 @@ class FlushRule:
         oldest = int(arrival_ns.min())
         if n < flush_n and oldest > cutoff_ns:
             return Decision(np.empty(0, np.intp), self.wait_ns(oldest, now_ns))
-        order = np.argsort(arrival_ns, kind="stable")  # ties: the lower slot first
+        if priority is None:
+            priority = np.zeros(n, np.int64)
+        order = np.lexsort((np.arange(n), arrival_ns, priority))  # ties: the lower slot first
         return Decision(order[:max_n], 0)

@@ -51,8 +51,8 @@ def pingpong_floor_ns(rounds: int = 5000, spin_ns: int = 0) -> np.ndarray:
 
 
 def layout_bytes(capacity: int, input_slot_bytes: int, output_slot_bytes: int,
-                 in_place: bool) -> int:
-    return lib.sb_layout_bytes(capacity, input_slot_bytes, output_slot_bytes, in_place)
+                 in_place: bool, levels: int = 1) -> int:
+    return lib.sb_layout_bytes(capacity, input_slot_bytes, output_slot_bytes, in_place, levels)
 
 
 def _ptr(array: np.ndarray, ctype: str):
@@ -68,11 +68,11 @@ class ClaimBuffers:
         self.slots = np.zeros(max_batch, np.uint32)
         self.gens = np.zeros(max_batch, np.uint32)
         self.lengths = np.zeros(max_batch, np.uint32)
-        self.scratch = np.zeros(2 * capacity, np.uint64)
+        self.scratch = np.zeros(3 * capacity, np.uint64)
         self.c_slots, self.c_gens = _ptr(self.slots, "uint32_t *"), _ptr(self.gens, "uint32_t *")
         self.c_lengths = _ptr(self.lengths, "uint32_t *")
         self.c_scratch = _ptr(self.scratch, "uint64_t *")
-        self.c_report = ffi.new("uint64_t[3]")
+        self.c_report = ffi.new("uint64_t[4]")
 
 
 class Ring:
@@ -89,9 +89,10 @@ class Ring:
         ffi.release(self._base_buf)
 
     # -- setup ------------------------------------------------------------
-    def init(self, total_bytes, capacity, max_batch, in_bytes, out_bytes, in_place, incarnation):
+    def init(self, total_bytes, capacity, max_batch, in_bytes, out_bytes, in_place, levels,
+             incarnation):
         return lib.sb_init(self.base, total_bytes, capacity, max_batch,
-                           in_bytes, out_bytes, in_place, incarnation)
+                           in_bytes, out_bytes, in_place, levels, incarnation)
 
     def validate(self, mapped_bytes: int) -> int:
         return lib.sb_validate(self.base, mapped_bytes)
@@ -125,12 +126,13 @@ class Ring:
         code = lib.sb_acquire(self.base, pid, start_ticks, out, out + 1)
         return code, out[0], out[1]
 
-    def submit(self, pid: int, start_ticks: int, row: np.ndarray, length: int):
+    def submit(self, pid: int, start_ticks: int, row: np.ndarray, length: int,
+               deadline_ns: int = 0, priority: int = 0):
         """acquire + copy the C-contiguous row into the slot + publish, in
         one call: (code, slot, generation)."""
         out = self._buffer("ticket", "uint32_t[2]")
         code = lib.sb_submit(self.base, pid, start_ticks, ffi.from_buffer(row), row.nbytes,
-                             length, out)
+                             length, deadline_ns, priority, out)
         return code, out[0], out[1]
 
     def take(self, slot: int, gen: int, timeout_ns: int, spin_ns: int, out: np.ndarray) -> int:
@@ -150,9 +152,9 @@ class Ring:
         return lib.sb_acquire_many(self.base, pid, start_ticks, n, _ptr(slots, "uint32_t *"),
                                    _ptr(gens, "uint32_t *"))
 
-    def publish_many(self, slots, gens, n, length) -> int:
+    def publish_many(self, slots, gens, n, length, deadline_ns: int = 0, priority: int = 0) -> int:
         return lib.sb_publish_many(self.base, _ptr(slots, "uint32_t *"), _ptr(gens, "uint32_t *"),
-                                   n, length)
+                                   n, length, deadline_ns, priority)
 
     def wait_all(self, slots, gens, n, timeout_ns, spin_ns=0) -> int:
         return lib.sb_wait_all(self.base, _ptr(slots, "uint32_t *"), _ptr(gens, "uint32_t *"),
@@ -161,8 +163,14 @@ class Ring:
     def release_many(self, slots, gens, n) -> int:
         return lib.sb_release_many(self.base, _ptr(slots, "uint32_t *"), _ptr(gens, "uint32_t *"), n)
 
-    def publish(self, slot: int, gen: int, length: int) -> int:
-        return lib.sb_publish(self.base, slot, gen, length)
+    def publish(self, slot: int, gen: int, length: int, deadline_ns: int = 0,
+                priority: int = 0) -> int:
+        """READY, with its attributes: real length, deadline (0: none), priority."""
+        return lib.sb_publish(self.base, slot, gen, length, deadline_ns, priority)
+
+    def queued(self, max_priority: int) -> int:
+        """How many requests are READY at priority max_priority or more urgent."""
+        return lib.sb_queued(self.base, max_priority)
 
     def cancel(self, slot: int, gen: int) -> int:
         return lib.sb_cancel(self.base, slot, gen)
@@ -223,20 +231,26 @@ class Ring:
     def wake_work(self) -> None:
         lib.sb_wake_work(self.base)
 
-    def claim(self, batcher: int, max_n: int, flush_n: int, cutoff_ns: int, batch: ClaimBuffers):
-        """Claims up to max_n of the oldest READY slots into batch.slots/gens/
-        lengths (ascending slot order) if flush_n are READY or the oldest
-        arrived by cutoff_ns; returns (claimed, claim_ns, ready, oldest_ns)."""
-        n = lib.sb_claim(self.base, batcher, max_n, flush_n, cutoff_ns, batch.c_scratch,
-                         batch.c_slots, batch.c_gens, batch.c_lengths, batch.c_report)
+    def claim(self, batcher: int, max_n: int, flush_n: int, cutoff_ns: int, batch: ClaimBuffers,
+              expire_ns: int = 0):
+        """Fails unstarted the READY requests whose deadline is before expire_ns;
+        then claims up to max_n READY slots (most urgent level, then oldest,
+        first) into batch.slots/gens/lengths (ascending slot order) if flush_n
+        are READY or the oldest arrived by cutoff_ns; returns (claimed,
+        claim_ns, ready, oldest_ns, expired)."""
+        n = lib.sb_claim(self.base, batcher, max_n, flush_n, cutoff_ns, expire_ns,
+                         batch.c_scratch, batch.c_slots, batch.c_gens, batch.c_lengths,
+                         batch.c_report)
         report = batch.c_report
-        return n, report[R_CLAIM_NS], report[R_READY], report[R_OLDEST_NS]
+        return n, report[R_CLAIM_NS], report[R_READY], report[R_OLDEST_NS], report[R_EXPIRED]
 
-    def scan(self, slots: np.ndarray, arrival_ns: np.ndarray, lengths: np.ndarray) -> int:
-        """Lists the READY slots (ascending) into the arrays, as many as fit;
-        returns how many are READY in all."""
+    def scan(self, slots: np.ndarray, arrival_ns: np.ndarray, lengths: np.ndarray,
+             priorities: np.ndarray) -> int:
+        """Lists the READY slots (most urgent level first, ascending within one)
+        into the arrays, as many as fit; returns how many are READY in all."""
         return lib.sb_scan(self.base, len(slots), _ptr(slots, "uint32_t *"),
-                           _ptr(arrival_ns, "uint64_t *"), _ptr(lengths, "uint32_t *"))
+                           _ptr(arrival_ns, "uint64_t *"), _ptr(lengths, "uint32_t *"),
+                           _ptr(priorities, "uint32_t *"))
 
     def claim_slots(self, batcher: int, want: np.ndarray, claim_ns: int, batch: ClaimBuffers) -> int:
         """Claims exactly the slots in want (uint32) that are still READY into
@@ -251,6 +265,13 @@ class Ring:
         return lib.sb_complete(self.base, batcher, batch.c_slots, batch.c_gens, n, status,
                                message, len(message))
 
+    def complete_some(self, batcher: int, slots: np.ndarray, gens: np.ndarray, status: int,
+                      message: bytes) -> int:
+        """complete() for some of a batch's slots (uint32 arrays of one length)."""
+        slots, gens = np.ascontiguousarray(slots), np.ascontiguousarray(gens)
+        return lib.sb_complete(self.base, batcher, _ptr(slots, "uint32_t *"),
+                               _ptr(gens, "uint32_t *"), len(slots), status, message, len(message))
+
     def finish_batch(self, batch: ClaimBuffers, n, claim_ns, done_ns, zero_copy: bool) -> None:
         lib.sb_finish_batch(self.base, batch.c_slots, n, claim_ns, done_ns, zero_copy)
 
@@ -263,6 +284,13 @@ class Ring:
 
     def reap_batcher(self, batcher: int, message: bytes) -> int:
         return lib.sb_reap_batcher(self.base, batcher, message, len(message))
+
+    def level_wait(self, level: int):
+        """(histogram, max_ns, sum_ns) of the queue wait of one priority level."""
+        out = np.zeros(HIST_BUCKETS, dtype=np.uint64)
+        sums = ffi.new("uint64_t[2]")
+        lib.sb_level_wait(self.base, level, _ptr(out, "uint64_t *"), sums, sums + 1)
+        return out, sums[1], sums[0]
 
     def histogram(self, which: int) -> np.ndarray:
         out = np.zeros(HIST_BUCKETS, dtype=np.uint64)

@@ -134,6 +134,7 @@ class Engine:
         r.set_word(ring.W_SUPERVISOR_START, liveness.start_ticks(pid) or 0)
         r.set_word(ring.W_SUPERVISOR_PID, pid)
         r.set_word(ring.W_INSTANCES, self.config.instances)
+        self._seg.set_batch_limit(self.config.max_batch_size)  # AIMD moves it, with slo_ms
         self._wake_r, self._wake_w = os.pipe()
         self._stopping.clear()
         self._started.clear()

@@ -84,6 +84,9 @@ def failed(seg, slot: int, gen: int, code: int) -> EngineError:
     if code == ring.EFAILED:
         status, text = seg.ring.slot_error(slot)
         seg.ring.release_slot(slot, gen)
+        if status == ring.STATUS_EXPIRED:
+            return RequestTimeout(f"expected an answer before the request's deadline, got "
+                                  f"none: {text}")
         return backend_error(status, text)
     return EngineUnavailable(f"engine {seg.name!r} reclaimed the request (code {code})")
 

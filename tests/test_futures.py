@@ -91,7 +91,7 @@ def test_a_dropped_future_gives_its_slot_back(make_engine):
 
 def test_a_submitted_request_past_its_deadline_times_out_when_asked(make_engine):
     eng = make_engine("late", backend="helpers:slow_affine", backend_args={"fixed_ms": 300},
-                      max_batch_size=1)
+                      max_batch_size=1, admission="none")  # the deadline passes in the queue
     with engine.Client(eng.name) as c:
         c.infer(X, timeout=30)  # warm: the next batch starts at once
         busy = c.submit(X, timeout=30)

@@ -56,33 +56,41 @@ def test_thresholds_are_the_rule_for_the_c_claim():
     assert RULE.thresholds(10 * MS, draining=True) == (4, 1, policy.ANY_TIME_NS)
 
 
-@pytest.fixture
-def segment():
-    seg = Segment.create(EngineConfig(name=unique_name("policy"), input_shape=(4,),
-                                      output_shape=(4,), queue_capacity=256, max_batch_size=8))
-    yield seg
-    seg.unlink()
-    seg.close()
+def test_the_most_urgent_level_goes_first_and_the_oldest_of_any_level_sets_the_flush():
+    d = RULE.next_batch(arrivals(5, 1, 4, 2, 6, 3), now_ns=10 * MS,
+                        priority=np.array([0, 1, 1, 0, 0, 1]))
+    assert list(d.take) == [3, 0, 4, 1]  # level 0 oldest first (2, 5, 6), then level 1's oldest
+    d = RULE.next_batch(arrivals(9.5, 7.5), now_ns=10 * MS, priority=np.array([0, 1]))
+    assert list(d.take) == [0, 1]  # the level-1 request made the batch due
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_the_c_claim_takes_what_the_rule_says_on_random_ready_lists(segment, seed):
+def test_the_c_claim_takes_what_the_rule_says_on_random_ready_lists(seed):
     rng = np.random.default_rng(seed)
-    r, pid = segment.ring, os.getpid()
-    rule = policy.FlushRule(max_batch=int(rng.integers(1, 9)), max_delay_ns=int(rng.integers(0, 3)) * MS)
-    tickets = [r.acquire(pid, 0)[1:] for _ in range(int(rng.integers(1, 200)))]
-    for k in rng.permutation(len(tickets)):  # published in a random order: random arrivals
-        assert r.publish(*tickets[k], 0) == ring.OK
-    # some withdrawn again: their bits are cleared, their slots FREE
-    for k in rng.choice(len(tickets), size=len(tickets) // 4, replace=False):
-        r.abandon(*tickets[k])
-    cap = segment.capacity
-    slots, stamps, lengths = (np.zeros(cap, np.uint32), np.zeros(cap, np.uint64),
-                              np.zeros(cap, np.uint32))
-    n = r.scan(slots, stamps, lengths)
-    now = int(stamps[:n].max()) + int(rng.integers(0, 3)) * MS if n else ring.now_ns()
-    want = rule.next_batch(stamps[:n], now)
-    b = ring.ClaimBuffers(cap, rule.max_batch)
-    got, _, ready, _ = r.claim(0, *rule.thresholds(now), b)
-    assert ready == n
-    assert sorted(b.slots[:got].tolist()) == sorted(slots[want.take].tolist())
+    levels = int(rng.integers(1, 4))
+    seg = Segment.create(EngineConfig(name=unique_name("policy"), input_shape=(4,),
+                                      output_shape=(4,), queue_capacity=256, max_batch_size=8,
+                                      priority_levels=levels))
+    try:
+        r, pid = seg.ring, os.getpid()
+        rule = policy.FlushRule(max_batch=int(rng.integers(1, 9)),
+                                max_delay_ns=int(rng.integers(0, 3)) * MS)
+        tickets = [r.acquire(pid, 0)[1:] for _ in range(int(rng.integers(1, 200)))]
+        for k in rng.permutation(len(tickets)):  # published in a random order: random arrivals
+            assert r.publish(*tickets[k], 0, 0, int(rng.integers(0, levels))) == ring.OK
+        # some withdrawn again: their bits are cleared, their slots FREE
+        for k in rng.choice(len(tickets), size=len(tickets) // 4, replace=False):
+            r.abandon(*tickets[k])
+        cap = seg.capacity
+        slots, stamps = np.zeros(cap, np.uint32), np.zeros(cap, np.uint64)
+        lengths, levels_of = np.zeros(cap, np.uint32), np.zeros(cap, np.uint32)
+        n = r.scan(slots, stamps, lengths, levels_of)
+        now = int(stamps[:n].max()) + int(rng.integers(0, 3)) * MS if n else ring.now_ns()
+        want = rule.next_batch(stamps[:n], now, priority=levels_of[:n])
+        b = ring.ClaimBuffers(cap, rule.max_batch)
+        got, _, ready, _, _ = r.claim(0, *rule.thresholds(now), b)
+        assert ready == n
+        assert sorted(b.slots[:got].tolist()) == sorted(slots[want.take].tolist())
+    finally:
+        seg.unlink()
+        seg.close()

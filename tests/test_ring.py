@@ -31,7 +31,7 @@ def claim_all(r, max_n=64, batcher=0, capacity=64):
 def ready_slots(r, capacity=64):
     """(READY slots, oldest arrival_ns): a claim's report, with a flush rule
     that lets it claim nothing."""
-    _, _, n, oldest_ns = r.claim(0, 1, capacity + 1, 0, ring.ClaimBuffers(capacity, 1))
+    _, _, n, oldest_ns, _ = r.claim(0, 1, capacity + 1, 0, ring.ClaimBuffers(capacity, 1))
     return n, oldest_ns
 
 
@@ -187,9 +187,9 @@ def test_claim_takes_none_until_flush_n_are_ready_or_the_oldest_is_due(segment):
     published = queue(r, 3)
     oldest_ns = ready_slots(r)[1]
     # 3 ready, 4 wanted, the oldest not yet due: nothing claimed, but seen
-    assert r.claim(0, 8, 4, oldest_ns - 1, b) == (0, 0, 3, oldest_ns)
+    assert r.claim(0, 8, 4, oldest_ns - 1, b) == (0, 0, 3, oldest_ns, 0)
     # the oldest due at the cutoff: all three go, though fewer than flush_n
-    n, claim_ns, ready, _ = r.claim(0, 8, 4, oldest_ns, b)
+    n, claim_ns, ready, _, _ = r.claim(0, 8, 4, oldest_ns, b)
     assert (n, ready) == (3, 3) and claim_ns >= oldest_ns
     assert b.slots[:n].tolist() == sorted(slot for slot, _ in published)
 
@@ -243,7 +243,7 @@ def _killed_between_bit_and_publish(name, out):
     seg = Segment.attach(name)
     code, slot, gen = seg.ring.acquire(os.getpid(), liveness.start_ticks(os.getpid()))
     seg.inputs[slot][:] = -1
-    seg.ready_words[slot // 64] |= np.uint64(1 << (slot % 64))  # publish's first step
+    seg.ready_words[0, slot // 64] |= np.uint64(1 << (slot % 64))  # publish's first step
     out.put((code, slot, gen))
     signal.pause()  # SIGKILLed here
 
@@ -268,7 +268,7 @@ def test_a_client_killed_between_its_ready_bit_and_publish_loses_nor_doubles_a_s
     assert r.publish(slot, new_gen, 0) == ring.OK
     assert r.claim(0, 8, 1, ring.MAX_NS, b)[:1] == (1,) and b.slots[0] == slot
     assert r.claim(0, 8, 1, ring.MAX_NS, b)[0] == 0  # claimed once, not twice
-    assert int(segment.ready_words[slot // 64]) & (1 << (slot % 64)) == 0
+    assert int(segment.ready_words[0, slot // 64]) & (1 << (slot % 64)) == 0
 
 
 def test_reaping_a_dead_batcher_fails_its_claims_only(segment):
@@ -306,7 +306,7 @@ def _ring_batcher(name, batcher, stop):
     b = ring.ClaimBuffers(seg.capacity, 8)
     while not stop.is_set():
         seen = r.work_seq()
-        n, claim_ns, _, _ = r.claim(batcher, 8, 1, ring.MAX_NS, b)
+        n, claim_ns, *_ = r.claim(batcher, 8, 1, ring.MAX_NS, b)
         if n == 0:
             r.wait_work(seen, 50_000_000)
             continue

@@ -1,0 +1,63 @@
+"""Admission by deadline: will a request finish in time, by the engine's own figures?
+
+Two halves meet in the segment's header. Each batcher keeps a running fit of
+its service time against the batch size, S(n) ~ fixed + n * per_item
+(ServiceFit, least squares with exponential forgetting, so it follows a model
+that slows down), and writes it to two header words. A client, before it
+enqueues a request with a deadline, counts the requests queued ahead of it
+(at its priority or more urgent: a popcount of the READY bitmaps) and
+predicts its wait (predicted_wait_ns): the full batches ahead, spread over
+the instances, then its own. If that wait would end after its deadline the
+request is refused at once with Overloaded: computing it would only delay the
+requests behind it, which can still make theirs.
+
+The prediction ignores the batch already in service and is a lower bound in
+that sense: it refuses only what the queue alone already dooms, so at loads
+the engine keeps up with it refuses nothing.
+"""
+import dataclasses
+
+# How much weight a new batch's service time has against the past ones:
+# about the last 1/FORGET batches count.
+FORGET = 0.02
+
+
+def predicted_wait_ns(queued_ahead: int, batch_limit: int, instances: int,
+                      fixed_ns: int, per_item_ns: float) -> int:
+    """Enqueue to answer for a request with queued_ahead requests before it."""
+    per_round = max(1, batch_limit) * max(1, instances)
+    full_rounds = queued_ahead // per_round
+    own_batch = min(queued_ahead - full_rounds * per_round + 1, max(1, batch_limit))
+    return int(full_rounds * (fixed_ns + batch_limit * per_item_ns)
+               + fixed_ns + own_batch * per_item_ns)
+
+
+@dataclasses.dataclass
+class ServiceFit:
+    """S(n) = fixed + n * per_item by weighted least squares over the batches
+    seen, each older batch weighing (1 - FORGET) times less."""
+    w: float = 0.0
+    n: float = 0.0
+    nn: float = 0.0
+    s: float = 0.0
+    ns: float = 0.0
+
+    def add(self, batch_size: int, service_ns: int) -> None:
+        keep = 1.0 - FORGET
+        self.w = self.w * keep + 1.0
+        self.n = self.n * keep + batch_size
+        self.nn = self.nn * keep + batch_size * batch_size
+        self.s = self.s * keep + service_ns
+        self.ns = self.ns * keep + batch_size * service_ns
+
+    def estimate(self):
+        """(fixed_ns, per_item_ns); with one batch size seen so far, all of
+        its time is taken as fixed (no slope can be told)."""
+        if self.w == 0:
+            return 0, 0.0
+        spread = self.w * self.nn - self.n * self.n
+        if spread <= 1e-9 * self.w * self.nn:
+            return int(self.s / self.w), 0.0
+        per_item = max(0.0, (self.w * self.ns - self.n * self.s) / spread)
+        fixed = max(0.0, (self.s - per_item * self.n) / self.w)
+        return int(fixed), per_item
