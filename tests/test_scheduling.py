@@ -1,0 +1,187 @@
+"""Scheduling under load: deadlines in the ring, admission, priorities, shares,
+the adaptive batch limit, and failure isolation, each on its own."""
+import numpy as np
+import pytest
+
+import engine
+from engine import admission, aimd, ring
+from conftest import wait_for
+
+X = np.arange(16, dtype=np.float32)
+MS = 1_000_000
+
+
+def test_a_request_whose_deadline_passes_in_the_queue_is_failed_unstarted(make_engine, gate):
+    eng = make_engine("expire", backend="helpers:gated", backend_args={"gate": gate.name},
+                      max_batch_size=4, admission="none")
+    with engine.Client(eng.name) as c:
+        held = c.submit(X, timeout=60)  # its batch waits at the gate
+        wait_for(lambda: eng.stats()["queue_depth"] == 0 and eng.stats()["requests_total"] == 1,
+                 "the first request claimed")
+        late = c.submit(X + 1, timeout=0.05)  # never asked before the gate opens
+        deadline = ring.now_ns() + 50 * MS
+        wait_for(lambda: ring.now_ns() > deadline, "the queued request's deadline")
+        gate.open()
+        assert np.array_equal(held.result(timeout=60), X * 2 + 1)
+        with pytest.raises(engine.RequestTimeout, match="not computed"):
+            late.result(timeout=60)
+    stats = eng.stats()
+    assert stats["expired_total"] == 1 and stats["answered_total"] == 1
+    wait_for(lambda: eng.stats()["batches_total"] == 1, "the one batch counted")
+    assert eng.stats()["batch_size_counts"] == {1: 1}  # the expired one reached no batch
+
+
+def test_a_request_that_cannot_make_its_deadline_is_refused_before_enqueue(make_engine):
+    eng = make_engine("admit", backend="helpers:slow_affine", backend_args={"fixed_ms": 100},
+                      max_batch_size=1)
+    with engine.Client(eng.name) as c:
+        c.infer(X, timeout=30)  # one batch measured: S(1) >= 100 ms
+        before = eng.stats()["requests_total"]
+        with pytest.raises(engine.Overloaded, match="exceeds the request's deadline"):
+            c.infer(X, timeout=0.05)
+        assert isinstance(engine.Overloaded("x"), engine.QueueFull)
+        stats = eng.stats()
+        assert stats["requests_total"] == before and stats["overloaded_total"] == 1
+        assert np.array_equal(c.infer(X + 1, timeout=30), (X + 1) * 2 + 1)  # time enough: admitted
+
+
+def test_a_batch_takes_the_most_urgent_level_first(make_engine, gate):
+    eng = make_engine("prio", backend="helpers:gated", backend_args={"gate": gate.name},
+                      max_batch_size=4, priority_levels=2)
+    with engine.Client(eng.name) as c:
+        first = c.submit(X, timeout=60, priority=1)
+        wait_for(lambda: eng.stats()["queue_depth"] == 0 and eng.stats()["requests_total"] == 1,
+                 "the first request claimed")
+        later = [c.submit(X + k, timeout=60, priority=1) for k in range(1, 5)]
+        urgent = [c.submit(X + 10 + k, timeout=60, priority=0) for k in range(4)]
+        gate.open()
+        for k, f in enumerate(later, 1):
+            assert np.array_equal(f.result(timeout=60), (X + k) * 2 + 1)
+        for k, f in enumerate(urgent):
+            assert np.array_equal(f.result(timeout=60), (X + 10 + k) * 2 + 1)
+        assert first.result(timeout=60) is not None
+    claimed = lambda fs: {f.stamps_ns[1] for f in fs}  # noqa: E731 (claim_ns: one per batch)
+    assert len(claimed(urgent)) == 1  # the 4 urgent ones, sent last, form the next batch
+    assert max(claimed(urgent)) < min(claimed(later))
+
+
+def test_a_less_urgent_level_cannot_fill_the_share_kept_for_urgent_ones(make_engine, gate):
+    eng = make_engine("share", backend="helpers:gated", backend_args={"gate": gate.name},
+                      max_batch_size=1, queue_capacity=16, priority_levels=2)
+    with engine.Client(eng.name) as c:
+        futures = [c.submit(X, timeout=60, priority=1)]
+        wait_for(lambda: eng.stats()["queue_depth"] == 0, "the first request claimed")
+        share = 16 * 7 // 8  # level 1 may have 14 queued; level 0 keeps the rest
+        futures += [c.submit(X + k, timeout=60, priority=1) for k in range(1, share + 1)]
+        with pytest.raises(engine.QueueFull, match="priority 1 may hold 14"):
+            c.submit(X, timeout=60, priority=1)
+        urgent = c.submit(X + 100, timeout=60, priority=0)  # still room for the urgent
+        gate.open()
+        assert np.array_equal(urgent.result(timeout=60), (X + 100) * 2 + 1)
+        for k, f in enumerate(futures):
+            assert np.array_equal(f.result(timeout=60), (X + k) * 2 + 1)
+
+
+def test_a_priority_out_of_range_is_invalid_before_enqueue(make_engine):
+    eng = make_engine("badprio", priority_levels=2)
+    with engine.Client(eng.name) as c:
+        with pytest.raises(engine.InvalidInput, match=r"priority: expected an int in \[0, 2\), got 2"):
+            c.infer(X, priority=2)
+    assert eng.stats()["requests_total"] == 0
+
+
+def test_a_failing_request_fails_alone_and_its_batch_mates_are_answered(make_engine, gate):
+    eng = make_engine("isolate", backend="helpers:gated",
+                      backend_args={"gate": gate.name, "then": "failing"}, max_batch_size=8)
+    with engine.Client(eng.name) as c:
+        first = c.submit(X, timeout=60)
+        wait_for(lambda: eng.stats()["queue_depth"] == 0, "the first request claimed")
+        xs = [X + k for k in range(8)]
+        xs[5] = -X - 1  # the one the backend raises on
+        futures = [c.submit(x, timeout=60) for x in xs]
+        gate.open()
+        first.result(timeout=60)
+        for k, (x, f) in enumerate(zip(xs, futures)):
+            if k == 5:
+                with pytest.raises(engine.BackendError, match="negative input"):
+                    f.result(timeout=60)
+            else:
+                assert np.array_equal(f.result(timeout=60), x * 2 + 1)
+    stats = eng.stats()
+    assert stats["isolated_failures_total"] == 1 and stats["errors_total"] == 1
+    assert 2 <= stats["isolation_calls_total"] <= 2 * 3  # 2 log2(8) at most
+    assert stats["answered_total"] == 8
+
+
+def test_without_isolation_a_failing_request_fails_its_whole_batch(make_engine, gate):
+    eng = make_engine("noisolate", backend="helpers:gated",
+                      backend_args={"gate": gate.name, "then": "failing"}, max_batch_size=8,
+                      isolate_failures=False)
+    with engine.Client(eng.name) as c:
+        first = c.submit(X, timeout=60)
+        wait_for(lambda: eng.stats()["queue_depth"] == 0, "the first request claimed")
+        futures = [c.submit(x, timeout=60) for x in (X, -X - 1, X + 2)]
+        gate.open()
+        first.result(timeout=60)
+        for f in futures:
+            with pytest.raises(engine.BackendError, match="negative input"):
+                f.result(timeout=60)
+
+
+def test_the_batch_limit_grows_by_one_and_is_cut_on_a_miss():
+    slo = 10 * MS
+    assert aimd.next_limit(4, 2 * MS, slo, 32) == 5
+    assert aimd.next_limit(32, 2 * MS, slo, 32) == 32  # never above max_batch_size
+    assert aimd.next_limit(8, 11 * MS, slo, 32) == 6
+    assert aimd.next_limit(1, 50 * MS, slo, 32) == 1  # never below 1
+    assert aimd.next_limit(8, int(9.5 * MS), slo, 32) == 8  # within, but near: hold
+
+
+def test_the_batch_limit_follows_a_model_that_slows_down_and_recovers():
+    # service = 1 ms + 0.5 ms per item while fast; 1 ms + 2 ms per item from batch 40 to 80
+    limits, missed, limit = [], [], 1
+    for k in range(120):
+        per_item = 2.0 if 40 <= k < 80 else 0.5
+        latency = int((1 + per_item * limit) * MS)
+        missed.append(latency > 10 * MS)
+        limit = aimd.next_limit(limit, latency, 10 * MS, 32)
+        limits.append(limit)
+    assert limits[39] == 17  # grew by one a batch to the largest within 10 ms: 1 + 0.5 n <= 9
+    # slowed: cut at once, then a sawtooth around the largest n within (1 + 2 n <= 10: 4)
+    assert limits[40] < limits[39] and max(limits[50:80]) <= 5
+    assert sum(missed[50:80]) <= 10  # at most one batch in three over the objective
+    assert limits[-1] == 17  # and back
+
+
+def test_the_service_fit_recovers_a_linear_cost_model():
+    fit = admission.ServiceFit()
+    for n in [1, 2, 4, 8, 16, 32] * 5:
+        fit.add(n, int(2 * MS + n * 100_000))
+    fixed_ns, per_item_ns = fit.estimate()
+    assert fixed_ns == pytest.approx(2 * MS, rel=1e-6)
+    assert per_item_ns == pytest.approx(100_000, rel=1e-6)
+
+
+def test_the_predicted_wait_counts_full_rounds_ahead_then_its_own_batch():
+    f, c = 2 * MS, 100_000
+    assert admission.predicted_wait_ns(0, 32, 1, f, c) == f + c  # alone: S(1)
+    assert admission.predicted_wait_ns(31, 32, 1, f, c) == f + 32 * c  # joins the next batch
+    assert admission.predicted_wait_ns(32, 32, 1, f, c) == (f + 32 * c) + f + c
+    assert admission.predicted_wait_ns(64, 32, 2, f, c) == (f + 32 * c) + f + c  # 2 instances
+
+
+def test_an_input_that_kills_its_batcher_fails_its_batch_and_the_engine_serves_on(make_engine, gate):
+    eng = make_engine("poison", backend="helpers:gated",
+                      backend_args={"gate": gate.name, "then": "exits_on_negative"},
+                      max_batch_size=8)
+    with engine.Client(eng.name) as c:
+        first = c.submit(X, timeout=60)
+        wait_for(lambda: eng.stats()["queue_depth"] == 0, "the first request claimed")
+        doomed = [c.submit(x, timeout=60) for x in (X + 1, -X - 1, X + 2)]
+        gate.open()
+        assert np.array_equal(first.result(timeout=60), X * 2 + 1)
+        for f in doomed:  # the batch the model died on: failed, not retried
+            with pytest.raises(engine.BackendError, match="BatcherDied"):
+                f.result(timeout=60)
+        assert np.array_equal(c.infer(X + 3, timeout=60), (X + 3) * 2 + 1)  # a new batcher
+    assert eng.stats()["batcher_restarts_total"] == 1
