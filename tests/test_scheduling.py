@@ -179,6 +179,7 @@ def test_an_input_that_kills_its_batcher_fails_its_batch_and_the_engine_serves_o
         wait_for(lambda: eng.stats()["queue_depth"] == 0, "the first request claimed")
         doomed = [c.submit(x, timeout=60) for x in (X + 1, -X - 1, X + 2)]
         gate.open()
+        gate.open()  # for the batcher that replaces the dead one, whose first batch waits too
         assert np.array_equal(first.result(timeout=60), X * 2 + 1)
         for f in doomed:  # the batch the model died on: failed, not retried
             with pytest.raises(engine.BackendError, match="BatcherDied"):
