@@ -3,6 +3,7 @@
     git worktree add /tmp/sb-before <commit>
     (cd /tmp/sb-before && python csrc/build_ring.py)     # its own engine/_ringc
     python bench/ab.py --before /tmp/sb-before --after . --rounds 5
+    python bench/ab.py --tree A=/tmp/a --tree B=/tmp/b --tree C=. --only rtt pipelined
 
 Each measurement runs in a fresh process whose `engine` is imported from one
 tree (PYTHONPATH first); the trees alternate round by round, so both see the
@@ -59,7 +60,8 @@ print("RESULT " + json.dumps(out))
 
 
 def measure(tree: str, what: str, seconds: float) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
+    path = [os.path.abspath(tree)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     proc = subprocess.run([sys.executable, "-c", PROBE, what, str(seconds)], env=env,
                           capture_output=True, text=True, timeout=600, cwd="/")
     for line in proc.stdout.splitlines():
@@ -70,13 +72,17 @@ def measure(tree: str, what: str, seconds: float) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--before", required=True)
-    p.add_argument("--after", required=True)
+    p.add_argument("--before", help="the tree before the change")
+    p.add_argument("--after", help="the tree after it")
+    p.add_argument("--tree", action="append", default=[], metavar="LABEL=PATH",
+                   help="more trees, or instead of --before/--after")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--seconds", type=float, default=2.0)
     p.add_argument("--only", nargs="*", default=["rtt", "peak8", "pipelined"])
     args = p.parse_args()
-    trees = {"before": args.before, "after": args.after}
+    trees = {label: path for label, path in (("before", args.before), ("after", args.after))
+             if path}
+    trees.update(t.split("=", 1) for t in args.tree)
     results = {(what, label): [] for what in args.only for label in trees}
     for r in range(args.rounds):
         for what in args.only:
@@ -84,14 +90,16 @@ def main() -> int:
             for label, tree in order:
                 results[what, label].append(measure(tree, what, args.seconds))
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
-    print(f"medians over {args.rounds} alternating rounds (before = {args.before}, "
-          f"after = {args.after})")
+    labels = list(trees)
+    print(f"medians over {args.rounds} alternating rounds ("
+          + ", ".join(f"{label} = {path}" for label, path in trees.items()) + ")")
     for what in args.only:
-        for key in results[what, "before"][0]:
-            b = statistics.median(x[key] for x in results[what, "before"])
-            a = statistics.median(x[key] for x in results[what, "after"])
-            print(f"{what:>12} {key:>11}: before {b:12,.1f}  after {a:12,.1f}  after/before "
-                  f"{a / b:5.2f}")
+        for key in results[what, labels[0]][0]:
+            medians = [statistics.median(x[key] for x in results[what, label]) for label in labels]
+            print(f"{what:>12} {key:>11}: " + "  ".join(
+                f"{label} {m:12,.1f}" for label, m in zip(labels, medians))
+                + "  " + "  ".join(f"{label}/{labels[0]} {m / medians[0]:5.2f}"
+                                   for label, m in zip(labels[1:], medians[1:])))
     return 0
 
 

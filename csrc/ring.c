@@ -839,6 +839,27 @@ uint32_t sb_queued(const void *base, uint32_t max_priority)
 	return n;
 }
 
+void sb_admission_figures(const void *base, uint32_t max_priority, uint64_t *out)
+{
+	const sb_header *h = hdr(base);
+	uint64_t instances = sb_word_get(base, SB_W_INSTANCES), busy_since = 0;
+	out[SB_A_QUEUED] = sb_queued(base, max_priority);
+	out[SB_A_FIXED_NS] = sb_word_get(base, SB_W_FIT_FIXED_NS);
+	out[SB_A_ITEM_PS] = sb_word_get(base, SB_W_FIT_ITEM_PS);
+	out[SB_A_LIMIT] = sb_word_get(base, SB_W_BATCH_LIMIT);
+	for (uint64_t i = 0; i < instances && i < SB_MAX_INSTANCES; i++) {
+		/* relaxed: a figure, written by each batcher as its batch starts */
+		uint64_t started = sb_load_relaxed(&h->words[SB_W_BATCH_START + i]);
+		if (!started) {
+			busy_since = 0; /* one is idle */
+			break;
+		}
+		if (started > busy_since)
+			busy_since = started;
+	}
+	out[SB_A_BUSY_SINCE] = busy_since;
+}
+
 uint32_t sb_scan(const void *base, uint32_t max_out, uint32_t *slots,
 		 uint64_t *arrival_ns, uint32_t *lengths, uint32_t *priorities)
 {

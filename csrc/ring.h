@@ -278,6 +278,13 @@ uint32_t sb_publish_many(void *base, const uint32_t *slots, const uint32_t *gens
 /* how many requests are READY at priority max_priority or more urgent (a
  * popcount of their bitmaps: a hint, for the admission estimate) */
 uint32_t sb_queued(const void *base, uint32_t max_priority);
+/* the figures admission reads, in one call: out[SB_A_*] */
+#define SB_A_QUEUED 0      /* sb_queued(max_priority) */
+#define SB_A_FIXED_NS 1    /* SB_W_FIT_FIXED_NS */
+#define SB_A_ITEM_PS 2     /* SB_W_FIT_ITEM_PS */
+#define SB_A_LIMIT 3       /* SB_W_BATCH_LIMIT */
+#define SB_A_BUSY_SINCE 4  /* 0 if a batcher is idle, else the latest batch start */
+void sb_admission_figures(const void *base, uint32_t max_priority, uint64_t *out);
 int sb_wait_all(void *base, const uint32_t *slots, const uint32_t *gens,
 		uint32_t n, int64_t timeout_ns, uint64_t spin_ns);
 uint32_t sb_release_many(void *base, const uint32_t *slots, const uint32_t *gens,

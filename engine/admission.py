@@ -23,13 +23,18 @@ FORGET = 0.02
 
 
 def predicted_wait_ns(queued_ahead: int, batch_limit: int, instances: int,
-                      fixed_ns: int, per_item_ns: float) -> int:
-    """Enqueue to answer for a request with queued_ahead requests before it."""
-    per_round = max(1, batch_limit) * max(1, instances)
+                      fixed_ns: int, per_item_ns: float, busy_since_ns: int = 0,
+                      now_ns: int = 0) -> int:
+    """Enqueue to answer for a request with queued_ahead requests before it:
+    what is left of the batch in service when every batcher is busy (since
+    busy_since_ns, by the fit), the full rounds of batches ahead, its own."""
+    limit = max(1, batch_limit)
+    full_batch_ns = fixed_ns + limit * per_item_ns
+    in_service_ns = max(0.0, full_batch_ns - (now_ns - busy_since_ns)) if busy_since_ns else 0.0
+    per_round = limit * max(1, instances)
     full_rounds = queued_ahead // per_round
-    own_batch = min(queued_ahead - full_rounds * per_round + 1, max(1, batch_limit))
-    return int(full_rounds * (fixed_ns + batch_limit * per_item_ns)
-               + fixed_ns + own_batch * per_item_ns)
+    own_batch = min(queued_ahead - full_rounds * per_round + 1, limit)
+    return int(in_service_ns + full_rounds * full_batch_ns + fixed_ns + own_batch * per_item_ns)
 
 
 @dataclasses.dataclass

@@ -5,20 +5,36 @@ A backend factory runs once inside each batcher process and returns
 valid only during the call: it may be a view of the shared segment.
 """
 import importlib
+import os
 from typing import Callable, Union
 
 from engine import ring
 
 
-def synthetic(fixed_ms: float = 2.0, per_item_us: float = 100.0):
+def synthetic(fixed_ms: float = 2.0, per_item_us: float = 100.0, cost_file: str = None):
     """The seed's cost model: busy-waits fixed_ms + n * per_item_us per batch
     (in C, with the GIL released, as a real model's kernels run), then
-    returns input * 2 + 1."""
-    fixed_ns = int(float(fixed_ms) * 1e6)
-    per_item_ns = int(float(per_item_us) * 1e3)
+    returns input * 2 + 1. With cost_file, the cost is re-read from that file
+    ("FIXED_MS PER_ITEM_US") whenever it changes: a model that slows down, or
+    speeds up, while it serves."""
+    cost = [int(float(fixed_ms) * 1e6), int(float(per_item_us) * 1e3)]
+    seen = [None]
+
+    def reread() -> None:
+        try:
+            stamp = os.stat(cost_file).st_mtime_ns
+            if stamp != seen[0]:
+                with open(cost_file) as f:
+                    fixed, per_item = f.read().split()[:2]
+                cost[:] = int(float(fixed) * 1e6), int(float(per_item) * 1e3)
+                seen[0] = stamp
+        except (OSError, ValueError):
+            pass  # missing or half-written: keep the last cost
 
     def run(batch, lengths=None):
-        ring.spin_ns(fixed_ns + len(batch) * per_item_ns)
+        if cost_file:
+            reread()
+        ring.spin_ns(cost[0] + len(batch) * cost[1])
         return batch * 2 + 1
 
     return run

@@ -106,6 +106,13 @@ def _bench_parser(sub):
     p.add_argument("--compare", action="store_true",
                    help="also run two multiprocessing baselines, and the engine's own overhead")
     p.add_argument("--overhead-seconds", type=float, default=2.0)
+    p.add_argument("--overload", action="store_true",
+                   help="offer 0.5x-5x capacity and a burst, with deadlines: goodput, with "
+                        "admission by deadline and without, side by side")
+    p.add_argument("--slo-ms", type=float, default=100.0, help="--overload: each request's deadline")
+    p.add_argument("--urgent-share", type=float, default=0.0,
+                   help="--overload: share of requests sent at priority 0 (the rest at 1)")
+    p.add_argument("--seconds", type=float, default=3.0, help="--overload: seconds per row")
     p.add_argument("--out", metavar="DIR", help="write DIR/bench.json and DIR/bench.png")
 
 
@@ -121,6 +128,12 @@ def cmd_bench(args) -> int:
     from engine.tools import bench
     if args.out:
         tools.pyplot()  # the plot's dependency, asked for before minutes of measuring
+    if args.overload:
+        from engine.tools import overload
+        overload.run(overload.Setup(slo_ms=args.slo_ms, urgent_share=args.urgent_share,
+                                    clients=args.clients, seconds=args.seconds, seed=args.seed),
+                     out_dir=args.out)
+        return 0
     backend_args = key_values(args.backend_arg)
     if args.backend == "engine.backends:synthetic":
         backend_args = {"fixed_ms": 2.0, "per_item_us": 100.0, **backend_args}

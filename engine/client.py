@@ -307,13 +307,14 @@ class Client:
                                 f"requests), got {held} queued")
         if deadline is None or cfg.admission != "deadline":
             return
-        fixed_ns, per_item_ns = seg.service_fit()
-        if not fixed_ns and not per_item_ns:
+        ahead, fixed_ns, item_ps, limit, busy_since_ns = r.admission_figures(priority)
+        if not fixed_ns and not item_ps:
             return  # no batch measured yet
-        ahead = r.queued(priority)
-        wait_ns = admission.predicted_wait_ns(ahead, seg.batch_limit() or cfg.max_batch_size,
-                                              cfg.instances, fixed_ns, per_item_ns)
-        left_ns = deadline - ring.now_ns()
+        now_ns = ring.now_ns()
+        wait_ns = admission.predicted_wait_ns(ahead, limit or cfg.max_batch_size, cfg.instances,
+                                              fixed_ns, item_ps / 1000, busy_since_ns, now_ns)
+        left_ns = deadline - now_ns
+        per_item_ns = item_ps / 1000
         if wait_ns > left_ns:
             r.add_word(ring.W_OVERLOADED)
             raise Overloaded(f"predicted wait {wait_ns / 1e6:.2f} ms exceeds the request's "

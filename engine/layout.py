@@ -445,10 +445,6 @@ class Segment:
         self._words[ring.W_FIT_FIXED_NS] = fixed_ns
         self._words[ring.W_FIT_ITEM_PS] = int(per_item_ns * 1000)
 
-    def service_fit(self):
-        """(fixed_ns, per_item_ns), 0 and 0.0 before any batch."""
-        return int(self._words[ring.W_FIT_FIXED_NS]), int(self._words[ring.W_FIT_ITEM_PS]) / 1000
-
     def set_batch_limit(self, limit: int) -> None:
         self._words[ring.W_BATCH_LIMIT] = limit
 

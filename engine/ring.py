@@ -168,6 +168,13 @@ class Ring:
         """READY, with its attributes: real length, deadline (0: none), priority."""
         return lib.sb_publish(self.base, slot, gen, length, deadline_ns, priority)
 
+    def admission_figures(self, max_priority: int):
+        """(queued at <= max_priority, fit fixed_ns, fit per-item ps, batch
+        limit, busy_since_ns: 0 if a batcher is idle), in one call."""
+        out = self._buffer("figures", "uint64_t[5]")
+        lib.sb_admission_figures(self.base, max_priority, out)
+        return ffi.unpack(out, 5)
+
     def queued(self, max_priority: int) -> int:
         """How many requests are READY at priority max_priority or more urgent."""
         return lib.sb_queued(self.base, max_priority)

@@ -46,7 +46,10 @@ def wait(wait_slice: Callable[[int], int], lives: Callable[[], bool],
             return EXPIRED, ring.ETIMEOUT
         if until is not None and now >= until:
             return WAITED, ring.ETIMEOUT
-        slice_ns = min(LIVENESS_SLICE_NS, *(t - now for t in (deadline, until) if t is not None))
+        slice_ns = LIVENESS_SLICE_NS
+        for t in (deadline, until):
+            if t is not None and t - now < slice_ns:
+                slice_ns = t - now
         code = wait_slice(slice_ns)
         if code != ring.ETIMEOUT:
             return ANSWERED, code

@@ -168,6 +168,9 @@ def test_the_predicted_wait_counts_full_rounds_ahead_then_its_own_batch():
     assert admission.predicted_wait_ns(31, 32, 1, f, c) == f + 32 * c  # joins the next batch
     assert admission.predicted_wait_ns(32, 32, 1, f, c) == (f + 32 * c) + f + c
     assert admission.predicted_wait_ns(64, 32, 2, f, c) == (f + 32 * c) + f + c  # 2 instances
+    # every batcher busy: what is left of the batch in service comes first
+    assert admission.predicted_wait_ns(0, 32, 1, f, c, busy_since_ns=10 * MS,
+                                       now_ns=11 * MS) == (f + 32 * c - MS) + f + c
 
 
 def test_an_input_that_kills_its_batcher_fails_its_batch_and_the_engine_serves_on(make_engine, gate):
