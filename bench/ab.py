@@ -28,7 +28,10 @@ import json, sys
 import numpy as np
 import engine
 from engine import ring
-from engine.tools import bench
+try:
+    from engine.tools import bench
+except ImportError:  # a tree from before the tooling moved
+    from engine import bench
 what, seconds = sys.argv[1], float(sys.argv[2])
 load = bench.Load(backend="engine.backends:identity", backend_args={})
 if what == "rtt":

@@ -46,7 +46,9 @@ from engine.lent import SlotRequest
 SPIN_NS = ring.SPIN_NS
 
 # How long a client that found the ring full of answers waits for other
-# processes' evictors to move them out, before it raises QueueFull.
+# processes' evictors to move them out, before it raises QueueFull. It waits
+# only when they hold more than a batch's worth (and 1/8 of the ring): fewer
+# are the last batches' answers on their way to their readers.
 EVICT_WAIT_NS = 100_000_000
 
 # Priority shares: a request of priority p > 0 is refused while the requests
@@ -64,8 +66,8 @@ def _queue_full(seg, census: reaper.Census) -> QueueFull:
     text = (f"queue_capacity {seg.capacity} reached: expected a free slot, got {busy} requests "
             f"queued or being computed, {census.count(ring.WRITING)} being written or lent")
     if held:
-        text += (f", {sum(held.values())} answers unread in live processes "
-                 f"{sorted(held)} that did not let them go within {EVICT_WAIT_NS // 1_000_000} ms")
+        text += (f", {sum(held.values())} answers not yet read by live processes "
+                 f"{sorted(held)}")
     return QueueFull(text)
 
 
@@ -338,7 +340,10 @@ class Client:
             if code != ring.EFULL:
                 return code, slot, gen
             census = reaper.Census(r, seg.capacity)
-        if census.answered_by_pid():  # answers another process has not read yet
+        held = sum(census.answered_by_pid().values())  # answers other processes have not read
+        # a few are answers of the last batches, on their way to their readers: waiting
+        # for those would stall a sender under overload (up to EVICT_WAIT_NS a request)
+        if held >= max(seg.config.max_batch_size + 1, seg.capacity // 8):
             r.request_evict()
             wait_ns = EVICT_WAIT_NS
             if deadline is not None:
