@@ -503,10 +503,15 @@ uint32_t sb_publish_many(void *base, const uint32_t *slots, const uint32_t *gens
 
 int sb_submit(void *base, uint32_t pid, uint64_t start_ticks, const void *src,
 	      uint64_t nbytes, uint32_t length, uint64_t deadline_ns,
-	      uint32_t priority, uint32_t *ticket)
+	      uint32_t priority, uint32_t admit, uint32_t *ticket)
 {
 	if (nbytes > hdr(base)->input_slot_bytes)
 		return SB_EBADARG;
+	if (admit && deadline_ns) {
+		uint64_t now = sb_now_ns();
+		if (now + sb_predicted_wait_ns(base, priority, now) > deadline_ns)
+			return SB_EOVERLOADED;
+	}
 	int r = sb_acquire(base, pid, start_ticks, &ticket[0], &ticket[1]);
 	if (r != SB_OK)
 		return r;
@@ -858,6 +863,28 @@ void sb_admission_figures(const void *base, uint32_t max_priority, uint64_t *out
 			busy_since = started;
 	}
 	out[SB_A_BUSY_SINCE] = busy_since;
+}
+
+uint64_t sb_predicted_wait_ns(const void *base, uint32_t priority, uint64_t now_ns)
+{
+	uint64_t f[5];
+	sb_admission_figures(base, priority, f);
+	uint64_t fixed = f[SB_A_FIXED_NS], item_ps = f[SB_A_ITEM_PS];
+	if (!fixed && !item_ps)
+		return 0; /* no batch measured yet */
+	uint64_t limit = f[SB_A_LIMIT] ? f[SB_A_LIMIT] : 1;
+	uint64_t instances = sb_word_get(base, SB_W_INSTANCES);
+	uint64_t batch_ns = fixed + limit * item_ps / 1000, in_service = 0;
+	if (f[SB_A_BUSY_SINCE]) {
+		uint64_t ran = now_ns > f[SB_A_BUSY_SINCE] ? now_ns - f[SB_A_BUSY_SINCE] : 0;
+		in_service = batch_ns > ran ? batch_ns - ran : 0;
+	}
+	uint64_t per_round = limit * (instances ? instances : 1);
+	uint64_t rounds = f[SB_A_QUEUED] / per_round;
+	uint64_t own = f[SB_A_QUEUED] - rounds * per_round + 1;
+	if (own > limit)
+		own = limit;
+	return in_service + rounds * batch_ns + fixed + own * item_ps / 1000;
 }
 
 uint32_t sb_scan(const void *base, uint32_t max_out, uint32_t *slots,

@@ -162,6 +162,7 @@
 #define SB_EVERSION 6
 #define SB_EBUSY 7
 #define SB_EFAILED 8
+#define SB_EOVERLOADED 9
 
 /* header fields for sb_header_field() */
 #define SB_F_CAPACITY 0
@@ -263,9 +264,12 @@ int sb_release(void *base, uint32_t slot, uint32_t gen);
 #define SB_T_ARRIVAL 0
 #define SB_T_CLAIM 1
 #define SB_T_DONE 2
+/* with admit and a deadline, SB_EOVERLOADED (nothing taken) when the
+ * predicted wait would end after the deadline: the caller's admission by
+ * deadline, decided before a slot is taken */
 int sb_submit(void *base, uint32_t pid, uint64_t start_ticks, const void *src,
 	      uint64_t nbytes, uint32_t length, uint64_t deadline_ns,
-	      uint32_t priority, uint32_t *ticket);
+	      uint32_t priority, uint32_t admit, uint32_t *ticket);
 int sb_take(void *base, uint32_t slot, uint32_t gen, int64_t timeout_ns,
 	    uint64_t spin_ns, void *dst, uint64_t nbytes, uint64_t *times);
 int sb_abandon(void *base, uint32_t slot, uint32_t gen);
@@ -285,6 +289,10 @@ uint32_t sb_queued(const void *base, uint32_t max_priority);
 #define SB_A_LIMIT 3       /* SB_W_BATCH_LIMIT */
 #define SB_A_BUSY_SINCE 4  /* 0 if a batcher is idle, else the latest batch start */
 void sb_admission_figures(const void *base, uint32_t max_priority, uint64_t *out);
+/* engine/admission.py's predicted_wait_ns on those figures, in integers:
+ * how long a request of this priority, enqueued at now_ns, would wait for
+ * its answer (0 before any batch is measured) */
+uint64_t sb_predicted_wait_ns(const void *base, uint32_t priority, uint64_t now_ns);
 int sb_wait_all(void *base, const uint32_t *slots, const uint32_t *gens,
 		uint32_t n, int64_t timeout_ns, uint64_t spin_ns);
 uint32_t sb_release_many(void *base, const uint32_t *slots, const uint32_t *gens,

@@ -39,6 +39,10 @@ IDLE_CHECK_NS = 1_000_000_000
 # spin per batch at most: an idle batcher sleeps.
 SPIN_NS = ring.SPIN_NS  # read at import, before any pinning
 
+# The service fit is published every batch at first, then every FIT_EVERY
+# batches: it moves slowly, and a batch's Python time is the fast path's.
+FIT_EVERY = 8
+
 
 def _message(e: Exception) -> bytes:
     """A backend's exception as a failed request's error text."""
@@ -64,6 +68,8 @@ class Batcher:
         self.slo_ns = None if cfg.slo_ms is None else int(cfg.slo_ms * 1e6)
         self.isolate = cfg.isolate_failures
         self.fit = admission.ServiceFit()
+        self.batches = 0
+        self.expire_lead_ns = 0  # the fit's fixed cost: less time than that left is too little
         self.var_axis = cfg.var_axis
         self.out_shape = tuple(cfg.output_shape)
         self.out_dtype = np.dtype(cfg.output_dtype)
@@ -82,7 +88,7 @@ class Batcher:
             # request that cannot finish even alone in a batch starting now is
             # failed unstarted (expired): computing it helps nobody
             max_n, flush_n, cutoff_ns = self.rule.thresholds(now_ns, state != ring.ENGINE_RUNNING)
-            expire_ns = now_ns + self.fit.estimate()[0]
+            expire_ns = now_ns + self.expire_lead_ns
             n, claim_ns, ready, oldest_ns, _ = r.claim(self.instance, min(max_n, self.limit),
                                                        min(flush_n, self.limit), cutoff_ns,
                                                        self.claimed, expire_ns)
@@ -124,8 +130,11 @@ class Batcher:
         with slo_ms, to the batch limit (a request waits for at most one batch
         in service and then its own: each must take at most half the objective)."""
         self.fit.add(n, service_ns)
-        fixed_ns, per_item_ns = self.fit.estimate()
-        self.seg.publish_service_fit(fixed_ns, per_item_ns)
+        self.batches += 1
+        if self.batches <= FIT_EVERY or self.batches % FIT_EVERY == 0:
+            fixed_ns, per_item_ns = self.fit.estimate()
+            self.seg.publish_service_fit(fixed_ns, per_item_ns)
+            self.expire_lead_ns = fixed_ns
         if self.slo_ns is not None:
             self.limit = aimd.next_limit(self.limit, service_ns, self.slo_ns // 2, self.max_batch)
             self.seg.set_batch_limit(self.limit)

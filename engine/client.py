@@ -269,14 +269,20 @@ class Client:
     def _enqueue(self, x, deadline, out=None, priority=0):
         seg, array, length = self._validated(x, out=out, priority=priority)
         r = seg.ring
-        if deadline is not None or priority:
-            self._admit(seg, deadline, priority)
+        if priority:
+            self._check_share(seg, priority)
+        admit = deadline is not None and seg.admit_by_deadline
         fused = seg.fixed_shape and array.flags.c_contiguous
-        if fused:  # one C call: take, copy, publish
+        if fused:  # one C call: admit, take, copy, publish
             code, slot, gen = r.submit(self._pid, self._start_ticks, array, length,
-                                       deadline or 0, priority)
+                                       deadline or 0, priority, admit)
         else:
-            code, slot, gen = r.acquire(self._pid, self._start_ticks)
+            if admit and ring.now_ns() + r.predicted_wait_ns(priority, ring.now_ns()) > deadline:
+                code = ring.EOVERLOADED
+            else:
+                code, slot, gen = r.acquire(self._pid, self._start_ticks)
+        if code == ring.EOVERLOADED:
+            raise self._overloaded(seg, deadline, priority)
         if code == ring.EFULL:
             code, slot, gen = self._make_room(seg, deadline)
             fused = False
@@ -292,37 +298,34 @@ class Client:
                                     f"engine reclaimed the request or refused it)")
         return seg, slot, gen
 
-    def _admit(self, seg, deadline, priority) -> None:
-        """Refuses at once what the queue cannot take or finish in time:
-        QueueFull when a less urgent level already fills its share (each
-        level more urgent than p keeps 1/SHARE_STEPS of the queue for
-        itself), Overloaded when the predicted wait (admission.py) ends after
-        the deadline."""
-        r, cfg = seg.ring, seg.config
-        if priority:
-            held = r.queued(cfg.priority_levels - 1) - r.queued(priority - 1)
-            share = seg.capacity * (SHARE_STEPS - priority) // SHARE_STEPS
-            if held >= share:
-                r.add_word(ring.W_REJECTED)
-                raise QueueFull(f"priority {priority} may hold {share} of queue_capacity "
-                                f"{seg.capacity} (the rest is kept for more urgent "
-                                f"requests), got {held} queued")
-        if deadline is None or cfg.admission != "deadline":
-            return
+    @staticmethod
+    def _check_share(seg, priority: int) -> None:
+        """QueueFull when the requests queued at `priority` or less urgent
+        already fill its share: each level more urgent than it keeps
+        1/SHARE_STEPS of the queue for itself."""
+        r = seg.ring
+        held = r.queued(seg.config.priority_levels - 1) - r.queued(priority - 1)
+        share = seg.capacity * (SHARE_STEPS - priority) // SHARE_STEPS
+        if held >= share:
+            r.add_word(ring.W_REJECTED)
+            raise QueueFull(f"priority {priority} may hold {share} of queue_capacity "
+                            f"{seg.capacity} (the rest is kept for more urgent requests), "
+                            f"got {held} queued")
+
+    @staticmethod
+    def _overloaded(seg, deadline: int, priority: int) -> Overloaded:
+        """The admission's refusal (counted), saying what it predicted: the C
+        estimate (sb_predicted_wait_ns) is admission.predicted_wait_ns on the
+        header's figures."""
+        r, now_ns = seg.ring, ring.now_ns()
         ahead, fixed_ns, item_ps, limit, busy_since_ns = r.admission_figures(priority)
-        if not fixed_ns and not item_ps:
-            return  # no batch measured yet
-        now_ns = ring.now_ns()
-        wait_ns = admission.predicted_wait_ns(ahead, limit or cfg.max_batch_size, cfg.instances,
-                                              fixed_ns, item_ps / 1000, busy_since_ns, now_ns)
-        left_ns = deadline - now_ns
-        per_item_ns = item_ps / 1000
-        if wait_ns > left_ns:
-            r.add_word(ring.W_OVERLOADED)
-            raise Overloaded(f"predicted wait {wait_ns / 1e6:.2f} ms exceeds the request's "
-                             f"deadline of {max(0, left_ns) / 1e6:.2f} ms ({ahead} queued ahead "
-                             f"at priority <= {priority}; S(n) = {fixed_ns / 1e6:.2f} ms + n x "
-                             f"{per_item_ns / 1e3:.1f} us)")
+        wait_ns = admission.predicted_wait_ns(ahead, limit, seg.config.instances, fixed_ns,
+                                              item_ps / 1000, busy_since_ns, now_ns)
+        r.add_word(ring.W_OVERLOADED)
+        return Overloaded(f"predicted wait {wait_ns / 1e6:.2f} ms exceeds the request's deadline "
+                          f"of {max(0, deadline - now_ns) / 1e6:.2f} ms ({ahead} queued ahead at "
+                          f"priority <= {priority}; S(n) = {fixed_ns / 1e6:.2f} ms + n x "
+                          f"{item_ps / 1e6:.1f} us)")
 
     def _make_room(self, seg, deadline):
         """(code, slot, generation) of a slot taken after the ring was found
@@ -411,6 +414,16 @@ class Client:
         r = seg.ring
         if out is None and take:
             out = np.empty(seg.output_shape, seg.output_dtype)
+        if take and deadline is not None:  # the common case's first slice, inline
+            started_ns = ring.now_ns()
+            if deadline > started_ns:
+                code = r.take(slot, gen, min(deadline - started_ns, waiting.LIVENESS_SLICE_NS),
+                              self._spin_ns, out)
+                self._spin_ns = SPIN_NS if ring.now_ns() - started_ns <= SPIN_NS else 0
+                if code == ring.OK:
+                    return out
+                if code != ring.ETIMEOUT:
+                    raise waiting.failed(seg, slot, gen, code)
 
         def wait_slice(slice_ns: int) -> int:
             started_ns = ring.now_ns()

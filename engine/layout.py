@@ -332,6 +332,7 @@ class Segment:
         self.ready_words = np.ndarray((cfg.priority_levels, -(-self.capacity // 64)), np.uint64,
                                       buffer=mapping, offset=self.ring.field(ring.F_OFF_READY))
         self.fixed_shape = cfg.var_axis is None  # inputs go into their row as they are
+        self.admit_by_deadline = cfg.admission == "deadline"  # read per request
         self.in_place = bool(self.ring.field(ring.F_IN_PLACE))  # outputs is inputs
 
     @classmethod

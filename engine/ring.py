@@ -127,12 +127,12 @@ class Ring:
         return code, out[0], out[1]
 
     def submit(self, pid: int, start_ticks: int, row: np.ndarray, length: int,
-               deadline_ns: int = 0, priority: int = 0):
+               deadline_ns: int = 0, priority: int = 0, admit: bool = False):
         """acquire + copy the C-contiguous row into the slot + publish, in
         one call: (code, slot, generation)."""
         out = self._buffer("ticket", "uint32_t[2]")
         code = lib.sb_submit(self.base, pid, start_ticks, ffi.from_buffer(row), row.nbytes,
-                             length, deadline_ns, priority, out)
+                             length, deadline_ns, priority, admit, out)
         return code, out[0], out[1]
 
     def take(self, slot: int, gen: int, timeout_ns: int, spin_ns: int, out: np.ndarray) -> int:
@@ -174,6 +174,9 @@ class Ring:
         out = self._buffer("figures", "uint64_t[5]")
         lib.sb_admission_figures(self.base, max_priority, out)
         return ffi.unpack(out, 5)
+
+    def predicted_wait_ns(self, priority: int, now_ns: int) -> int:
+        return lib.sb_predicted_wait_ns(self.base, priority, now_ns)
 
     def queued(self, max_priority: int) -> int:
         """How many requests are READY at priority max_priority or more urgent."""

@@ -1,11 +1,14 @@
 """Scheduling under load: deadlines in the ring, admission, priorities, shares,
 the adaptive batch limit, and failure isolation, each on its own."""
+import os
+
 import numpy as np
 import pytest
 
 import engine
 from engine import admission, aimd, ring
-from conftest import wait_for
+from engine.layout import EngineConfig, Segment
+from conftest import unique_name, wait_for
 
 X = np.arange(16, dtype=np.float32)
 MS = 1_000_000
@@ -23,6 +26,8 @@ def test_a_request_whose_deadline_passes_in_the_queue_is_failed_unstarted(make_e
         wait_for(lambda: ring.now_ns() > deadline, "the queued request's deadline")
         gate.open()
         assert np.array_equal(held.result(timeout=60), X * 2 + 1)
+        # not asked before the engine has judged it (asked, the client would withdraw it)
+        wait_for(lambda: eng.stats()["expired_total"] == 1, "the engine expiring it")
         with pytest.raises(engine.RequestTimeout, match="not computed"):
             late.result(timeout=60)
     stats = eng.stats()
@@ -189,3 +194,32 @@ def test_an_input_that_kills_its_batcher_fails_its_batch_and_the_engine_serves_o
                 f.result(timeout=60)
         assert np.array_equal(c.infer(X + 3, timeout=60), (X + 3) * 2 + 1)  # a new batcher
     assert eng.stats()["batcher_restarts_total"] == 1
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_c_admission_estimate_is_the_python_one(seed):
+    rng = np.random.default_rng(seed)
+    instances = int(rng.integers(1, 3))
+    seg = Segment.create(EngineConfig(name=unique_name("estimate"), input_shape=(4,),
+                                      output_shape=(4,), queue_capacity=256, max_batch_size=16,
+                                      priority_levels=2, instances=instances))
+    try:
+        r = seg.ring
+        r.set_word(ring.W_INSTANCES, instances)
+        seg.publish_service_fit(int(rng.integers(1, 10 * MS)), float(rng.integers(0, 500_000)))
+        seg.set_batch_limit(int(rng.integers(1, 17)))
+        for _ in range(int(rng.integers(0, 200))):  # queued, at either priority
+            _, slot, gen = r.acquire(os.getpid(), 0)
+            r.publish(slot, gen, 0, 0, int(rng.integers(0, 2)))
+        now = ring.now_ns()
+        if rng.random() < 0.5:  # every batcher busy, since a while ago
+            for i in range(instances):
+                seg.mark_batch(i, now - int(rng.integers(0, 5 * MS)))
+        for priority in (0, 1):
+            ahead, fixed_ns, item_ps, limit, busy = r.admission_figures(priority)
+            want = admission.predicted_wait_ns(ahead, limit, instances, fixed_ns, item_ps / 1000,
+                                               busy, now)
+            assert abs(r.predicted_wait_ns(priority, now) - want) <= 2 * limit + 2  # rounding
+    finally:
+        seg.unlink()
+        seg.close()
