@@ -509,7 +509,10 @@ int sb_submit(void *base, uint32_t pid, uint64_t start_ticks, const void *src,
 		return SB_EBADARG;
 	if (admit && deadline_ns) {
 		uint64_t now = sb_now_ns();
-		if (now + sb_predicted_wait_ns(base, priority, now) > deadline_ns)
+		/* admission.refuses(): the wait, plus an eighth of it for the
+		 * estimate's error, ends after the deadline */
+		uint64_t wait = sb_predicted_wait_ns(base, priority, now);
+		if (now + wait + wait / 8 > deadline_ns)
 			return SB_EOVERLOADED;
 	}
 	int r = sb_acquire(base, pid, start_ticks, &ticket[0], &ticket[1]);

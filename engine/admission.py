@@ -17,6 +17,16 @@ the engine keeps up with it refuses nothing.
 """
 import dataclasses
 
+def refuses(wait_ns: int, left_ns: int) -> bool:
+    """The rule (applied in C, in the fused submit): refuse when the predicted
+    wait, plus an eighth of it for the estimate's error, ends after the
+    deadline. Under overload the queue settles where this holds with little
+    to spare: without the eighth, a wait a little longer than predicted would
+    make most answers late; at loads the engine keeps up with, waits are far
+    shorter than deadlines and the eighth refuses nothing."""
+    return wait_ns + wait_ns // 8 > left_ns
+
+
 # How much weight a new batch's service time has against the past ones:
 # about the last 1/FORGET batches count.
 FORGET = 0.02

@@ -277,7 +277,8 @@ class Client:
             code, slot, gen = r.submit(self._pid, self._start_ticks, array, length,
                                        deadline or 0, priority, admit)
         else:
-            if admit and ring.now_ns() + r.predicted_wait_ns(priority, ring.now_ns()) > deadline:
+            now_ns = ring.now_ns()
+            if admit and admission.refuses(r.predicted_wait_ns(priority, now_ns), deadline - now_ns):
                 code = ring.EOVERLOADED
             else:
                 code, slot, gen = r.acquire(self._pid, self._start_ticks)

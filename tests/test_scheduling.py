@@ -223,3 +223,9 @@ def test_the_c_admission_estimate_is_the_python_one(seed):
     finally:
         seg.unlink()
         seg.close()
+
+
+def test_admission_refuses_a_wait_that_with_an_eighth_more_ends_after_the_deadline():
+    assert not admission.refuses(80 * MS, 100 * MS)  # 90 ms: in time
+    assert admission.refuses(90 * MS, 100 * MS)  # 101.25 ms: refused
+    assert not admission.refuses(0, 0)
