@@ -10,6 +10,7 @@ its first batch until the test has queued the rest and opens the Gate.
 Every wait is on a condition and has a bound; a sleep only paces a load or
 is itself the interval measured.
 """
+import contextlib
 import itertools
 import multiprocessing
 import os
@@ -23,6 +24,7 @@ import pytest
 
 import engine
 from engine import ring
+from engine.layout import EngineConfig, Segment
 
 _names = itertools.count()
 
@@ -129,3 +131,15 @@ def gate():
     g = Gate()
     yield g
     g.close()
+
+
+@contextlib.contextmanager
+def raw_segment(tag: str, **config):
+    """A segment of float32[4] requests with no engine: the C ring alone."""
+    seg = Segment.create(EngineConfig(name=unique_name(tag), input_shape=(4,), output_shape=(4,),
+                                      **config))
+    try:
+        yield seg
+    finally:
+        seg.unlink()
+        seg.close()

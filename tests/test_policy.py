@@ -5,8 +5,7 @@ import numpy as np
 import pytest
 
 from engine import policy, ring
-from engine.layout import EngineConfig, Segment
-from conftest import unique_name
+from conftest import raw_segment
 
 MS = 1_000_000
 RULE = policy.FlushRule(max_batch=4, max_delay_ns=2 * MS)
@@ -68,10 +67,8 @@ def test_the_most_urgent_level_goes_first_and_the_oldest_of_any_level_sets_the_f
 def test_the_c_claim_takes_what_the_rule_says_on_random_ready_lists(seed):
     rng = np.random.default_rng(seed)
     levels = int(rng.integers(1, 4))
-    seg = Segment.create(EngineConfig(name=unique_name("policy"), input_shape=(4,),
-                                      output_shape=(4,), queue_capacity=256, max_batch_size=8,
-                                      priority_levels=levels))
-    try:
+    with raw_segment("policy", queue_capacity=256, max_batch_size=8,
+                     priority_levels=levels) as seg:
         r, pid = seg.ring, os.getpid()
         rule = policy.FlushRule(max_batch=int(rng.integers(1, 9)),
                                 max_delay_ns=int(rng.integers(0, 3)) * MS)
@@ -91,6 +88,3 @@ def test_the_c_claim_takes_what_the_rule_says_on_random_ready_lists(seed):
         got, _, ready, _, _ = r.claim(0, *rule.thresholds(now), b)
         assert ready == n
         assert sorted(b.slots[:got].tolist()) == sorted(slots[want.take].tolist())
-    finally:
-        seg.unlink()
-        seg.close()

@@ -7,8 +7,7 @@ import pytest
 
 import engine
 from engine import admission, aimd, ring
-from engine.layout import EngineConfig, Segment
-from conftest import unique_name, wait_for
+from conftest import raw_segment, wait_for
 
 X = np.arange(16, dtype=np.float32)
 MS = 1_000_000
@@ -41,6 +40,8 @@ def test_a_request_that_cannot_make_its_deadline_is_refused_before_enqueue(make_
                       max_batch_size=1)
     with engine.Client(eng.name) as c:
         c.infer(X, timeout=30)  # one batch measured: S(1) >= 100 ms
+        # the batcher publishes its fit just after the batch's answers go out
+        wait_for(lambda: eng.segment.ring.admission_figures(0)[1] > 0, "the service fit")
         before = eng.stats()["requests_total"]
         with pytest.raises(engine.Overloaded, match="exceeds the request's deadline"):
             c.infer(X, timeout=0.05)
@@ -200,10 +201,8 @@ def test_an_input_that_kills_its_batcher_fails_its_batch_and_the_engine_serves_o
 def test_the_c_admission_estimate_is_the_python_one(seed):
     rng = np.random.default_rng(seed)
     instances = int(rng.integers(1, 3))
-    seg = Segment.create(EngineConfig(name=unique_name("estimate"), input_shape=(4,),
-                                      output_shape=(4,), queue_capacity=256, max_batch_size=16,
-                                      priority_levels=2, instances=instances))
-    try:
+    with raw_segment("estimate", queue_capacity=256, max_batch_size=16, priority_levels=2,
+                     instances=instances) as seg:
         r = seg.ring
         r.set_word(ring.W_INSTANCES, instances)
         seg.publish_service_fit(int(rng.integers(1, 10 * MS)), float(rng.integers(0, 500_000)))
@@ -220,9 +219,6 @@ def test_the_c_admission_estimate_is_the_python_one(seed):
             want = admission.predicted_wait_ns(ahead, limit, instances, fixed_ns, item_ps / 1000,
                                                busy, now)
             assert abs(r.predicted_wait_ns(priority, now) - want) <= 2 * limit + 2  # rounding
-    finally:
-        seg.unlink()
-        seg.close()
 
 
 def test_admission_refuses_a_wait_that_with_an_eighth_more_ends_after_the_deadline():

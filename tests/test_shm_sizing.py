@@ -39,6 +39,15 @@ def shm_used():
     st = os.statvfs("/dev/shm")
     return (st.f_blocks - st.f_bfree) * st.f_frsize
 
+def start_too_large(name):  # 32 slots x 4 MiB (in place) = 128 MiB: over a 64 MiB /dev/shm
+    eng = engine.Engine(name, backend="engine.backends:identity", input_shape=(1 << 20,),
+                        output_shape=(1 << 20,), queue_capacity=32)
+    try:
+        eng.start()
+        report(error=None)
+    except engine.EngineError as e:
+        report(error=type(e).__name__, message=str(e), used=shm_used())
+
 def report(**figures):
     figures["shm_entries"] = sorted(os.listdir("/dev/shm"))
     figures["children"] = [p.pid for p in psutil.Process().children(recursive=True)]
@@ -61,14 +70,7 @@ def in_small_shm(script: str, size: str = "64m") -> dict:
 
 def test_an_engine_that_does_not_fit_is_refused_before_anything_is_made():
     got = in_small_shm("""
-        # 32 slots x 4 MiB (answers in place) = 128 MiB, in a 64 MiB /dev/shm
-        eng = engine.Engine("toolarge", backend="engine.backends:identity",
-                            input_shape=(1 << 20,), output_shape=(1 << 20,), queue_capacity=32)
-        try:
-            eng.start()
-            report(error=None)
-        except engine.EngineError as e:
-            report(error=type(e).__name__, message=str(e), used=shm_used())
+        start_too_large("toolarge")
     """)
     assert got["error"] == "SegmentTooLarge"
     message = got["message"]
@@ -111,13 +113,7 @@ def test_an_engine_that_fits_a_small_dev_shm_runs_and_leaves_it_empty():
 def test_a_dev_shm_that_fills_after_the_check_fails_start_and_leaves_nothing():
     got = in_small_shm("""
         layout.check_fits = lambda config, size: None  # as if another process filled it meanwhile
-        eng = engine.Engine("raced", backend="engine.backends:identity",
-                            input_shape=(1 << 20,), output_shape=(1 << 20,), queue_capacity=32)
-        try:
-            eng.start()
-            report(error=None)
-        except engine.EngineError as e:
-            report(error=type(e).__name__, message=str(e), used=shm_used())
+        start_too_large("raced")
     """)
     assert got["error"] == "SegmentTooLarge" and "could not commit" in got["message"]
     assert got["used"] == 0 and got["shm_entries"] == [] and got["children"] == []

@@ -201,11 +201,7 @@ def _open_loop_client(cid, n, load: Load, conn, server=None) -> None:
     start_ns = _ready_for_start(conn)
     if start_ns is None:
         return
-    for k in range(n):
-        scheduled[k] = start_ns + offsets[k]
-        delay_ns = scheduled[k] - ring.now_ns()
-        if delay_ns > 0:
-            time.sleep(delay_ns / 1e9)  # the arrival schedule; lateness is counted in latency
+    for k in paced(offsets, start_ns, scheduled):
         if small:
             flat[:] = tag_value(cid, k)
         else:  # the tag where the answer is checked; the input is copied on send
@@ -219,6 +215,18 @@ def _open_loop_client(cid, n, load: Load, conn, server=None) -> None:
     finish()
     conn.send((scheduled, answered, outcome, sent, batch_done))
     conn.close()
+
+
+def paced(offsets_ns, start_ns: int, scheduled: np.ndarray):
+    """Yields k = 0, 1, ... at start_ns + offsets_ns[k] (recorded in scheduled[k]):
+    an open loop's arrival schedule. A late sender is not made up for: its
+    lateness counts in the latency measured from the scheduled time."""
+    for k, offset in enumerate(offsets_ns):
+        scheduled[k] = start_ns + offset
+        delay_ns = scheduled[k] - ring.now_ns()
+        if delay_ns > 0:
+            time.sleep(delay_ns / 1e9)
+        yield k
 
 
 def _fine_timer_slack() -> None:

@@ -9,7 +9,6 @@ admission "none" (the queue takes whatever fits, as before).
 """
 import dataclasses
 import os
-import time
 from typing import List
 
 import numpy as np
@@ -90,11 +89,7 @@ def _client(cid, setup: Setup, factor, conn) -> None:
     start_ns = bench._ready_for_start(conn)
     if start_ns is None:
         return
-    for k in range(n):
-        scheduled[k] = start_ns + offsets[k]
-        delay_ns = scheduled[k] - ring.now_ns()
-        if delay_ns > 0:
-            time.sleep(delay_ns / 1e9)
+    for k in bench.paced(offsets, start_ns, scheduled):
         # the deadline counts from the scheduled arrival: a late sender gets less
         left_s = deadline_s - (ring.now_ns() - scheduled[k]) / 1e9
         t0 = ring.now_ns()
