@@ -164,6 +164,24 @@ class Collector:
                          _cumulative(r.histogram(which), _UPPER_NS / 1e9, LATENCY_BUCKETS_S),
                          sum_value=w(sum_word) / 1e9)
             yield h
+        by_level = HistogramMetricFamily("shmbatch_queue_wait_by_priority_seconds",
+                                         "Arrival to dispatch, per request, by priority level.",
+                                         labels=["engine", "priority"])
+        for level in range(self.segment.config.priority_levels):
+            counts, _, sum_ns = r.level_wait(level)
+            by_level.add_metric([labels["engine"], str(level)],
+                                _cumulative(counts, _UPPER_NS / 1e9, LATENCY_BUCKETS_S),
+                                sum_value=sum_ns / 1e9)
+        yield by_level
+        isolated = CounterMetricFamily("shmbatch_isolated_failures",
+                                       "Requests that failed alone once their batch was split.",
+                                       labels=["engine"])
+        isolated.add_metric([labels["engine"]], w(ring.W_ISOLATED))
+        yield isolated
+        limit = GaugeMetricFamily("shmbatch_batch_limit", "The batch limit (AIMD with slo_ms).",
+                                  labels=["engine"])
+        limit.add_metric([labels["engine"]], self.segment.batch_limit())
+        yield limit
         ctl = np.zeros(self.segment.capacity, dtype=np.uint64)
         r.snapshot(ctl, np.zeros_like(ctl))
         states = ring.ctl_state(ctl)
