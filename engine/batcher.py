@@ -111,7 +111,7 @@ class Batcher:
         slots = self.claimed.slots[:n]
         batch, contiguous = self.gather(slots)
         try:
-            out = self.check(self.call(batch, self.claimed.lengths[:n]), n)
+            out = self.check(self.call(batch, self.claimed.lengths, n), n)
             self.scatter(slots, batch, out, contiguous)
             status, message = ring.STATUS_OK, b""
         except Exception as e:
@@ -154,7 +154,7 @@ class Batcher:
             try:
                 batch = np.take(self.seg.inputs, slots, axis=0, out=self.gather_buffer[:len(half)],
                                 mode="clip")
-                out = self.check(self.call(batch, self.claimed.lengths[half]), len(half))
+                out = self.check(self.call(batch, self.claimed.lengths[half], len(half)), len(half))
                 self.seg.outputs[slots] = out
             except Exception as e:
                 self.isolate_failures(half, _message(e))
@@ -174,12 +174,12 @@ class Batcher:
         # mode="clip": the slots are in range, and "raise" would buffer the copy (~4x slower)
         return np.take(self.seg.inputs, slots, axis=0, out=self.gather_buffer[:n], mode="clip"), False
 
-    def call(self, batch: np.ndarray, lengths: np.ndarray):
+    def call(self, batch: np.ndarray, lengths: np.ndarray, n: int):
         """The backend on the batch (with a variable dim: cut to the longest
-        request, and the real lengths)."""
+        request, and the real lengths, lengths[:n])."""
         if self.var_axis is None:
             return self.fn(batch)
-        lengths = lengths.astype(np.int64)
+        lengths = lengths[:n].astype(np.int64)
         index = [slice(None)] * batch.ndim
         index[self.var_axis + 1] = slice(0, int(lengths.max()))
         return self.fn(batch[tuple(index)], lengths)
