@@ -320,6 +320,9 @@ def status_table(s: dict) -> str:
                     f"{s['zero_copy_batches']} zero-copy, {s['gathered_batches']} gathered"),
         ("queue wait", f"p50 {q['p50']:.3f} ms  p99 {q['p99']:.3f} ms  max {q['max']:.3f} ms"),
         ("service", f"p50 {sv['p50']:.3f} ms  p99 {sv['p99']:.3f} ms  max {sv['max']:.3f} ms"),
+        ("scheduling", f"batch limit {s['batch_limit']}, {s['overloaded_total']} refused by "
+                       f"admission, {s['expired_total']} expired unstarted, "
+                       f"{s['isolated_failures_total']} failed alone after a split"),
         ("faults", f"{s['batcher_restarts_total']} batcher restarts, "
                    f"{s['reclaimed_slots_total']} slots reclaimed from dead clients"),
     ]
