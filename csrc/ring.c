@@ -115,6 +115,8 @@ static inline uint64_t with_state(uint64_t cur, uint32_t state)
 static void put_error(const void *base, uint32_t slot, uint32_t status,
 		      const char *msg, uint32_t msg_len);
 static void bump_done_seq(sb_header *h);
+static uint64_t wait_behind(const void *base, uint32_t priority, uint64_t now_ns,
+			    uint64_t queued);
 
 /* ---- time and futexes ---- */
 
@@ -510,10 +512,16 @@ int sb_submit(void *base, uint32_t pid, uint64_t start_ticks, const void *src,
 	if (admit && deadline_ns) {
 		uint64_t now = sb_now_ns();
 		/* admission.refuses(): the wait, plus an eighth of it for the
-		 * estimate's error, ends after the deadline */
-		uint64_t wait = sb_predicted_wait_ns(base, priority, now);
-		if (now + wait + wait / 8 > deadline_ns)
+		 * estimate's error, ends after the deadline. Counting the queue
+		 * costs a pass over the bitmaps: skipped when even a full queue
+		 * would leave time enough */
+		uint64_t worst = wait_behind(base, priority, now, hdr(base)->capacity);
+		uint64_t wait = now + worst + worst / 8 <= deadline_ns ? 0
+				: sb_predicted_wait_ns(base, priority, now);
+		if (wait && now + wait + wait / 8 > deadline_ns) {
+			ticket[0] = (uint32_t)(wait / 1000000);
 			return SB_EOVERLOADED;
+		}
 	}
 	int r = sb_acquire(base, pid, start_ticks, &ticket[0], &ticket[1]);
 	if (r != SB_OK)
@@ -847,11 +855,12 @@ uint32_t sb_queued(const void *base, uint32_t max_priority)
 	return n;
 }
 
-void sb_admission_figures(const void *base, uint32_t max_priority, uint64_t *out)
+void sb_admission_figures(const void *base, uint32_t max_priority, uint32_t count,
+			  uint64_t *out)
 {
 	const sb_header *h = hdr(base);
 	uint64_t instances = sb_word_get(base, SB_W_INSTANCES), busy_since = 0;
-	out[SB_A_QUEUED] = sb_queued(base, max_priority);
+	out[SB_A_QUEUED] = count ? sb_queued(base, max_priority) : 0;
 	out[SB_A_FIXED_NS] = sb_word_get(base, SB_W_FIT_FIXED_NS);
 	out[SB_A_ITEM_PS] = sb_word_get(base, SB_W_FIT_ITEM_PS);
 	out[SB_A_LIMIT] = sb_word_get(base, SB_W_BATCH_LIMIT);
@@ -868,10 +877,14 @@ void sb_admission_figures(const void *base, uint32_t max_priority, uint64_t *out
 	out[SB_A_BUSY_SINCE] = busy_since;
 }
 
-uint64_t sb_predicted_wait_ns(const void *base, uint32_t priority, uint64_t now_ns)
+/* admission.predicted_wait_ns on the header's figures, with `queued`
+ * requests ahead (UINT64_MAX: count them) */
+static uint64_t wait_behind(const void *base, uint32_t priority, uint64_t now_ns, uint64_t queued)
 {
 	uint64_t f[5];
-	sb_admission_figures(base, priority, f);
+	sb_admission_figures(base, priority, queued == UINT64_MAX, f);
+	if (queued == UINT64_MAX)
+		queued = f[SB_A_QUEUED];
 	uint64_t fixed = f[SB_A_FIXED_NS], item_ps = f[SB_A_ITEM_PS];
 	if (!fixed && !item_ps)
 		return 0; /* no batch measured yet */
@@ -883,11 +896,16 @@ uint64_t sb_predicted_wait_ns(const void *base, uint32_t priority, uint64_t now_
 		in_service = batch_ns > ran ? batch_ns - ran : 0;
 	}
 	uint64_t per_round = limit * (instances ? instances : 1);
-	uint64_t rounds = f[SB_A_QUEUED] / per_round;
-	uint64_t own = f[SB_A_QUEUED] - rounds * per_round + 1;
+	uint64_t rounds = queued / per_round;
+	uint64_t own = queued - rounds * per_round + 1;
 	if (own > limit)
 		own = limit;
 	return in_service + rounds * batch_ns + fixed + own * item_ps / 1000;
+}
+
+uint64_t sb_predicted_wait_ns(const void *base, uint32_t priority, uint64_t now_ns)
+{
+	return wait_behind(base, priority, now_ns, UINT64_MAX);
 }
 
 uint32_t sb_scan(const void *base, uint32_t max_out, uint32_t *slots,

@@ -264,9 +264,9 @@ int sb_release(void *base, uint32_t slot, uint32_t gen);
 #define SB_T_ARRIVAL 0
 #define SB_T_CLAIM 1
 #define SB_T_DONE 2
-/* with admit and a deadline, SB_EOVERLOADED (nothing taken) when the
- * predicted wait would end after the deadline: the caller's admission by
- * deadline, decided before a slot is taken */
+/* with admit and a deadline, SB_EOVERLOADED (nothing taken, the predicted
+ * wait in ms in ticket[0]) when the predicted wait would end after the
+ * deadline: the caller's admission by deadline, decided before a slot is taken */
 int sb_submit(void *base, uint32_t pid, uint64_t start_ticks, const void *src,
 	      uint64_t nbytes, uint32_t length, uint64_t deadline_ns,
 	      uint32_t priority, uint32_t admit, uint32_t *ticket);
@@ -283,12 +283,13 @@ uint32_t sb_publish_many(void *base, const uint32_t *slots, const uint32_t *gens
  * popcount of their bitmaps: a hint, for the admission estimate) */
 uint32_t sb_queued(const void *base, uint32_t max_priority);
 /* the figures admission reads, in one call: out[SB_A_*] */
-#define SB_A_QUEUED 0      /* sb_queued(max_priority) */
+#define SB_A_QUEUED 0      /* sb_queued(max_priority), if count */
 #define SB_A_FIXED_NS 1    /* SB_W_FIT_FIXED_NS */
 #define SB_A_ITEM_PS 2     /* SB_W_FIT_ITEM_PS */
 #define SB_A_LIMIT 3       /* SB_W_BATCH_LIMIT */
 #define SB_A_BUSY_SINCE 4  /* 0 if a batcher is idle, else the latest batch start */
-void sb_admission_figures(const void *base, uint32_t max_priority, uint64_t *out);
+void sb_admission_figures(const void *base, uint32_t max_priority, uint32_t count,
+			  uint64_t *out);
 /* engine/admission.py's predicted_wait_ns on those figures, in integers:
  * how long a request of this priority, enqueued at now_ns, would wait for
  * its answer (0 before any batch is measured) */

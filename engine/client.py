@@ -278,12 +278,13 @@ class Client:
                                        deadline or 0, priority, admit)
         else:
             now_ns = ring.now_ns()
-            if admit and admission.refuses(r.predicted_wait_ns(priority, now_ns), deadline - now_ns):
-                code = ring.EOVERLOADED
+            wait_ns = r.predicted_wait_ns(priority, now_ns) if admit else 0
+            if admit and admission.refuses(wait_ns, deadline - now_ns):
+                code, slot = ring.EOVERLOADED, wait_ns // 1_000_000
             else:
                 code, slot, gen = r.acquire(self._pid, self._start_ticks)
-        if code == ring.EOVERLOADED:
-            raise self._overloaded(seg, deadline, priority)
+        if code == ring.EOVERLOADED:  # then `slot` holds the predicted wait, in ms
+            raise self._overloaded(seg, deadline, slot)
         if code == ring.EFULL:
             code, slot, gen = self._make_room(seg, deadline)
             fused = False
@@ -314,19 +315,14 @@ class Client:
                             f"got {held} queued")
 
     @staticmethod
-    def _overloaded(seg, deadline: int, priority: int) -> Overloaded:
-        """The admission's refusal (counted), saying what it predicted: the C
-        estimate (sb_predicted_wait_ns) is admission.predicted_wait_ns on the
-        header's figures."""
-        r, now_ns = seg.ring, ring.now_ns()
-        ahead, fixed_ns, item_ps, limit, busy_since_ns = r.admission_figures(priority)
-        wait_ns = admission.predicted_wait_ns(ahead, limit, seg.config.instances, fixed_ns,
-                                              item_ps / 1000, busy_since_ns, now_ns)
-        r.add_word(ring.W_OVERLOADED)
-        return Overloaded(f"predicted wait {wait_ns / 1e6:.2f} ms exceeds the request's deadline "
-                          f"of {max(0, deadline - now_ns) / 1e6:.2f} ms ({ahead} queued ahead at "
-                          f"priority <= {priority}; S(n) = {fixed_ns / 1e6:.2f} ms + n x "
-                          f"{item_ps / 1e6:.1f} us)")
+    def _overloaded(seg, deadline: int, wait_ms: int) -> Overloaded:
+        """The admission's refusal, counted; cheap, as it is what an overloaded
+        engine answers most. The C estimate (sb_predicted_wait_ns) is
+        admission.predicted_wait_ns on the header's figures."""
+        seg.ring.add_word(ring.W_OVERLOADED)
+        left_ms = max(0, deadline - ring.now_ns()) / 1e6
+        return Overloaded(f"predicted wait {wait_ms} ms exceeds the request's deadline of "
+                          f"{left_ms:.1f} ms")
 
     def _make_room(self, seg, deadline):
         """(code, slot, generation) of a slot taken after the ring was found

@@ -172,7 +172,7 @@ class Ring:
         """(queued at <= max_priority, fit fixed_ns, fit per-item ps, batch
         limit, busy_since_ns: 0 if a batcher is idle), in one call."""
         out = self._buffer("figures", "uint64_t[5]")
-        lib.sb_admission_figures(self.base, max_priority, out)
+        lib.sb_admission_figures(self.base, max_priority, 1, out)
         return ffi.unpack(out, 5)
 
     def predicted_wait_ns(self, priority: int, now_ns: int) -> int:
