@@ -888,6 +888,8 @@ static uint64_t wait_behind(const void *base, uint32_t priority, uint64_t now_ns
 	uint64_t fixed = f[SB_A_FIXED_NS], item_ps = f[SB_A_ITEM_PS];
 	if (!fixed && !item_ps)
 		return 0; /* no batch measured yet */
+	if (!queued && !f[SB_A_BUSY_SINCE])
+		return 0; /* an idle engine takes it at once (its figures may be stale) */
 	uint64_t limit = f[SB_A_LIMIT] ? f[SB_A_LIMIT] : 1;
 	uint64_t instances = sb_word_get(base, SB_W_INSTANCES);
 	uint64_t batch_ns = fixed + limit * item_ps / 1000, in_service = 0;

@@ -30,6 +30,8 @@ def refuses(wait_ns: int, left_ns: int) -> bool:
 # How much weight a new batch's service time has against the past ones:
 # about the last 1/FORGET batches count.
 FORGET = 0.02
+# A batch slower than this many times the fit's prediction counts as this many.
+OUTLIER = 4.0
 
 
 def predicted_wait_ns(queued_ahead: int, batch_limit: int, instances: int,
@@ -37,7 +39,10 @@ def predicted_wait_ns(queued_ahead: int, batch_limit: int, instances: int,
                       now_ns: int = 0) -> int:
     """Enqueue to answer for a request with queued_ahead requests before it:
     what is left of the batch in service when every batcher is busy (since
-    busy_since_ns, by the fit), the full rounds of batches ahead, its own."""
+    busy_since_ns, by the fit), the full rounds of batches ahead, its own.
+    Nothing ahead and a batcher idle: 0, never a refusal."""
+    if not queued_ahead and not busy_since_ns:
+        return 0  # an idle engine takes it at once: its figures may be a stale warm-up's
     limit = max(1, batch_limit)
     full_batch_ns = fixed_ns + limit * per_item_ns
     in_service_ns = max(0.0, full_batch_ns - (now_ns - busy_since_ns)) if busy_since_ns else 0.0
@@ -58,6 +63,12 @@ class ServiceFit:
     ns: float = 0.0
 
     def add(self, batch_size: int, service_ns: int) -> None:
+        """Adds a batch; one far slower than the fit predicts (a stall, a
+        recompile) counts as OUTLIER times the prediction, so it cannot lock
+        admission out for the many batches the fit takes to forget it."""
+        if self.w > 0:
+            fixed, per_item = self.estimate()
+            service_ns = min(service_ns, OUTLIER * (fixed + batch_size * per_item) + 1)
         keep = 1.0 - FORGET
         self.w = self.w * keep + 1.0
         self.n = self.n * keep + batch_size

@@ -129,9 +129,10 @@ class Batcher:
         """Feeds the batch's service time to the fit that admission reads and,
         with slo_ms, to the batch limit (a request waits for at most one batch
         in service and then its own: each must take at most half the objective)."""
-        self.fit.add(n, service_ns)
         self.batches += 1
-        if self.batches <= FIT_EVERY or self.batches % FIT_EVERY == 0:
+        if self.batches > 1:  # a batcher's first batch warms the model up: not a measure
+            self.fit.add(n, service_ns)
+        if 1 < self.batches <= FIT_EVERY or self.batches % FIT_EVERY == 0:
             fixed_ns, per_item_ns = self.fit.estimate()
             self.seg.publish_service_fit(fixed_ns, per_item_ns)
             self.expire_lead_ns = fixed_ns

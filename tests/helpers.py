@@ -97,3 +97,18 @@ def exits_on_negative():
             os._exit(70)
         return batch * 2 + 1
     return run
+
+
+def holds_on_negative(gate, fixed_ms=100.0):
+    """2x + 1 after fixed_ms; a batch holding a negative value first waits (at
+    most 60 s) for the test to open `gate`: the batcher busy for as long as
+    the test needs."""
+    import posix_ipc
+    sem = posix_ipc.Semaphore(gate)
+
+    def run(batch, lengths=None):
+        if (batch < 0).any():
+            sem.acquire(60)
+        ring.spin_ns(int(fixed_ms * 1e6))
+        return batch * 2 + 1
+    return run

@@ -95,14 +95,17 @@ def test_request_timeout_abandons_and_the_slot_comes_back(make_engine):
     eng = make_engine("tmo", backend="helpers:slow_affine", backend_args={"fixed_ms": 300},
                       max_batch_size=1, queue_capacity=1)
     with engine.Client(eng.name) as c:
-        with pytest.raises(engine.RequestTimeout, match="within 0.05 s") as info:
+        # abandoned by the client at its deadline, or, if the batcher was late to
+        # claim it (a loaded machine), failed unstarted: a timeout either way
+        with pytest.raises(engine.RequestTimeout, match="within 0.05 s|not computed") as info:
             c.infer(X, timeout=0.05)
         assert isinstance(info.value, TimeoutError)
         # the one slot is ABANDONED until the batcher finishes; then it is free
         assert wait_until_no_slot_in_use(eng)
         y = c.infer(X + 1, timeout=10)
         assert np.array_equal(y, (X + 1) * 2 + 1)  # its own answer, not the late one
-        assert eng.stats()["timeouts_total"] == 1
+        stats = eng.stats()
+        assert stats["timeouts_total"] + stats["expired_total"] == 1
 
 
 def test_backend_exception_fails_its_batch_with_type_and_message(make_engine):

@@ -43,7 +43,8 @@ def test_a_lent_request_that_times_out_gives_its_slot_back(make_engine):
             with pytest.raises(RuntimeError, match="sends once"):
                 r.infer()
         assert wait_until_no_slot_in_use(eng)
-    assert eng.stats()["timeouts_total"] == 1
+    stats = eng.stats()  # abandoned at its deadline, or expired unstarted if claimed late
+    assert stats["timeouts_total"] + stats["expired_total"] == 1
 
 
 def test_request_needs_a_fixed_input_shape(make_engine):

@@ -35,20 +35,25 @@ def test_a_request_whose_deadline_passes_in_the_queue_is_failed_unstarted(make_e
     assert eng.stats()["batch_size_counts"] == {1: 1}  # the expired one reached no batch
 
 
-def test_a_request_that_cannot_make_its_deadline_is_refused_before_enqueue(make_engine):
-    eng = make_engine("admit", backend="helpers:slow_affine", backend_args={"fixed_ms": 100},
-                      max_batch_size=1)
+def test_a_request_that_cannot_make_its_deadline_is_refused_before_enqueue(make_engine, gate):
+    eng = make_engine("admit", backend="helpers:holds_on_negative",
+                      backend_args={"gate": gate.name, "fixed_ms": 100}, max_batch_size=1)
     with engine.Client(eng.name) as c:
-        c.infer(X, timeout=30)  # one batch measured: S(1) >= 100 ms
+        for k in range(3):  # the first batch warms up; the next two are measured: S(1) >= 100 ms
+            c.infer(X + k, timeout=30)
         # the batcher publishes its fit just after the batch's answers go out
         wait_for(lambda: eng.segment.ring.admission_figures(0)[1] > 0, "the service fit")
+        held = c.submit(-X - 1, timeout=60)  # keeps the batcher busy until the gate opens
+        wait_for(lambda: eng.segment.batch_started_ns(0) != 0, "the held batch started")
         before = eng.stats()["requests_total"]
         with pytest.raises(engine.Overloaded, match="exceeds the request's deadline"):
             c.infer(X, timeout=0.05)
         assert isinstance(engine.Overloaded("x"), engine.QueueFull)
         stats = eng.stats()
         assert stats["requests_total"] == before and stats["overloaded_total"] == 1
-        assert np.array_equal(c.infer(X + 1, timeout=30), (X + 1) * 2 + 1)  # time enough: admitted
+        gate.open()
+        assert np.array_equal(held.result(timeout=60), (-X - 1) * 2 + 1)
+        assert np.array_equal(c.infer(X + 1, timeout=30), (X + 1) * 2 + 1)  # idle again: admitted
 
 
 def test_a_batch_takes_the_most_urgent_level_first(make_engine, gate):
@@ -170,7 +175,8 @@ def test_the_service_fit_recovers_a_linear_cost_model():
 
 def test_the_predicted_wait_counts_full_rounds_ahead_then_its_own_batch():
     f, c = 2 * MS, 100_000
-    assert admission.predicted_wait_ns(0, 32, 1, f, c) == f + c  # alone: S(1)
+    assert admission.predicted_wait_ns(0, 32, 1, f, c) == 0  # nothing ahead, a batcher idle
+    assert admission.predicted_wait_ns(1, 32, 1, f, c) == f + 2 * c  # joins the one ahead
     assert admission.predicted_wait_ns(31, 32, 1, f, c) == f + 32 * c  # joins the next batch
     assert admission.predicted_wait_ns(32, 32, 1, f, c) == (f + 32 * c) + f + c
     assert admission.predicted_wait_ns(64, 32, 2, f, c) == (f + 32 * c) + f + c  # 2 instances
@@ -225,3 +231,12 @@ def test_admission_refuses_a_wait_that_with_an_eighth_more_ends_after_the_deadli
     assert not admission.refuses(80 * MS, 100 * MS)  # 90 ms: in time
     assert admission.refuses(90 * MS, 100 * MS)  # 101.25 ms: refused
     assert not admission.refuses(0, 0)
+
+
+def test_one_stalled_batch_cannot_lock_the_fit_up():
+    fit = admission.ServiceFit()
+    for n in [1, 2, 4, 8] * 5:
+        fit.add(n, int(2 * MS + n * 100_000))
+    fit.add(4, 30_000 * MS)  # a 30 s recompile
+    fixed_ns, per_item_ns = fit.estimate()
+    assert fixed_ns + 4 * per_item_ns < 4 * (2.4 * MS)  # bounded by OUTLIER x the prediction
