@@ -19,19 +19,18 @@ import numpy as np
 
 import engine
 from engine import ring
+from engine.tools import bench
 
 
 def client(name, rate, seconds, conn):
-    rng = np.random.default_rng(1)
-    offsets = np.cumsum(rng.exponential(1.0 / rate, int(rate * seconds)))
+    offsets = bench.poisson_offsets_ns(rate, int(rate * seconds), 1)
+    scheduled = np.zeros(len(offsets), np.int64)
     x = np.ones(16, np.float32)
     done, pending = [], []
     with engine.Client(name) as c:
         start = ring.now_ns()
-        for at in offsets:
-            due = start + int(at * 1e9)
-            while ring.now_ns() < due:
-                time.sleep(max(0.0, (due - ring.now_ns()) / 1e9))
+        for k in bench.paced(offsets, start, scheduled):
+            due = int(scheduled[k])
             try:
                 f = c.submit(x, timeout=1.0)
             except engine.QueueFull:

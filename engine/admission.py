@@ -32,6 +32,8 @@ def refuses(wait_ns: int, left_ns: int) -> bool:
 FORGET = 0.02
 # A batch slower than this many times the fit's prediction counts as this many.
 OUTLIER = 4.0
+# The fit is solved after each of the first REFIT batches, then every REFIT.
+REFIT = 8
 
 
 def predicted_wait_ns(queued_ahead: int, batch_limit: int, instances: int,
@@ -55,32 +57,45 @@ def predicted_wait_ns(queued_ahead: int, batch_limit: int, instances: int,
 @dataclasses.dataclass
 class ServiceFit:
     """S(n) = fixed + n * per_item by weighted least squares over the batches
-    seen, each older batch weighing (1 - FORGET) times less."""
+    seen, each older batch weighing (1 - FORGET) times less. The fit is solved
+    after each of the first REFIT batches, then every REFIT batches: it moves
+    slowly, and a batch's Python time is the fast path's."""
     w: float = 0.0
     n: float = 0.0
     nn: float = 0.0
     s: float = 0.0
     ns: float = 0.0
+    batches: int = 0
+    fixed_ns: int = 0
+    per_item_ns: float = 0.0
 
-    def add(self, batch_size: int, service_ns: int) -> None:
-        """Adds a batch; one far slower than the fit predicts (a stall, a
-        recompile) counts as OUTLIER times the prediction, so it cannot lock
-        admission out for the many batches the fit takes to forget it."""
-        if self.w > 0:
-            fixed, per_item = self.estimate()
-            service_ns = min(service_ns, OUTLIER * (fixed + batch_size * per_item) + 1)
+    def add(self, batch_size: int, service_ns: int) -> bool:
+        """Adds a batch; True when the fit was solved anew. A batch far slower
+        than the fit predicts (a stall, a recompile) counts as OUTLIER times
+        the prediction, so it cannot lock admission out for the many batches
+        the fit takes to forget it."""
+        if self.batches:
+            service_ns = min(service_ns,
+                             OUTLIER * (self.fixed_ns + batch_size * self.per_item_ns) + 1)
         keep = 1.0 - FORGET
         self.w = self.w * keep + 1.0
         self.n = self.n * keep + batch_size
         self.nn = self.nn * keep + batch_size * batch_size
         self.s = self.s * keep + service_ns
         self.ns = self.ns * keep + batch_size * service_ns
+        self.batches += 1
+        if self.batches > REFIT and self.batches % REFIT:
+            return False
+        self.fixed_ns, self.per_item_ns = self._solve()
+        return True
 
     def estimate(self):
-        """(fixed_ns, per_item_ns); with one batch size seen so far, all of
-        its time is taken as fixed (no slope can be told)."""
-        if self.w == 0:
-            return 0, 0.0
+        """(fixed_ns, per_item_ns) as last solved; 0 and 0.0 before any batch."""
+        return self.fixed_ns, self.per_item_ns
+
+    def _solve(self):
+        """With one batch size seen so far, all of its time is taken as fixed
+        (no slope can be told)."""
         spread = self.w * self.nn - self.n * self.n
         if spread <= 1e-9 * self.w * self.nn:
             return int(self.s / self.w), 0.0

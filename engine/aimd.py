@@ -22,11 +22,3 @@ def next_limit(limit: int, latency_ns: int, slo_ns: int, max_batch: int) -> int:
         return limit
     return min(max_batch, limit + 1)
 
-
-def replay(latencies_ns, slo_ns: int, max_batch: int, start: int) -> list:
-    """The limits after each of a recorded sequence of batch latencies."""
-    limits, limit = [], start
-    for latency in latencies_ns:
-        limit = next_limit(limit, latency, slo_ns, max_batch)
-        limits.append(limit)
-    return limits

@@ -39,10 +39,6 @@ IDLE_CHECK_NS = 1_000_000_000
 # spin per batch at most: an idle batcher sleeps.
 SPIN_NS = ring.SPIN_NS  # read at import, before any pinning
 
-# The service fit is published every batch at first, then every FIT_EVERY
-# batches: it moves slowly, and a batch's Python time is the fast path's.
-FIT_EVERY = 8
-
 
 def _message(e: Exception) -> bytes:
     """A backend's exception as a failed request's error text."""
@@ -87,11 +83,10 @@ class Batcher:
             # the flush rule's thresholds, applied by the C claim in its one pass; a
             # request that cannot finish even alone in a batch starting now is
             # failed unstarted (expired): computing it helps nobody
-            max_n, flush_n, cutoff_ns = self.rule.thresholds(now_ns, state != ring.ENGINE_RUNNING)
-            expire_ns = now_ns + self.expire_lead_ns
-            n, claim_ns, ready, oldest_ns, _ = r.claim(self.instance, min(max_n, self.limit),
-                                                       min(flush_n, self.limit), cutoff_ns,
-                                                       self.claimed, expire_ns)
+            max_n, flush_n, cutoff_ns = self.rule.thresholds(
+                now_ns, state != ring.ENGINE_RUNNING, self.limit)
+            n, claim_ns, ready, oldest_ns, _ = r.claim(self.instance, max_n, flush_n, cutoff_ns,
+                                                       self.claimed, now_ns + self.expire_lead_ns)
             if n:
                 self.serve(n, claim_ns)
                 spin_ns = SPIN_NS
@@ -130,9 +125,8 @@ class Batcher:
         with slo_ms, to the batch limit (a request waits for at most one batch
         in service and then its own: each must take at most half the objective)."""
         self.batches += 1
-        if self.batches > 1:  # a batcher's first batch warms the model up: not a measure
-            self.fit.add(n, service_ns)
-        if 1 < self.batches <= FIT_EVERY or self.batches % FIT_EVERY == 0:
+        # a batcher's first batch warms the model up: not a measure
+        if self.batches > 1 and self.fit.add(n, service_ns):
             fixed_ns, per_item_ns = self.fit.estimate()
             self.seg.publish_service_fit(fixed_ns, per_item_ns)
             self.expire_lead_ns = fixed_ns

@@ -354,10 +354,6 @@ class Client:
             census = reaper.Census(r, seg.capacity)
         raise _queue_full(seg, census)
 
-    def _sweep_answered(self) -> int:
-        """Settles this client's answered Futures, so their slots are free."""
-        return futures.sweep(self._held)
-
     def _start_evictor(self) -> None:
         with self._lock:
             if self._evictor is None:
@@ -411,16 +407,6 @@ class Client:
         r = seg.ring
         if out is None and take:
             out = np.empty(seg.output_shape, seg.output_dtype)
-        if take and deadline is not None:  # the common case's first slice, inline
-            started_ns = ring.now_ns()
-            if deadline > started_ns:
-                code = r.take(slot, gen, min(deadline - started_ns, waiting.LIVENESS_SLICE_NS),
-                              self._spin_ns, out)
-                self._spin_ns = SPIN_NS if ring.now_ns() - started_ns <= SPIN_NS else 0
-                if code == ring.OK:
-                    return out
-                if code != ring.ETIMEOUT:
-                    raise waiting.failed(seg, slot, gen, code)
 
         def wait_slice(slice_ns: int) -> int:
             started_ns = ring.now_ns()
@@ -431,13 +417,17 @@ class Client:
             self._spin_ns = SPIN_NS if ring.now_ns() - started_ns <= SPIN_NS else 0
             return code
 
-        why, code = waiting.wait(wait_slice, lambda: waiting.engine_lives(seg), deadline)
-        if why != waiting.ANSWERED:
-            error = waiting.timed_out(timeout) if why == waiting.EXPIRED else \
-                waiting.engine_gone(self.name)
-            if waiting.give_up(seg, slot, gen, error) is not None:
-                raise error
-            code = wait_slice(0)  # answered at the last instant: take it
+        # the common case, answered within the first slice, without the wait loop
+        first_ns = waiting.LIVENESS_SLICE_NS if deadline is None else deadline - ring.now_ns()
+        code = wait_slice(min(first_ns, waiting.LIVENESS_SLICE_NS)) if first_ns > 0 else ring.ETIMEOUT
+        if code == ring.ETIMEOUT:
+            why, code = waiting.wait(wait_slice, lambda: waiting.engine_lives(seg), deadline)
+            if why != waiting.ANSWERED:
+                error = waiting.timed_out(timeout) if why == waiting.EXPIRED else \
+                    waiting.engine_gone(self.name)
+                if waiting.give_up(seg, slot, gen, error) is not None:
+                    raise error
+                code = wait_slice(0)  # answered at the last instant: take it
         if code == ring.OK:
             return out
         raise waiting.failed(seg, slot, gen, code)

@@ -50,7 +50,7 @@ class Request(concurrent.futures.Future):
         self._pid = client._pid
         self._watched = False
         self._ref = weakref.ref(self)
-        client._held[slot] = self._ref  # for Client._sweep_answered
+        client._held[slot] = self._ref  # for sweep(), when the ring is full
         # once answered: the engine's (arrival_ns, claim_ns, done_ns) of the request
         # (CLOCK_MONOTONIC): its queue wait is claim - arrival, its batch done - claim
         self.stamps_ns = None
@@ -286,7 +286,7 @@ class Evictor(threading.Thread):
             if seg.ring.evict_seq() != seen:
                 client = self.client()
                 if client is not None:
-                    client._sweep_answered()
+                    sweep(client._held)
                     client = None
 
 

@@ -328,7 +328,7 @@ class Segment:
         self.outputs = np.ndarray((self.capacity, *cfg.output_shape), cfg.output_dtype,
                                   buffer=mapping, offset=self.ring.field(ring.F_OFF_OUTPUT))
         self.output_shape, self.output_dtype = tuple(cfg.output_shape), np.dtype(cfg.output_dtype)
-        # the READY bitmap (a hint for the batcher's scan; the C owns it: read-only here)
+        # the READY bitmaps (a hint for the batcher's scan; the C owns them: for reading)
         self.ready_words = np.ndarray((cfg.priority_levels, -(-self.capacity // 64)), np.uint64,
                                       buffer=mapping, offset=self.ring.field(ring.F_OFF_READY))
         self.fixed_shape = cfg.var_axis is None  # inputs go into their row as they are

@@ -34,19 +34,21 @@ class FlushRule:
     max_batch: int
     max_delay_ns: int
 
-    def thresholds(self, now_ns: int, draining: bool = False):
+    def thresholds(self, now_ns: int, draining: bool = False, limit: Optional[int] = None):
         """(max_n, flush_n, cutoff_ns) for the C claim: take up to max_n of the
-        oldest if flush_n are ready or the oldest arrived at or before cutoff_ns."""
+        oldest if flush_n are ready or the oldest arrived at or before cutoff_ns.
+        A batch limit below max_batch (AIMD's) is a smaller full batch."""
+        max_n = self.max_batch if limit is None else max(1, min(limit, self.max_batch))
         if draining:
-            return self.max_batch, 1, ANY_TIME_NS
-        return self.max_batch, self.max_batch, now_ns - self.max_delay_ns
+            return max_n, 1, ANY_TIME_NS
+        return max_n, max_n, now_ns - self.max_delay_ns
 
     def wait_ns(self, oldest_ns: int, now_ns: int) -> int:
         """With requests queued but not due: how long until the oldest is."""
         return max(0, oldest_ns + self.max_delay_ns - now_ns)
 
     def next_batch(self, arrival_ns: np.ndarray, now_ns: int, draining: bool = False,
-                   priority: Optional[np.ndarray] = None) -> Decision:
+                   priority: Optional[np.ndarray] = None, limit: Optional[int] = None) -> Decision:
         """The rule on the ready requests' arrival stamps and priorities (0 the
         most urgent; none: all 0), listed in slot order: the flush deadline is
         the oldest's of any level; a batch takes the most urgent first, the
@@ -54,7 +56,7 @@ class FlushRule:
         n = len(arrival_ns)
         if n == 0:
             return Decision(np.empty(0, np.intp), None)
-        max_n, flush_n, cutoff_ns = self.thresholds(now_ns, draining)
+        max_n, flush_n, cutoff_ns = self.thresholds(now_ns, draining, limit)
         oldest = int(arrival_ns.min())
         if n < flush_n and oldest > cutoff_ns:
             return Decision(np.empty(0, np.intp), self.wait_ns(oldest, now_ns))

@@ -2,7 +2,7 @@
 
 Each slot's control word names its owner's pid, and its meta the owner's
 start time; death is judged by both (liveness), so a reused pid is not taken
-for the owner. The supervisor calls this every REAP_INTERVAL_S; a client that
+for the owner. The supervisor calls this every reap_interval_s; a client that
 finds the ring full calls it at once, before it refuses a request.
 """
 import numpy as np

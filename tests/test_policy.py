@@ -53,6 +53,8 @@ def test_draining_flushes_whatever_is_ready_at_once():
 def test_thresholds_are_the_rule_for_the_c_claim():
     assert RULE.thresholds(10 * MS) == (4, 4, 8 * MS)
     assert RULE.thresholds(10 * MS, draining=True) == (4, 1, policy.ANY_TIME_NS)
+    assert RULE.thresholds(10 * MS, limit=2) == (2, 2, 8 * MS)  # AIMD's smaller full batch
+    assert RULE.thresholds(10 * MS, limit=99) == (4, 4, 8 * MS)  # never above max_batch
 
 
 def test_the_most_urgent_level_goes_first_and_the_oldest_of_any_level_sets_the_flush():

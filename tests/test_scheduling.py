@@ -238,5 +238,8 @@ def test_one_stalled_batch_cannot_lock_the_fit_up():
     for n in [1, 2, 4, 8] * 5:
         fit.add(n, int(2 * MS + n * 100_000))
     fit.add(4, 30_000 * MS)  # a 30 s recompile
+    for n in [1, 2, 4]:  # up to the next solve of the fit (every REFIT batches)
+        fit.add(n, int(2 * MS + n * 100_000))
+    assert fit.batches % admission.REFIT == 0
     fixed_ns, per_item_ns = fit.estimate()
     assert fixed_ns + 4 * per_item_ns < 4 * (2.4 * MS)  # bounded by OUTLIER x the prediction
