@@ -29,19 +29,26 @@ import numpy as np
 import engine
 from engine import ring
 try:
-    from engine.tools import bench
-except ImportError:  # a tree from before the tooling moved
-    from engine import bench
+    from engine.tools.closed_loop import closed_loop
+    from engine.tools.load import Load
+except ImportError:  # a tree from before the closed loops had modes: `window` (1, n, -n)
+    try:
+        from engine.tools import bench
+    except ImportError:  # a tree from before the tooling moved
+        from engine import bench
+    Load = bench.Load
+    def closed_loop(system, clients, mode, load, seconds, depth=1):
+        return bench.closed_loop(system, clients, depth, load, seconds)
 what, seconds = sys.argv[1], float(sys.argv[2])
-load = bench.Load(backend="engine.backends:identity", backend_args={})
+load = Load(backend="engine.backends:identity", backend_args={})
 if what == "rtt":
-    run = bench.closed_loop("shmbatch", 1, 1, load, seconds)
+    run = closed_loop("shmbatch", 1, "blocking", load, seconds)
     out = {"rtt_p50_us": run["rtt_p50_us"], "rtt_p99_us": run["rtt_p99_us"]}
 elif what == "peak8":
-    run = bench.closed_loop("shmbatch", 8, 1, load, seconds)
+    run = closed_loop("shmbatch", 8, "blocking", load, seconds)
     out = {"rps": run["rps"]}
 elif what == "pipelined":
-    run = bench.closed_loop("shmbatch", 2, 256, load, seconds)
+    run = closed_loop("shmbatch", 2, "pipelined", load, seconds, depth=256)
     out = {"rps": run["rps"]}
 else:  # cap=N: sequential infer() after a warm-up, on an engine of N slots
     capacity = int(what.split("=")[1])

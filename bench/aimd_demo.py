@@ -19,17 +19,17 @@ import numpy as np
 
 import engine
 from engine import ring
-from engine.tools import bench
+from engine.tools import load
 
 
 def client(name, rate, seconds, conn):
-    offsets = bench.poisson_offsets_ns(rate, int(rate * seconds), 1)
+    offsets = load.poisson_offsets_ns(rate, int(rate * seconds), 1)
     scheduled = np.zeros(len(offsets), np.int64)
     x = np.ones(16, np.float32)
     done, pending = [], []
     with engine.Client(name) as c:
         start = ring.now_ns()
-        for k in bench.paced(offsets, start, scheduled):
+        for k in load.paced(offsets, start, scheduled):
             due = int(scheduled[k])
             try:
                 f = c.submit(x, timeout=1.0)

@@ -19,7 +19,8 @@ import engine
 from engine import ring
 from engine.batcher import Batcher
 from engine.backends import identity
-from engine.layout import EngineConfig, Segment
+from engine.config import EngineConfig
+from engine.layout import Segment
 
 N = 20000
 

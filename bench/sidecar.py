@@ -24,7 +24,7 @@ import urllib.request
 
 import numpy as np
 
-from engine.tools import bench
+from engine.tools import load
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
@@ -52,7 +52,7 @@ def wait_for(stream, needle: str, count: int = 1, timeout_s: float = 60.0) -> No
 
 def sender(port: int, rate: float, n: int, seed: int, start_ns: int, out) -> None:
     """Open-loop HTTP: request k goes at start + its Poisson offset, on its own connection."""
-    due = start_ns + bench.poisson_offsets_ns(rate, n, seed)
+    due = start_ns + load.poisson_offsets_ns(rate, n, seed)
     done = np.zeros(n, np.int64)
     status = np.zeros(n, np.int32)
 
@@ -87,7 +87,7 @@ def drive(port: int, rate: float, requests: int, senders: int) -> dict:
     ctx = multiprocessing.get_context("fork")
     out = ctx.Queue()
     start_ns = time.monotonic_ns() + 300_000_000
-    per = bench.split_requests(requests, senders)
+    per = load.split_requests(requests, senders)
     procs = [ctx.Process(target=sender, args=(port, rate / senders, per[i], 100 + i, start_ns, out))
              for i in range(senders)]
     for p in procs:
@@ -97,7 +97,7 @@ def drive(port: int, rate: float, requests: int, senders: int) -> dict:
         p.join(10)
     due, done, status = (np.concatenate([r[i] for r in results]) for i in range(3))
     ok = status == 200
-    p = bench.percentiles_ms(done[ok] - due[ok])
+    p = load.percentiles_ms(done[ok] - due[ok])
     span_s = max(1e-9, (done.max() - start_ns) / 1e9)
     return {"offered_rps": rate, "requests": int(len(status)), "ok": int(ok.sum()),
             "failed": int((~ok).sum()), "achieved_rps": int(ok.sum()) / span_s,

@@ -28,7 +28,8 @@ from multiprocessing.connection import Connection
 import numpy as np
 
 from engine import admission, aimd, backends, liveness, policy, ring
-from engine.layout import Segment, describe, shape_text
+from engine.config import describe, shape_text
+from engine.layout import Segment
 
 # The idle wait has no flush timer; this bound only lets a batcher notice a
 # lost parent even if the kernel's parent-death signal did not fire.

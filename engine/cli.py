@@ -125,7 +125,8 @@ def _rows(args):
 
 def cmd_bench(args) -> int:
     from engine import tools
-    from engine.tools import bench
+    from engine.tools import bench, closed_loop, procs
+    from engine.tools.load import Load
     if args.out:
         tools.pyplot()  # the plot's dependency, asked for before minutes of measuring
     if args.overload:
@@ -137,10 +138,10 @@ def cmd_bench(args) -> int:
     backend_args = key_values(args.backend_arg)
     if args.backend == "engine.backends:synthetic":
         backend_args = {"fixed_ms": 2.0, "per_item_us": 100.0, **backend_args}
-    load = bench.Load(backend=args.backend, backend_args=backend_args,
-                      input_shape=args.input_shape, dtype=args.input_dtype, clients=args.clients,
-                      rate=args.rate, requests=args.requests, queue_capacity=args.queue_capacity,
-                      seed=args.seed, pin=not args.no_pin)
+    load = Load(backend=args.backend, backend_args=backend_args,
+                input_shape=args.input_shape, dtype=args.input_dtype, clients=args.clients,
+                rate=args.rate, requests=args.requests, queue_capacity=args.queue_capacity,
+                seed=args.seed, pin=not args.no_pin)
     rows = _rows(args)
     result = {"config": {**dataclasses.asdict(load), "rows": rows, "instances": args.instances},
               "environment": bench.environment(), "rows": []}
@@ -154,13 +155,13 @@ def cmd_bench(args) -> int:
         print("\nthe same load through the multiprocessing baselines (ratio = shmbatch / baseline):")
         result["compare"] = []
         for row in result["rows"]:
-            for system in bench.SYSTEMS[1:]:
+            for system in procs.SYSTEMS[1:]:
                 base = bench.run_row(row["max_batch_size"], row["max_delay_ms"], load, system=system)
                 result["compare"].append(base)
                 print(bench.compare_line(row, base), flush=True)
         print("\nthe engine's own overhead (identity backend, closed loops):")
         ident = dataclasses.replace(load, backend="engine.backends:identity", backend_args={})
-        result["overhead"] = bench.overhead(ident, seconds=args.overhead_seconds)
+        result["overhead"] = closed_loop.overhead(ident, seconds=args.overhead_seconds)
     if args.saturate:
         print("\ncapacity (highest rate served with a bounded queue):")
         result["saturation"] = []

@@ -29,7 +29,8 @@ from typing import Optional
 
 from engine import backends, liveness, metrics, reaper, ring
 from engine.errors import BackendError, EngineUnavailable
-from engine.layout import EngineConfig, Segment, knob
+from engine.config import EngineConfig, knob
+from engine.layout import Segment
 
 log = logging.getLogger("shmbatch")
 

@@ -24,7 +24,8 @@ import pytest
 
 import engine
 from engine import ring
-from engine.layout import EngineConfig, Segment
+from engine.config import EngineConfig
+from engine.layout import Segment
 
 _names = itertools.count()
 

@@ -5,13 +5,13 @@ import numpy as np
 import pytest
 
 from engine import cli
-from engine.tools import bench
+from engine.tools import bench, load, procs
 
 
 def test_poisson_arrivals_are_seeded_increasing_and_at_the_rate():
-    a = bench.poisson_offsets_ns(1000.0, 20000, seed=3)
-    assert np.array_equal(a, bench.poisson_offsets_ns(1000.0, 20000, seed=3))
-    assert not np.array_equal(a, bench.poisson_offsets_ns(1000.0, 20000, seed=4))
+    a = load.poisson_offsets_ns(1000.0, 20000, seed=3)
+    assert np.array_equal(a, load.poisson_offsets_ns(1000.0, 20000, seed=3))
+    assert not np.array_equal(a, load.poisson_offsets_ns(1000.0, 20000, seed=4))
     assert (np.diff(a) >= 0).all()
     assert a[-1] / 1e9 == pytest.approx(20.0, rel=0.03)  # n / rate seconds
     gaps = np.diff(a) / 1e9
@@ -19,45 +19,45 @@ def test_poisson_arrivals_are_seeded_increasing_and_at_the_rate():
 
 
 def test_requests_split_over_clients_add_up():
-    assert bench.split_requests(1600, 4) == [400] * 4
-    assert bench.split_requests(10, 3) == [4, 3, 3]
+    assert load.split_requests(1600, 4) == [400] * 4
+    assert load.split_requests(10, 3) == [4, 3, 3]
 
 
 def test_percentiles_of_known_latencies():
     ns = np.arange(1, 101) * 1_000_000  # 1..100 ms
-    p = bench.percentiles_ms(ns)
+    p = load.percentiles_ms(ns)
     assert p["max"] == 100.0
     assert p["p50"] == pytest.approx(50.5)
     assert p["p99"] == pytest.approx(99.01)
 
 
 def test_answer_check_catches_a_wrong_or_misrouted_answer():
-    expect = bench.expected_fn("engine.backends:synthetic")
-    idx = bench.sample_index((16,))
-    x = np.full(16, bench.tag_value(2, 7), np.float32)
-    assert bench.check_answer(x[idx], x * 2 + 1, expect, idx, (16,))
-    other = np.full(16, bench.tag_value(3, 7), np.float32)
-    assert not bench.check_answer(x[idx], other * 2 + 1, expect, idx, (16,))
-    assert not bench.check_answer(x[idx], (x * 2 + 1)[:8], expect, idx, (16,))
+    expect = load.expected_fn("engine.backends:synthetic")
+    idx = load.sample_index((16,))
+    x = np.full(16, load.tag_value(2, 7), np.float32)
+    assert load.check_answer(x[idx], x * 2 + 1, expect, idx, (16,))
+    other = np.full(16, load.tag_value(3, 7), np.float32)
+    assert not load.check_answer(x[idx], other * 2 + 1, expect, idx, (16,))
+    assert not load.check_answer(x[idx], (x * 2 + 1)[:8], expect, idx, (16,))
     big = np.arange(1 << 16, dtype=np.float32)
-    sample = bench.sample_index(big.shape)
+    sample = load.sample_index(big.shape)
     assert 0 in sample and (1 << 16) - 1 in sample and len(sample) < 100
-    assert bench.check_answer(big[sample], big * 2 + 1, expect, sample, big.shape)
-    assert not bench.check_answer(big[sample], big, expect, sample, big.shape)
-    assert not bench.check_answer(x[idx], (x * 2 + 1).astype(np.float64), expect, idx, (16,))
-    check = bench.AnswerCheck(big[sample], expect, sample, big.shape)
+    assert load.check_answer(big[sample], big * 2 + 1, expect, sample, big.shape)
+    assert not load.check_answer(big[sample], big, expect, sample, big.shape)
+    assert not load.check_answer(x[idx], (x * 2 + 1).astype(np.float64), expect, idx, (16,))
+    check = load.AnswerCheck(big[sample], expect, sample, big.shape)
     assert check(big * 2 + 1) and not check(np.zeros_like(big))
 
 
 def test_tags_are_distinct_and_exact_in_float32():
-    tags = {bench.tag_value(c, k) for c in range(8) for k in range(0, 1 << 19, 997)}
+    tags = {load.tag_value(c, k) for c in range(8) for k in range(0, 1 << 19, 997)}
     assert len(tags) == 8 * len(range(0, 1 << 19, 997))
     assert all(float(np.float32(t)) == t and float(np.float32(2 * t + 1)) == 2 * t + 1 for t in tags)
 
 
 def test_theoretical_capacity_is_the_seed_cost_model():
-    assert bench.theoretical_rps(1, 2.0, 100.0) == pytest.approx(476.19, rel=1e-3)
-    assert bench.theoretical_rps(32, 2.0, 100.0) == pytest.approx(6153.8, rel=1e-3)
+    assert load.theoretical_rps(1, 2.0, 100.0) == pytest.approx(476.19, rel=1e-3)
+    assert load.theoretical_rps(32, 2.0, 100.0) == pytest.approx(6153.8, rel=1e-3)
 
 
 def test_backend_args_read_as_toml_values():
@@ -83,10 +83,10 @@ def test_a_small_bench_run_writes_the_contract_json_and_a_plot(tmp_path):
 
 
 def test_baseline_rows_answer_every_request_correctly():
-    load = bench.Load(backend="engine.backends:identity", backend_args={}, clients=2,
-                      rate=400, requests=60)
-    for system in bench.SYSTEMS[1:]:
-        row = bench.run_row(4, 1.0, load, system=system)
+    offered = load.Load(backend="engine.backends:identity", backend_args={}, clients=2,
+                        rate=400, requests=60)
+    for system in procs.SYSTEMS[1:]:
+        row = bench.run_row(4, 1.0, offered, system=system)
         assert (row["answered"], row["wrong"], row["lost"]) == (60, 0, 0)
 
 

@@ -8,7 +8,7 @@ import pytest
 
 import engine
 from engine import ring
-from engine.tools import bench
+from engine.tools import load
 from conftest import wait_until_no_slot_in_use
 
 X = np.arange(16, dtype=np.float32)
@@ -29,10 +29,10 @@ def wait_until_answered(eng, count: int, timeout_s: float = 60.0) -> None:
 def _poisson_submits_read_at_the_end(name, tag, n, rate, out):
     """n submits at Poisson arrivals of `rate`/s, every Future read after the last."""
     try:
-        offsets = bench.poisson_offsets_ns(rate, n, tag)
+        offsets = load.poisson_offsets_ns(rate, n, tag)
         with engine.Client(name) as c:
             futures = [c.submit(X + tag * 1000 + k, timeout=60)  # the benchmark's own pacing
-                       for k in bench.paced(offsets, ring.now_ns(), np.zeros(n, np.int64))]
+                       for k in load.paced(offsets, ring.now_ns(), np.zeros(n, np.int64))]
             wrong = sum(not np.array_equal(f.result(timeout=60), (X + tag * 1000 + k) * 2 + 1)
                         for k, f in enumerate(futures))
         out.put((tag, wrong))

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from engine import liveness, reaper, ring
-from engine.layout import EngineConfig, Segment
+from engine.config import EngineConfig
+from engine.layout import Segment
 from conftest import unique_name
 
 

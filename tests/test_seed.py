@@ -5,10 +5,10 @@ answers, counts and batch sizes hold on any machine; its queue-wait bound is
 a figure of `shmbatch bench`."""
 import pytest
 
-from engine.tools import bench
+from engine.tools import bench, load
 
 FIXED_MS, PER_ITEM_US = 2.0, 100.0
-LOAD = bench.Load(backend_args={"fixed_ms": FIXED_MS, "per_item_us": PER_ITEM_US},
+LOAD = load.Load(backend_args={"fixed_ms": FIXED_MS, "per_item_us": PER_ITEM_US},
                   clients=4, rate=1500.0, requests=1600)
 
 

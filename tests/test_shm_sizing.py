@@ -33,7 +33,7 @@ PRELUDE = """
 import json, os, subprocess, sys, time
 import numpy as np, psutil
 import engine
-from engine import layout
+from engine import config, layout
 
 def shm_used():
     st = os.statvfs("/dev/shm")
@@ -122,7 +122,7 @@ def test_a_dev_shm_that_fills_after_the_check_fails_start_and_leaves_nothing():
 def test_cleanup_removes_a_32_gib_leftover_without_touching_its_memory():
     got = in_small_shm("""
         from engine import cli
-        config = layout.EngineConfig(name="leftover", input_shape=(16,), output_shape=(16,),
+        config = config.EngineConfig(name="leftover", input_shape=(16,), output_shape=(16,),
                                      queue_capacity=64)
         # an engine that crashes: its segment stays, its lock goes with the process
         pid = os.fork()

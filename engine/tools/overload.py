@@ -15,8 +15,9 @@ import numpy as np
 
 from engine import ring, tools
 from engine.client import Client
+from engine.supervisor import Engine
 from engine.errors import EngineError, Overloaded, QueueFull, RequestTimeout
-from engine.tools import bench
+from engine.tools import load, procs
 
 OK, LATE, REFUSED, OVERLOADED, EXPIRED, ERROR, PENDING = range(7)
 ROWS = (("0.5x", 0.5), ("1x", 1.0), ("2x", 2.0), ("5x", 5.0), ("burst", None))
@@ -37,7 +38,7 @@ class Setup:
 
     @property
     def capacity_rps(self) -> float:
-        return bench.theoretical_rps(self.max_batch_size, self.fixed_ms, self.per_item_us)
+        return load.theoretical_rps(self.max_batch_size, self.fixed_ms, self.per_item_us)
 
 
 def arrivals_ns(rate_of, peak_rps: float, seconds: float, seed: int) -> np.ndarray:
@@ -59,7 +60,7 @@ def _rate_of(factor, capacity: float):
 
 def _client(cid, setup: Setup, factor, conn) -> None:
     """One open-loop client process: its share of the row's arrivals."""
-    bench._fine_timer_slack()
+    load.fine_timer_slack()
     rate_of, peak = _rate_of(factor, setup.capacity_rps / setup.clients)
     offsets = arrivals_ns(rate_of, peak, setup.seconds, setup.seed * 1000 + cid)
     n = len(offsets)
@@ -68,7 +69,7 @@ def _client(cid, setup: Setup, factor, conn) -> None:
     outcome = np.full(n, PENDING, np.int8)
     latency_ns, refusal_ns = np.zeros(n, np.int64), np.zeros(n, np.int64)
     scheduled = np.zeros(n, np.int64)
-    name = bench._await_target(conn)
+    name = procs.await_target(conn)
     if name is None:
         return
     client, deadline_s = Client(name), setup.slo_ms / 1e3
@@ -86,10 +87,10 @@ def _client(cid, setup: Setup, factor, conn) -> None:
         except EngineError:
             outcome[k] = ERROR
 
-    start_ns = bench._ready_for_start(conn)
+    start_ns = procs.ready_for_start(conn)
     if start_ns is None:
         return
-    for k in bench.paced(offsets, start_ns, scheduled):
+    for k in load.paced(offsets, start_ns, scheduled):
         # the deadline counts from the scheduled arrival: a late sender gets less
         left_s = deadline_s - (ring.now_ns() - scheduled[k]) / 1e9
         t0 = ring.now_ns()
@@ -116,22 +117,22 @@ def _client(cid, setup: Setup, factor, conn) -> None:
 
 def run_row(label: str, factor, setup: Setup, admission: str) -> dict:
     name = f"overload-{os.getpid()}"
-    batcher_cpus, client_cpus = bench.placement(1, True)
-    procs, conns = bench._fork_clients(_client, lambda cid, conn: (cid, setup, factor, conn),
+    batcher_cpus, client_cpus = procs.placement(1, True)
+    children, conns = procs.fork_clients(_client, lambda cid, conn: (cid, setup, factor, conn),
                                        setup.clients)
     eng = None
     try:
-        eng = bench.Engine(name, backend="engine.backends:synthetic",
+        eng = Engine(name, backend="engine.backends:synthetic",
                            backend_args={"fixed_ms": setup.fixed_ms,
                                          "per_item_us": setup.per_item_us},
                            max_batch_size=setup.max_batch_size,
                            queue_capacity=setup.queue_capacity, cpus=batcher_cpus,
                            priority_levels=2, admission=admission).start()
-        bench._go(conns, name, client_cpus, 100_000_000)
-        results = bench._collect(conns, procs, setup.seconds * 10 + 120)
+        procs.go(conns, name, client_cpus, 100_000_000)
+        results = procs.collect(conns, children, setup.seconds * 10 + 120)
         stats = eng.stats()
     finally:
-        bench._shut(procs, eng, None)
+        procs.shut(children, eng, None)
     outcome = np.concatenate([r[0] for r in results])
     latency = np.concatenate([r[1] for r in results])
     refusal = np.concatenate([r[2] for r in results])
