@@ -25,7 +25,7 @@ _Static_assert(offsetof(sb_header, incarnation) == 16, "layout drawing");
 _Static_assert(offsetof(sb_header, total_bytes) == 48, "layout drawing");
 _Static_assert(offsetof(sb_header, in_place) == 56, "layout drawing");
 _Static_assert(offsetof(sb_header, off_ctl) == 64, "layout drawing");
-_Static_assert(offsetof(sb_header, off_output) == 96, "layout drawing");
+_Static_assert(offsetof(sb_header, off_lengths) == 88, "layout drawing");
 _Static_assert(offsetof(sb_header, off_ready) == 104, "layout drawing");
 _Static_assert(offsetof(sb_header, config) == 128, "layout drawing");
 _Static_assert(offsetof(sb_header, work_seq) == 2176, "layout drawing");
@@ -37,6 +37,8 @@ _Static_assert(offsetof(sb_header, free_seq) == 6464, "layout drawing");
 _Static_assert(offsetof(sb_header, evict_seq) == 6528, "layout drawing");
 _Static_assert(offsetof(sb_header, level_wait_sum) == 6592, "layout drawing");
 _Static_assert(offsetof(sb_header, level_wait_max) == 6656, "layout drawing");
+_Static_assert(offsetof(sb_header, off_tensor) == 6720, "layout drawing");
+_Static_assert(offsetof(sb_header, tensor_slot_bytes) == 6848, "layout drawing");
 _Static_assert(offsetof(sb_header, level_hist) == 8192, "layout drawing");
 _Static_assert(sizeof(sb_slot_meta) == 64, "one cache line per slot");
 _Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
@@ -90,14 +92,10 @@ static inline char *errmsg_at(const void *base, uint32_t slot)
 	return (char *)base + hdr(base)->off_errmsg + (uint64_t)slot * SB_ERRMSG_BYTES;
 }
 
-static inline char *input_row(const void *base, uint32_t slot)
+static inline char *tensor_row(const void *base, uint32_t t, uint32_t slot)
 {
-	return (char *)base + hdr(base)->off_input + slot * hdr(base)->input_slot_bytes;
-}
-
-static inline char *output_row(const void *base, uint32_t slot)
-{
-	return (char *)base + hdr(base)->off_output + slot * hdr(base)->output_slot_bytes;
+	const sb_header *h = hdr(base);
+	return (char *)base + h->off_tensor[t] + slot * h->tensor_slot_bytes[t];
 }
 
 static inline uint32_t *futex_word(uint64_t *ctl) { return (uint32_t *)ctl; }
@@ -229,58 +227,72 @@ static inline int64_t remaining_ns(uint64_t deadline_ns)
 /* ---- setup ---- */
 
 struct offsets {
-	uint64_t ctl, ready, meta, errmsg, input, output, total;
+	uint64_t ctl, ready, meta, errmsg, lengths, tensor[SB_MAX_TENSORS], total, slot_bytes;
 };
 
 static uint64_t align_up(uint64_t x, uint64_t a) { return (x + a - 1) & ~(a - 1); }
 
-static int compute_offsets(uint32_t cap, uint64_t in_bytes, uint64_t out_bytes,
-			   uint32_t in_place, uint32_t levels, struct offsets *o)
+static int compute_offsets(uint32_t cap, uint32_t tensors, uint32_t inputs,
+			   const uint64_t *slot_bytes, uint32_t in_place, uint32_t levels,
+			   struct offsets *o)
 {
 	/* caps keep every product below 2^60: no overflow in the sums */
-	if (cap == 0 || cap > SB_MAX_CAPACITY || in_bytes == 0 ||
-	    in_bytes > (1ull << 40) || out_bytes == 0 || out_bytes > (1ull << 40) ||
-	    in_place > 1 || (in_place && out_bytes != in_bytes) ||
+	if (cap == 0 || cap > SB_MAX_CAPACITY || tensors > SB_MAX_TENSORS ||
+	    inputs == 0 || inputs >= tensors || in_place > 1 ||
+	    (in_place && (tensors != 2 || slot_bytes[0] != slot_bytes[1])) ||
 	    levels == 0 || levels > SB_MAX_PRIORITIES)
 		return SB_EBADARG;
 	o->ctl = SB_HEADER_BYTES;
 	o->ready = align_up(o->ctl + 8ull * cap, 64);
 	o->meta = align_up(o->ready + 8ull * levels * ready_words(cap), 64);
 	o->errmsg = align_up(o->meta + sizeof(sb_slot_meta) * cap, 64);
-	o->input = align_up(o->errmsg + (uint64_t)SB_ERRMSG_BYTES * cap, 4096);
-	o->output = in_place ? o->input : align_up(o->input + in_bytes * cap, 4096);
-	o->total = align_up(o->output + out_bytes * cap, 4096);
+	o->lengths = align_up(o->errmsg + (uint64_t)SB_ERRMSG_BYTES * cap, 64);
+	uint64_t at = align_up(o->lengths + 4ull * inputs * cap, 4096);
+	o->slot_bytes = 0;
+	for (uint32_t t = 0; t < tensors; t++) {
+		if (slot_bytes[t] == 0 || slot_bytes[t] > (1ull << 36))
+			return SB_EBADARG;
+		if (in_place && t == 1) { /* the answer overwrites its own input row */
+			o->tensor[1] = o->tensor[0];
+			continue;
+		}
+		o->tensor[t] = at;
+		o->slot_bytes += slot_bytes[t];
+		at = align_up(at + slot_bytes[t] * cap, 4096);
+	}
+	o->total = at;
 	return SB_OK;
 }
 
-uint64_t sb_layout_bytes(uint32_t capacity, uint64_t input_slot_bytes,
-			 uint64_t output_slot_bytes, uint32_t in_place, uint32_t levels)
+uint64_t sb_layout_bytes(uint32_t capacity, uint32_t tensors, uint32_t inputs,
+			 const uint64_t *slot_bytes, uint32_t in_place, uint32_t levels)
 {
 	struct offsets o;
-	if (compute_offsets(capacity, input_slot_bytes, output_slot_bytes, in_place, levels, &o))
+	if (compute_offsets(capacity, tensors, inputs, slot_bytes, in_place, levels, &o))
 		return 0;
 	return o.total;
 }
 
 int sb_init(void *base, uint64_t total_bytes, uint32_t capacity,
-	    uint32_t max_batch, uint64_t input_slot_bytes,
-	    uint64_t output_slot_bytes, uint32_t in_place, uint32_t levels,
+	    uint32_t max_batch, uint32_t tensors, uint32_t inputs,
+	    const uint64_t *slot_bytes, uint32_t in_place, uint32_t levels,
 	    uint64_t incarnation)
 {
 	struct offsets o;
 	sb_header *h = hdr(base);
-	if (compute_offsets(capacity, input_slot_bytes, output_slot_bytes, in_place, levels, &o) ||
+	if (compute_offsets(capacity, tensors, inputs, slot_bytes, in_place, levels, &o) ||
 	    o.total > total_bytes || max_batch == 0 || max_batch > capacity)
 		return SB_EBADARG;
 	/* the caller holds the only mapping (created O_EXCL): plain stores */
-	memset(base, 0, o.input);
+	memset(base, 0, o.tensor[0]);
 	h->layout_version = SB_LAYOUT_VERSION;
 	h->header_bytes = SB_HEADER_BYTES;
 	h->incarnation = incarnation;
 	h->capacity = capacity;
 	h->max_batch = max_batch;
-	h->input_slot_bytes = input_slot_bytes;
-	h->output_slot_bytes = output_slot_bytes;
+	h->tensors = tensors;
+	h->inputs = inputs;
+	h->slot_bytes = o.slot_bytes;
 	h->in_place = in_place;
 	h->levels = levels;
 	h->total_bytes = o.total;
@@ -288,8 +300,11 @@ int sb_init(void *base, uint64_t total_bytes, uint32_t capacity,
 	h->off_ready = o.ready;
 	h->off_meta = o.meta;
 	h->off_errmsg = o.errmsg;
-	h->off_input = o.input;
-	h->off_output = o.output;
+	h->off_lengths = o.lengths;
+	for (uint32_t t = 0; t < tensors; t++) {
+		h->off_tensor[t] = o.tensor[t];
+		h->tensor_slot_bytes[t] = slot_bytes[t];
+	}
 	/* release: an attacher that acquires the magic sees the whole header */
 	sb_store_release(&h->magic, SB_MAGIC);
 	return SB_OK;
@@ -315,14 +330,17 @@ int sb_validate(const void *base, uint64_t mapped_bytes)
 	int r = sb_validate_header(base, mapped_bytes);
 	if (r != SB_OK)
 		return r;
-	if (compute_offsets(h->capacity, h->input_slot_bytes, h->output_slot_bytes,
+	if (h->tensors > SB_MAX_TENSORS ||
+	    compute_offsets(h->capacity, h->tensors, h->inputs, h->tensor_slot_bytes,
 			    h->in_place, h->levels, &o) ||
 	    h->max_batch == 0 || h->max_batch > h->capacity ||
 	    o.ctl != h->off_ctl || o.ready != h->off_ready || o.meta != h->off_meta ||
-	    o.errmsg != h->off_errmsg ||
-	    o.input != h->off_input || o.output != h->off_output ||
+	    o.errmsg != h->off_errmsg || o.lengths != h->off_lengths ||
 	    o.total != h->total_bytes || o.total > mapped_bytes)
 		return SB_ECORRUPT;
+	for (uint32_t t = 0; t < h->tensors; t++)
+		if (o.tensor[t] != h->off_tensor[t])
+			return SB_ECORRUPT;
 	return SB_OK;
 }
 
@@ -332,18 +350,22 @@ uint64_t sb_header_field(const void *base, int field)
 	switch (field) {
 	case SB_F_CAPACITY: return h->capacity;
 	case SB_F_MAX_BATCH: return h->max_batch;
-	case SB_F_INPUT_SLOT_BYTES: return h->input_slot_bytes;
-	case SB_F_OUTPUT_SLOT_BYTES: return h->output_slot_bytes;
+	case SB_F_TENSORS: return h->tensors;
+	case SB_F_INPUTS: return h->inputs;
 	case SB_F_TOTAL_BYTES: return h->total_bytes;
 	case SB_F_INCARNATION: return h->incarnation;
 	case SB_F_OFF_CONFIG: return offsetof(sb_header, config);
-	case SB_F_OFF_INPUT: return h->off_input;
-	case SB_F_OFF_OUTPUT: return h->off_output;
+	case SB_F_OFF_LENGTHS: return h->off_lengths;
+	case SB_F_SLOT_BYTES: return h->slot_bytes;
 	case SB_F_OFF_WORDS: return offsetof(sb_header, words);
 	case SB_F_IN_PLACE: return h->in_place;
 	case SB_F_OFF_READY: return h->off_ready;
 	case SB_F_LEVELS: return h->levels;
 	}
+	if (field >= SB_F_OFF_TENSOR && field < SB_F_OFF_TENSOR + (int)h->tensors)
+		return h->off_tensor[field - SB_F_OFF_TENSOR];
+	if (field >= SB_F_TENSOR_BYTES && field < SB_F_TENSOR_BYTES + (int)h->tensors)
+		return h->tensor_slot_bytes[field - SB_F_TENSOR_BYTES];
 	return 0;
 }
 
@@ -507,7 +529,7 @@ int sb_submit(void *base, uint32_t pid, uint64_t start_ticks, const void *src,
 	      uint64_t nbytes, uint32_t length, uint64_t deadline_ns,
 	      uint32_t priority, uint32_t admit, uint32_t *ticket)
 {
-	if (nbytes > hdr(base)->input_slot_bytes)
+	if (hdr(base)->inputs != 1 || nbytes > hdr(base)->tensor_slot_bytes[0])
 		return SB_EBADARG;
 	if (admit && deadline_ns) {
 		uint64_t now = sb_now_ns();
@@ -527,7 +549,7 @@ int sb_submit(void *base, uint32_t pid, uint64_t start_ticks, const void *src,
 	if (r != SB_OK)
 		return r;
 	/* WRITING: the row is ours alone; publish's release CAS shows it */
-	memcpy(input_row(base, ticket[0]), src, nbytes);
+	memcpy(tensor_row(base, 0, ticket[0]), src, nbytes);
 	return sb_publish(base, ticket[0], ticket[1], length, deadline_ns, priority);
 }
 
@@ -601,14 +623,15 @@ int sb_wait_slot(void *base, uint32_t slot, uint32_t gen, int64_t timeout_ns,
 int sb_take(void *base, uint32_t slot, uint32_t gen, int64_t timeout_ns,
 	    uint64_t spin_ns, void *dst, uint64_t nbytes, uint64_t *times)
 {
-	if (nbytes > hdr(base)->output_slot_bytes)
+	const sb_header *h = hdr(base);
+	if (h->tensors != h->inputs + 1 || nbytes > h->tensor_slot_bytes[h->inputs])
 		return SB_EBADARG;
 	int r = sb_wait_slot(base, slot, gen, timeout_ns, spin_ns);
 	if (r != SB_OK)
 		return r;
 	/* DONE is ours until we release it: wait_slot's acquire load made the
 	 * row complete, and release's CAS keeps this read before a reuse */
-	memcpy(dst, output_row(base, slot), nbytes);
+	memcpy(dst, tensor_row(base, h->inputs, slot), nbytes);
 	if (times) {
 		const sb_slot_meta *m = meta_at(base, slot);
 		times[SB_T_ARRIVAL] = m->arrival_ns;

@@ -13,10 +13,11 @@
  *          |    8 layout_version u32     12 header_bytes u32           |
  *          |   16 incarnation u64 (random per creation)                |
  *          |   24 capacity u32           28 max_batch u32              |
- *          |   32 input_slot_bytes u64   40 output_slot_bytes u64      |
+ *          |   32 tensors u32 (T, inputs first)  36 inputs u32 (I)     |
+ *          |   40 slot_bytes u64: one slot's rows of all T, summed     |
  *          |   48 total_bytes u64  56 in_place u32  60 levels u32      |
- *          |   64 off_ctl  72 off_meta  80 off_errmsg  88 off_input    |
- *          |   96 off_output  104 off_ready   (u64 each)               |
+ *          |   64 off_ctl  72 off_meta  80 off_errmsg  88 off_lengths  |
+ *          |  104 off_ready   (u64 each)                               |
  *          |  128 config: 2048 B of UTF-8 JSON (the engine's settings) |
  *          | 2176 work_seq u32 (futex)  2180 batchers_sleeping u32     |
  *          | 2240 done_seq u32 (futex)  2244 done_waiters u32          |
@@ -26,6 +27,7 @@
  *          | 6464 free_seq u32 (futex)  6468 free_waiters u32          |
  *          | 6528 evict_seq u32 (futex) 6532 evictors u32              |
  *          | 6592 level_wait_sum[8] u64  6656 level_wait_max[8] u64    |
+ *          | 6720 off_tensor[16] u64   6848 tensor_slot_bytes[16] u64  |
  *          | 8192 level_hist[8][128] u64: queue wait per priority      |
  *  16384   +-----------------------------------------------------------+
  *          | ctl[C]      u64 per slot: each slot's one control word    |
@@ -37,14 +39,21 @@
  *          | meta[C]     sb_slot_meta, 64 B per slot                   |
  *          +------------------------------------------- 64-aligned ----+
  *          | errmsg[C]   SB_ERRMSG_BYTES per slot                      |
+ *          +------------------------------------------- 64-aligned ----+
+ *          | lengths[C][I] u32: each input tensor's real length along  |
+ *          |             its variable dim (0: fixed), set while WRITING|
  *          +------------------------------------------- 4096-aligned --+
- *          | input[C]    input_slot_bytes per slot: ONE C-order array  |
- *          |             [C, *max_input_shape] of the input dtype      |
+ *          | tensor 0    tensor_slot_bytes[0] per slot: ONE C-order    |
+ *          |             array [C, *max_shape] of its dtype            |
  *          +------------------------------------------- 4096-aligned --+
- *          | output[C]   output_slot_bytes per slot: [C, *output_shape]|
- *          |             (none when in_place: an answer overwrites its |
- *          |             own input row, the output spec being equal)   |
+ *          | tensor 1 .. tensor I-1: the other inputs, each the same   |
+ *          +------------------------------------------- 4096-aligned --+
+ *          | tensor I .. tensor T-1: the outputs, [C, *output_shape]   |
+ *          |             (none when in_place: one input, one output of |
+ *          |             its spec; an answer overwrites its input row) |
  *          +-----------------------------------------------------------+
+ *   A single-array engine has T = 2, I = 1 (one unnamed tensor each way);
+ *   the fused calls (sb_submit, sb_take) copy tensor 0 in and tensor I out.
  *
  * THE CONTROL WORD (ctl[slot], u64; each transition is ONE CAS on it)
  *
@@ -129,13 +138,15 @@
 #include <stdint.h>
 
 /* --- cdef: everything from here to "cdef end" is read by cffi --------- */
-#define SB_LAYOUT_VERSION 5 /* 3: free_seq, evict_seq; 4: ready[]; 5: levels, deadlines */
+#define SB_LAYOUT_VERSION 6 /* 4: ready[]; 5: levels, deadlines; 6: tensors, control */
 #define SB_HEADER_BYTES 16384
 #define SB_CONFIG_BYTES 2048
 #define SB_ERRMSG_BYTES 256
 #define SB_MAX_CAPACITY 65536
 #define SB_MAX_INSTANCES 32
 #define SB_MAX_PRIORITIES 8
+#define SB_MAX_TENSORS 16
+#define SB_MAX_BUCKETS 16
 #define SB_HIST_BUCKETS 128
 
 /* the control word's fields (drawn above) that Python reads too */
@@ -167,23 +178,26 @@
 /* header fields for sb_header_field() */
 #define SB_F_CAPACITY 0
 #define SB_F_MAX_BATCH 1
-#define SB_F_INPUT_SLOT_BYTES 2
-#define SB_F_OUTPUT_SLOT_BYTES 3
+#define SB_F_TENSORS 2
+#define SB_F_INPUTS 3
 #define SB_F_TOTAL_BYTES 4
 #define SB_F_INCARNATION 5
 #define SB_F_OFF_CONFIG 6
-#define SB_F_OFF_INPUT 7
-#define SB_F_OFF_OUTPUT 8
+#define SB_F_OFF_LENGTHS 7
+#define SB_F_SLOT_BYTES 8
 #define SB_F_OFF_WORDS 9
 #define SB_F_IN_PLACE 10
 #define SB_F_OFF_READY 11
 #define SB_F_LEVELS 12
+#define SB_F_OFF_TENSOR 32       /* + t: where tensor t's region starts */
+#define SB_F_TENSOR_BYTES 48     /* + t: one slot's row of tensor t */
 
 /* words[]: identities and counters, all u64 */
 #define SB_W_ENGINE_STATE 0
 #define SB_W_SUPERVISOR_PID 1
 #define SB_W_SUPERVISOR_START 2
 #define SB_W_INSTANCES 3
+#define SB_W_EPOCH 4          /* batchers started before the current epoch retire */
 #define SB_W_REQUESTS 8
 #define SB_W_REJECTED 9
 #define SB_W_TIMEOUTS 10
@@ -229,12 +243,14 @@
 #define SB_STATUS_BATCHER_DIED 2
 #define SB_STATUS_EXPIRED 3
 
-/* setup (supervisor) */
-uint64_t sb_layout_bytes(uint32_t capacity, uint64_t input_slot_bytes,
-			 uint64_t output_slot_bytes, uint32_t in_place, uint32_t levels);
+/* setup (supervisor): tensors regions, the first `inputs` of them inputs,
+ * slot_bytes[t] bytes per slot each; in_place needs one input and one
+ * output of equal size */
+uint64_t sb_layout_bytes(uint32_t capacity, uint32_t tensors, uint32_t inputs,
+			 const uint64_t *slot_bytes, uint32_t in_place, uint32_t levels);
 int sb_init(void *base, uint64_t total_bytes, uint32_t capacity,
-	    uint32_t max_batch, uint64_t input_slot_bytes,
-	    uint64_t output_slot_bytes, uint32_t in_place, uint32_t levels,
+	    uint32_t max_batch, uint32_t tensors, uint32_t inputs,
+	    const uint64_t *slot_bytes, uint32_t in_place, uint32_t levels,
 	    uint64_t incarnation);
 int sb_validate(const void *base, uint64_t mapped_bytes);
 /* the header alone (magic, version): for cleanup and the status of a dead
@@ -258,7 +274,7 @@ int sb_wait_slot(void *base, uint32_t slot, uint32_t gen, int64_t timeout_ns,
 		 uint64_t spin_ns);
 int sb_release(void *base, uint32_t slot, uint32_t gen);
 /* fused, one call each way for a contiguous input: acquire + copy src into
- * the input row + publish (ticket = [slot, gen]); and wait + copy the output
+ * tensor 0's row + publish (ticket = [slot, gen]); and wait + copy tensor I's
  * row to dst + release (on SB_OK only; a FAILED slot is left to the caller);
  * times, if not NULL, receives the request's SB_T_* stamps (ns) */
 #define SB_T_ARRIVAL 0
@@ -390,12 +406,13 @@ typedef struct {
 	uint64_t incarnation;
 	uint32_t capacity;
 	uint32_t max_batch;
-	uint64_t input_slot_bytes;
-	uint64_t output_slot_bytes;
+	uint32_t tensors;     /* regions of rows: the inputs, then the outputs */
+	uint32_t inputs;
+	uint64_t slot_bytes;  /* one slot's rows of every tensor, summed */
 	uint64_t total_bytes;
-	uint32_t in_place;    /* 1: output[] is input[]: answers overwrite their rows */
+	uint32_t in_place;    /* 1: the output region is the input's */
 	uint32_t levels;      /* priority levels: ready[] has one bitmap each */
-	uint64_t off_ctl, off_meta, off_errmsg, off_input, off_output, off_ready;
+	uint64_t off_ctl, off_meta, off_errmsg, off_lengths, _pad0, off_ready;
 	uint64_t _pad1[2];
 	char config[SB_CONFIG_BYTES];
 	/* each futex word on its own cache line: clients and batchers both
@@ -409,7 +426,9 @@ typedef struct {
 	uint32_t evict_seq, evictors, _pad6[14];
 	uint64_t level_wait_sum[SB_MAX_PRIORITIES];
 	uint64_t level_wait_max[SB_MAX_PRIORITIES];
-	uint64_t _pad7[(8192 - 6720) / 8];
+	uint64_t off_tensor[SB_MAX_TENSORS];
+	uint64_t tensor_slot_bytes[SB_MAX_TENSORS];
+	uint64_t _pad7[(8192 - 6976) / 8];
 	uint64_t level_hist[SB_MAX_PRIORITIES][SB_HIST_BUCKETS];
 } sb_header;
 

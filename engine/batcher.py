@@ -53,11 +53,12 @@ class BadResult(Exception):
 class Batcher:
     """The loop of one batcher process: claim by the flush rule, serve, repeat."""
 
-    def __init__(self, segment: Segment, instance: int, fn):
+    def __init__(self, segment: Segment, instance: int, fn, epoch: int = 0):
         cfg = segment.config
         self.seg = segment
         self.ring = segment.ring
         self.instance = instance
+        self.epoch = epoch  # serves while the engine's epoch is this one (see run)
         self.fn = fn
         self.rule = policy.FlushRule(cfg.max_batch_size, int(cfg.max_delay_ms * 1e6))
         self.max_batch = cfg.max_batch_size
@@ -75,10 +76,20 @@ class Batcher:
         self.gather_buffer = np.zeros((cfg.max_batch_size, *cfg.padded_shape), cfg.input_dtype)
 
     def run(self) -> None:
-        """Serves until the engine is STOPPED and nothing is left to serve."""
+        """Serves until the engine is STOPPED and nothing is left to serve, or
+        until a reload retires it. Epochs hand the ring over without overlap:
+        a batcher serves while the engine's epoch is its own, waits while it
+        is older (started by a reload, not yet let in) and exits, between
+        batches, once it is newer (retired by a reload)."""
         r, spin_ns = self.ring, 0
         while True:
             seen = r.work_seq()  # before the claim's scan: a publish after it wakes us
+            epoch = self.seg.epoch()
+            if epoch != self.epoch:
+                if epoch > self.epoch:
+                    return
+                r.wait_work(seen, IDLE_CHECK_NS)
+                continue
             state = self.seg.engine_state()
             now_ns = ring.now_ns()
             # the flush rule's thresholds, applied by the C claim in its one pass; a
@@ -208,7 +219,8 @@ class Batcher:
         return out
 
 
-def main(name: str, instance: int, backend, backend_args: dict, cpus, gpu, conn) -> None:
+def main(name: str, instance: int, backend, backend_args: dict, cpus, gpu, conn,
+         epoch: int = 0) -> None:
     """Runs batcher `instance` of engine `name`; reports ("ready", pid) or
     ("error", type, message, traceback) on conn once, then serves."""
     try:
@@ -220,7 +232,7 @@ def main(name: str, instance: int, backend, backend_args: dict, cpus, gpu, conn)
             psutil.Process().cpu_affinity(list(cpus))
         segment = Segment.attach(name)
         fn = backends.resolve(backend)(**(backend_args or {}))
-        batcher = Batcher(segment, instance, fn)
+        batcher = Batcher(segment, instance, fn, epoch)
         pid = os.getpid()
         segment.ring.set_word(ring.W_BATCHER_START + instance, liveness.start_ticks(pid) or 0)
         segment.ring.set_word(ring.W_BATCHER_PID + instance, pid)

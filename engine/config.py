@@ -12,33 +12,11 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from engine import ring
+from engine import ring, tensors
 from engine.errors import InvalidInput
+from engine.tensors import TensorSpec, describe, shape_text  # noqa: F401 (re-exported)
 
 NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}\Z")
-DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
-          "uint64", "float16", "float32", "float64", "complex64", "complex128")
-
-
-def _shape(value, what: str, allow_none: bool = False) -> Tuple:
-    if isinstance(value, (int, np.integer)) or value is None:
-        value = (value,)
-    dims = tuple(None if d is None else int(d) for d in value)
-    for d in dims:
-        if d is None and not allow_none:
-            raise ValueError(f"{what} must have fixed dims, got {dims}")
-        if d is not None and d < 1:
-            raise ValueError(f"{what} dims must be >= 1, got {dims}")
-    return dims
-
-
-def shape_text(shape) -> str:
-    return "[" + ", ".join("*" if d is None else str(d) for d in shape) + "]"
-
-
-def describe(x: np.ndarray) -> str:
-    return f"{x.dtype}{shape_text(x.shape)}"
-
 
 def knob(default, cli: str, doc: str):
     """A dataclass field that is one of Engine(...)'s knobs: its default, how
@@ -71,33 +49,60 @@ class EngineConfig:
                           "before its deadline; 'none': only queue_capacity refuses")
     isolate_failures: bool = knob(True, "bool", "a failed batch is split and retried so only "
                                   "the failing requests fail")
+    inputs: Optional[dict] = knob(None, "json", "named inputs {name: [dtype, shape]}; replace "
+                                  "input_shape and input_dtype")
+    outputs: Optional[dict] = knob(None, "json", "named outputs {name: [dtype, shape]}")
+    max_input_shapes: Optional[dict] = knob(None, "json", "{name: bound} of each named input "
+                                            "with a None dim")
+    allowed_batch_sizes: Optional[Tuple] = knob(None, "ints", "every batch is padded up to one "
+                                                "of these sizes")
+    length_buckets: Optional[Tuple] = knob(None, "ints", "bounds of the variable dim: a batch "
+                                           "holds one bucket, padded to its bound")
+    max_batch_tokens: Optional[int] = knob(None, "int", "a batch's padded size along the "
+                                           "variable dim, summed, at most this")
 
     def __post_init__(self):
         put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen)
         if not isinstance(self.name, str) or not NAME_RE.match(self.name):
             raise ValueError(f"name must match [A-Za-z0-9_.-]{{1,64}}, got {self.name!r}")
-        put("input_shape", _shape(self.input_shape, "input_shape", allow_none=True))
-        put("output_shape", _shape(self.output_shape, "output_shape"))
+        put("input_shape", tensors.shape_of(self.input_shape, "input_shape", allow_none=True))
+        put("output_shape", tensors.shape_of(self.output_shape, "output_shape"))
         for key in ("input_dtype", "output_dtype"):
-            dtype = np.dtype(getattr(self, key)).name
-            if dtype not in DTYPES:
-                raise ValueError(f"{key} must be one of {', '.join(DTYPES)}, got {dtype}")
-            put(key, dtype)
-        var = [i for i, d in enumerate(self.input_shape) if d is None]
-        if len(var) > 1:
-            raise ValueError(f"input_shape may have one variable (None) dim, got {self.input_shape}")
-        if var:
-            if self.max_input_shape is None:
-                raise ValueError(f"input_shape {self.input_shape} has a None dim: "
-                                 "max_input_shape (the padding bound) is required")
-            bound = _shape(self.max_input_shape, "max_input_shape")
-            fixed_ok = all(d is None or d == b for d, b in zip(self.input_shape, bound))
-            if len(bound) != len(self.input_shape) or not fixed_ok:
-                raise ValueError(f"max_input_shape {bound} must match input_shape "
-                                 f"{self.input_shape} in rank and fixed dims")
-            put("max_input_shape", bound)
-        elif self.max_input_shape is not None:
-            raise ValueError("max_input_shape is only for an input_shape with a None dim")
+            put(key, tensors.dtype_name(getattr(self, key), key))
+        if (self.inputs is None) != (self.outputs is None):
+            raise ValueError("inputs and outputs (named tensors) are given together")
+        if self.inputs is not None:
+            ins, outs = tensors.named_specs(self.inputs, self.outputs, self.max_input_shapes)
+            # stored as plain JSON-able values; the specs are derived
+            put("inputs", {t.name: [t.dtype, list(t.shape)] for t in ins})
+            put("outputs", {t.name: [t.dtype, list(t.shape)] for t in outs})
+            put("max_input_shapes", {t.name: list(t.max_shape) for t in ins
+                                     if t.var_axis is not None} or None)
+        else:
+            if self.max_input_shapes is not None:
+                raise ValueError("max_input_shapes is for named inputs; the single-array form "
+                                 "takes max_input_shape")
+            var = [i for i, d in enumerate(self.input_shape) if d is None]
+            if len(var) > 1:
+                raise ValueError(f"input_shape may have one variable (None) dim, got "
+                                 f"{self.input_shape}")
+            if var:
+                if self.max_input_shape is None:
+                    raise ValueError(f"input_shape {self.input_shape} has a None dim: "
+                                     "max_input_shape (the padding bound) is required")
+                bound = tensors.shape_of(self.max_input_shape, "max_input_shape")
+                fixed_ok = all(d is None or d == b for d, b in zip(self.input_shape, bound))
+                if len(bound) != len(self.input_shape) or not fixed_ok:
+                    raise ValueError(f"max_input_shape {bound} must match input_shape "
+                                     f"{self.input_shape} in rank and fixed dims")
+                put("max_input_shape", bound)
+            elif self.max_input_shape is not None:
+                raise ValueError("max_input_shape is only for an input_shape with a None dim")
+            ins = (TensorSpec("", self.input_dtype, self.input_shape,
+                              self.max_input_shape or self.input_shape),)
+            outs = (TensorSpec("", self.output_dtype, self.output_shape, self.output_shape),)
+        var = [t for t in ins if t.var_axis is not None]
+        self._check_batch_shapes(put, var)
         for key, low in (("max_batch_size", 1), ("queue_capacity", 1), ("instances", 1)):
             if int(getattr(self, key)) < low:
                 raise ValueError(f"{key} must be >= {low}, got {getattr(self, key)}")
@@ -123,11 +128,58 @@ class EngineConfig:
         if not float(self.max_delay_ms) >= 0:
             raise ValueError(f"max_delay_ms must be >= 0, got {self.max_delay_ms}")
         put("max_delay_ms", float(self.max_delay_ms))
-        # for check_input's fast path (not fields: no part of the JSON or of ==)
-        put("_exact_shape", None if var else self.input_shape)
+        # derived, not fields (no part of the JSON or of ==)
+        put("input_specs", ins)
+        put("output_specs", outs)
+        # for check_input's fast path
+        put("_exact_shape", None if (var or self.named) else self.input_shape)
         put("_input_dtype", np.dtype(self.input_dtype))
 
+    def _check_batch_shapes(self, put, var) -> None:
+        """allowed_batch_sizes, length_buckets and max_batch_tokens, validated."""
+        if self.allowed_batch_sizes is not None:
+            sizes = tuple(sorted({int(n) for n in self.allowed_batch_sizes}))
+            if not sizes or sizes[0] < 1 or sizes[-1] > int(self.max_batch_size):
+                raise ValueError(f"allowed_batch_sizes must be sizes in 1..max_batch_size "
+                                 f"({self.max_batch_size}), got {list(self.allowed_batch_sizes)}")
+            put("allowed_batch_sizes", sizes)
+        if self.length_buckets is None and self.max_batch_tokens is None:
+            return
+        if not var:
+            raise ValueError("length_buckets and max_batch_tokens need an input with a "
+                             "variable (None) dim")
+        top = max(t.max_shape[t.var_axis] for t in var)
+        if self.length_buckets is not None:
+            bounds = sorted({int(b) for b in self.length_buckets})
+            if not bounds or bounds[0] < 1 or bounds[-1] > top or len(bounds) > ring.MAX_BUCKETS:
+                raise ValueError(f"length_buckets must be at most {ring.MAX_BUCKETS} bounds in "
+                                 f"1..{top} (the largest variable bound), got "
+                                 f"{list(self.length_buckets)}")
+            if bounds[-1] < top:
+                bounds.append(top)  # every request fits a bucket
+            put("length_buckets", tuple(bounds))
+        if self.max_batch_tokens is not None:
+            if int(self.max_batch_tokens) < top:
+                raise ValueError(f"max_batch_tokens must be >= {top} (one request of the largest "
+                                 f"length), got {self.max_batch_tokens}")
+            put("max_batch_tokens", int(self.max_batch_tokens))
+
     # -- derived ------------------------------------------------------------
+    @property
+    def named(self) -> bool:
+        """Named tensors: requests and answers are dicts of arrays."""
+        return self.inputs is not None
+
+    @property
+    def slot_bytes(self) -> Tuple[int, ...]:
+        """One slot's row of each tensor, inputs first: the segment's regions."""
+        return tuple(t.slot_bytes for t in self.input_specs + self.output_specs)
+
+    @property
+    def has_lengths(self) -> bool:
+        """Some input has a variable dim: the backend is given the real lengths."""
+        return any(t.var_axis is not None for t in self.input_specs)
+
     @property
     def var_axis(self) -> Optional[int]:
         """The index of the variable dim, or None."""
@@ -137,7 +189,7 @@ class EngineConfig:
     def in_place(self) -> bool:
         """Answers overwrite their own input rows (one region, not two): the
         output spec equals a fixed input spec."""
-        return (self.var_axis is None and self.input_shape == self.output_shape
+        return (not self.named and self.var_axis is None and self.input_shape == self.output_shape
                 and self.input_dtype == self.output_dtype)
 
     @property
@@ -146,23 +198,28 @@ class EngineConfig:
 
     @property
     def input_slot_bytes(self) -> int:
-        return int(np.prod(self.padded_shape, dtype=np.int64)) * np.dtype(self.input_dtype).itemsize
+        return sum(t.slot_bytes for t in self.input_specs)
 
     @property
     def output_slot_bytes(self) -> int:
-        return int(np.prod(self.output_shape, dtype=np.int64)) * np.dtype(self.output_dtype).itemsize
+        return sum(t.slot_bytes for t in self.output_specs)
 
     def input_spec(self) -> str:
+        if self.named:
+            return "{" + ", ".join(f"{t.name}: {t.spec_text()}" for t in self.input_specs) + "}"
         if self.var_axis is None:
             return f"{self.input_dtype}{shape_text(self.input_shape)}"
         dims = [f"1..{b}" if d is None else str(d)
                 for d, b in zip(self.input_shape, self.max_input_shape)]
         return f"{self.input_dtype}[{', '.join(dims)}]"
 
-    def check_input(self, x) -> Tuple[np.ndarray, int]:
-        """(array, real length of the variable dim or 0); InvalidInput otherwise."""
+    def check_input(self, x):
+        """(array, real length of the variable dim or 0); with named tensors
+        (dict of arrays, list of real lengths); InvalidInput otherwise."""
         if type(x) is np.ndarray and x.shape == self._exact_shape and x.dtype == self._input_dtype:
             return x, 0  # the common case, in three comparisons
+        if self.named:
+            return tensors.check_named(self.input_specs, x)
         if not isinstance(x, np.ndarray):
             try:
                 x = np.asarray(x, dtype=self.input_dtype)
@@ -185,6 +242,9 @@ class EngineConfig:
 
     def check_many(self, xs) -> Tuple[np.ndarray, int]:
         """(array of n inputs, their common real length or 0), for infer_many."""
+        if self.named:
+            raise InvalidInput(f"infer_many takes one array of inputs; an engine of named "
+                               f"inputs {self.input_spec()} takes infer() or submit() of a dict")
         ok = isinstance(xs, np.ndarray) and xs.ndim == len(self.input_shape) + 1 and len(xs) > 0
         try:
             _, length = self.check_input(xs[0]) if ok else (None, 0)
@@ -198,6 +258,8 @@ class EngineConfig:
 
     def check_out(self, out) -> None:
         """InvalidInput unless out can take an answer in place."""
+        if self.named:
+            return tensors.check_named_out(self.output_specs, out)
         if not (type(out) is np.ndarray and out.shape == self.output_shape
                 and out.dtype == self.output_dtype and out.flags.c_contiguous
                 and out.flags.writeable):

@@ -116,10 +116,17 @@ class Segment:
         if header_only:
             return
         cfg = self.config
-        self.inputs = np.ndarray((self.capacity, *cfg.padded_shape), cfg.input_dtype,
-                                 buffer=mapping, offset=self.ring.field(ring.F_OFF_INPUT))
-        self.outputs = np.ndarray((self.capacity, *cfg.output_shape), cfg.output_dtype,
-                                  buffer=mapping, offset=self.ring.field(ring.F_OFF_OUTPUT))
+        # one region per tensor, inputs first: [capacity, *max_shape] of its dtype
+        regions = [np.ndarray((self.capacity, *t.max_shape), t.dtype, buffer=mapping,
+                              offset=self.ring.field(ring.F_OFF_TENSOR + k))
+                   for k, t in enumerate(cfg.input_specs + cfg.output_specs)]
+        n_in = len(cfg.input_specs)
+        self.input_regions = dict(zip((t.name for t in cfg.input_specs), regions[:n_in]))
+        self.output_regions = dict(zip((t.name for t in cfg.output_specs), regions[n_in:]))
+        # each input's real length along its variable dim, per slot (named tensors)
+        self.lengths = np.ndarray((self.capacity, n_in), np.uint32, buffer=mapping,
+                                  offset=self.ring.field(ring.F_OFF_LENGTHS))
+        self.inputs, self.outputs = regions[0], regions[n_in]  # the single-array form's
         self.output_shape, self.output_dtype = tuple(cfg.output_shape), np.dtype(cfg.output_dtype)
         # the READY bitmaps (a hint for the batcher's scan; the C owns them: for reading)
         self.ready_words = np.ndarray((cfg.priority_levels, -(-self.capacity // 64)), np.uint64,
@@ -133,8 +140,9 @@ class Segment:
         """Creates the segment (owner-only) and takes its lock; a crashed
         engine's segment of the same name is removed first, a live one refused."""
         name = segment_name(config.name)
-        size = ring.layout_bytes(config.queue_capacity, config.input_slot_bytes,
-                                 config.output_slot_bytes, config.in_place, config.priority_levels)
+        n_in = len(config.input_specs)
+        size = ring.layout_bytes(config.queue_capacity, n_in, config.slot_bytes,
+                                 config.in_place, config.priority_levels)
         if size == 0:
             raise ValueError(f"an engine of {config.queue_capacity} slots of "
                              f"{config.input_slot_bytes} B input is too large")
@@ -162,9 +170,9 @@ class Segment:
                                       f"({os.strerror(e.errno)}); nothing was left behind") from None
             mapping = _map(shm.fd, size)
             raw = ring.Ring(mapping)
-            code = raw.init(size, config.queue_capacity, config.max_batch_size,
-                            config.input_slot_bytes, config.output_slot_bytes, config.in_place,
-                            config.priority_levels, secrets.randbits(64))
+            code = raw.init(size, config.queue_capacity, config.max_batch_size, n_in,
+                            config.slot_bytes, config.in_place, config.priority_levels,
+                            secrets.randbits(64))
             off = raw.field(ring.F_OFF_CONFIG)
             blob = config.to_json()
             if code != ring.OK or len(blob) > ring.CONFIG_BYTES:
@@ -229,6 +237,10 @@ class Segment:
     def engine_state(self) -> int:
         return int(self._words[ring.W_ENGINE_STATE])
 
+    def epoch(self) -> int:
+        """The epoch whose batchers serve (a reload moves it on; see batcher.run)."""
+        return int(self._words[ring.W_EPOCH])
+
     def mark_batch(self, instance: int, claim_ns: int) -> None:
         """Says when the batch that batcher `instance` serves was claimed (0:
         none), for the supervisor's watchdog; a plain aligned store, no C call."""
@@ -265,7 +277,8 @@ class Segment:
         """Unmaps (views must be dropped first) and closes the fd (and its lock)."""
         if self._shm is None:
             return
-        self.inputs = self.outputs = self._words = self.ready_words = None
+        self.inputs = self.outputs = self._words = self.ready_words = self.lengths = None
+        self.input_regions = self.output_regions = None
         self._close_mapping()
         self._shm.close_fd()
         self._shm = None

@@ -50,9 +50,11 @@ def pingpong_floor_ns(rounds: int = 5000, spin_ns: int = 0) -> np.ndarray:
     return out[:done]
 
 
-def layout_bytes(capacity: int, input_slot_bytes: int, output_slot_bytes: int,
-                 in_place: bool, levels: int = 1) -> int:
-    return lib.sb_layout_bytes(capacity, input_slot_bytes, output_slot_bytes, in_place, levels)
+def layout_bytes(capacity: int, inputs: int, slot_bytes, in_place: bool, levels: int = 1) -> int:
+    """The segment's size for tensors of slot_bytes each (the first `inputs`
+    of them inputs); 0 if the C refuses the layout."""
+    table = ffi.new("uint64_t[]", [int(b) for b in slot_bytes])
+    return lib.sb_layout_bytes(capacity, len(slot_bytes), inputs, table, in_place, levels)
 
 
 def _ptr(array: np.ndarray, ctype: str):
@@ -89,10 +91,11 @@ class Ring:
         ffi.release(self._base_buf)
 
     # -- setup ------------------------------------------------------------
-    def init(self, total_bytes, capacity, max_batch, in_bytes, out_bytes, in_place, levels,
+    def init(self, total_bytes, capacity, max_batch, inputs, slot_bytes, in_place, levels,
              incarnation):
-        return lib.sb_init(self.base, total_bytes, capacity, max_batch,
-                           in_bytes, out_bytes, in_place, levels, incarnation)
+        table = ffi.new("uint64_t[]", [int(b) for b in slot_bytes])
+        return lib.sb_init(self.base, total_bytes, capacity, max_batch, len(slot_bytes),
+                           inputs, table, in_place, levels, incarnation)
 
     def validate(self, mapped_bytes: int) -> int:
         return lib.sb_validate(self.base, mapped_bytes)

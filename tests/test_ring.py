@@ -51,8 +51,8 @@ def test_segment_is_owner_only_and_named_for_the_engine(segment):
 def test_an_output_of_the_input_spec_overwrites_its_input_row(segment):
     r = segment.ring  # float32[4] in and out
     assert r.field(ring.F_IN_PLACE) == 1 and segment.in_place
-    assert r.field(ring.F_OFF_OUTPUT) == r.field(ring.F_OFF_INPUT)
-    assert r.field(ring.F_TOTAL_BYTES) >= r.field(ring.F_OFF_INPUT) + 64 * 16
+    assert r.field(ring.F_OFF_TENSOR + 1) == r.field(ring.F_OFF_TENSOR)
+    assert r.field(ring.F_TOTAL_BYTES) >= r.field(ring.F_OFF_TENSOR) + 64 * 16
     assert np.shares_memory(segment.inputs[3], segment.outputs[3])
     assert r.validate(r.field(ring.F_TOTAL_BYTES) - 1) == ring.ECORRUPT
 
@@ -63,10 +63,36 @@ def test_an_output_of_another_spec_gets_its_own_aligned_region():
     try:
         r = seg.ring
         assert r.field(ring.F_IN_PLACE) == 0 and not seg.in_place
-        assert r.field(ring.F_OFF_INPUT) % 4096 == 0 and r.field(ring.F_OFF_OUTPUT) % 4096 == 0
-        assert r.field(ring.F_OFF_OUTPUT) >= r.field(ring.F_OFF_INPUT) + 64 * 16
-        assert r.field(ring.F_TOTAL_BYTES) >= r.field(ring.F_OFF_OUTPUT) + 64 * 12
+        off_in, off_out = r.field(ring.F_OFF_TENSOR), r.field(ring.F_OFF_TENSOR + 1)
+        assert off_in % 4096 == 0 and off_out % 4096 == 0
+        assert off_out >= off_in + 64 * 16
+        assert r.field(ring.F_TOTAL_BYTES) >= off_out + 64 * 12
         assert r.validate(r.field(ring.F_TOTAL_BYTES) - 1) == ring.ECORRUPT
+    finally:
+        seg.unlink()
+        seg.close()
+
+
+def test_named_tensors_get_one_aligned_region_each_inputs_first():
+    config = EngineConfig(name=unique_name("ring-named"),
+                          inputs={"ids": ("int64", (None,)), "pixel": ("uint8", (3, 5))},
+                          max_input_shapes={"ids": (7,)},
+                          outputs={"logits": ("float32", (2,)), "emb": ("float16", (9,))},
+                          queue_capacity=64)
+    seg = Segment.create(config)
+    try:
+        r = seg.ring
+        assert (r.field(ring.F_TENSORS), r.field(ring.F_INPUTS)) == (4, 2)
+        offsets = [r.field(ring.F_OFF_TENSOR + t) for t in range(4)]
+        rows = [7 * 8, 15, 2 * 4, 9 * 2]
+        assert [r.field(ring.F_TENSOR_BYTES + t) for t in range(4)] == rows
+        for t in range(3):  # each region aligned, after the whole of the one before it
+            assert offsets[t] % 4096 == 0 and offsets[t + 1] >= offsets[t] + 64 * rows[t]
+        assert r.field(ring.F_TOTAL_BYTES) >= offsets[3] + 64 * rows[3]
+        assert seg.input_regions["ids"].shape == (64, 7) and seg.input_regions["ids"].dtype == np.int64
+        assert seg.output_regions["emb"].shape == (64, 9)
+        assert seg.lengths.shape == (64, 2)
+        assert r.validate(r.field(ring.F_TOTAL_BYTES)) == ring.OK
     finally:
         seg.unlink()
         seg.close()
