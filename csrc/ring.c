@@ -1022,21 +1022,66 @@ uint32_t sb_claim_slots(void *base, uint32_t batcher, const uint32_t *want,
 
 static int by_level_arrival(const void *a, const void *b)
 {
-	const uint64_t *x = a, *y = b; /* {level, arrival_ns, slot} triples */
+	const uint64_t *x = a, *y = b; /* {level, arrival_ns, slot, bucket} */
 	for (int f = 0; f < 3; f++)
 		if (x[f] != y[f])
 			return x[f] < y[f] ? -1 : 1;
 	return 0;
 }
 
+static uint32_t length_bucket(const sb_shape *shape, uint32_t length)
+{
+	uint32_t b = 0;
+	while (b + 1 < shape->buckets && length > shape->bound[b])
+		b++;
+	return b;
+}
+
+/* With a shape: the bucket to claim from (SB_MAX_BUCKETS: none is full or
+ * due), its entries moved to the front of scratch (*count of them). */
+static uint32_t pick_bucket(const sb_shape *shape, uint64_t *scratch, uint32_t k,
+			    uint32_t flush_n, uint64_t cutoff_ns, uint32_t *count)
+{
+	uint32_t n[SB_MAX_BUCKETS] = {0}, pick = SB_MAX_BUCKETS;
+	uint32_t buckets = shape->buckets ? shape->buckets : 1;
+	uint64_t oldest[SB_MAX_BUCKETS], first[SB_MAX_BUCKETS][2]; /* {level, arrival} */
+	for (uint32_t j = 0; j < k; j++) {
+		const uint64_t *e = scratch + 4 * j;
+		uint32_t b = (uint32_t)e[3];
+		if (n[b]++ == 0 || e[1] < oldest[b])
+			oldest[b] = e[1];
+		if (n[b] == 1 || e[0] < first[b][0] || (e[0] == first[b][0] && e[1] < first[b][1])) {
+			first[b][0] = e[0];
+			first[b][1] = e[1];
+		}
+	}
+	for (uint32_t b = 0; b < buckets; b++) {
+		uint32_t full = shape->buckets && shape->most[b] < flush_n ? shape->most[b] : flush_n;
+		if (n[b] == 0 || (n[b] < full && oldest[b] > cutoff_ns))
+			continue;
+		if (pick == SB_MAX_BUCKETS || first[b][0] < first[pick][0] ||
+		    (first[b][0] == first[pick][0] && first[b][1] < first[pick][1]))
+			pick = b;
+	}
+	*count = 0;
+	if (pick == SB_MAX_BUCKETS)
+		return pick;
+	for (uint32_t j = 0; j < k; j++)
+		if (scratch[4 * j + 3] == pick)
+			memmove(scratch + 4 * (*count)++, scratch + 4 * j, 4 * sizeof(uint64_t));
+	return pick;
+}
+
 uint32_t sb_claim(void *base, uint32_t batcher, uint32_t max_n, uint32_t flush_n,
-		  uint64_t cutoff_ns, uint64_t expire_ns, uint64_t *scratch,
-		  uint32_t *slots, uint32_t *gens, uint32_t *lengths, uint64_t *report)
+		  uint64_t cutoff_ns, uint64_t expire_ns, const sb_shape *shape,
+		  uint64_t *scratch, uint32_t *slots, uint32_t *gens, uint32_t *lengths,
+		  uint64_t *report)
 {
 	struct ready_iter it = READY_ITER;
-	uint32_t k = 0, claimed = 0, expired = 0;
+	uint32_t k = 0, claimed = 0, expired = 0, bucket = 0;
 	uint64_t oldest = UINT64_MAX, now = sb_now_ns();
 	report[SB_R_CLAIM_NS] = 0;
+	report[SB_R_BUCKET] = 0;
 	for (uint32_t slot; (slot = next_ready(base, &it)) != NO_SLOT;) {
 		const sb_slot_meta *m = meta_at(base, slot);
 		uint64_t deadline = m->deadline_ns;
@@ -1044,29 +1089,44 @@ uint32_t sb_claim(void *base, uint32_t batcher, uint32_t max_n, uint32_t flush_n
 			expired += expire_one(base, slot, now);
 			continue;
 		}
-		scratch[3 * k] = it.level;
-		scratch[3 * k + 1] = m->arrival_ns;
-		scratch[3 * k + 2] = slot;
+		uint64_t *e = scratch + 4 * k++;
+		e[0] = it.level;
+		e[1] = m->arrival_ns;
+		e[2] = slot;
+		e[3] = shape && shape->buckets ? length_bucket(shape, m->length) : 0;
 		if (m->arrival_ns < oldest)
 			oldest = m->arrival_ns;
-		k++;
 	}
 	if (expired)
 		bump_done_seq(hdr(base)); /* their waiters may sleep on done_seq */
 	report[SB_R_READY] = k;
 	report[SB_R_OLDEST_NS] = oldest;
 	report[SB_R_EXPIRED] = expired;
-	if (batcher > SB_BATCHER_MASK || max_n == 0 || k == 0 ||
-	    (k < flush_n && oldest > cutoff_ns))
-		return 0; /* nothing, or the flush rule says not yet */
-	if (k > max_n) { /* more ready than fit: the most urgent, then the oldest */
-		qsort(scratch, k, 3 * sizeof(uint64_t), by_level_arrival);
-		k = max_n;
+	if (batcher > SB_BATCHER_MASK || max_n == 0 || k == 0)
+		return 0;
+	uint32_t n = k; /* how many to claim, of the k eligible */
+	if (!shape) {
+		if (k < flush_n && oldest > cutoff_ns)
+			return 0; /* the flush rule says not yet */
+		if (n > max_n)
+			n = max_n;
+	} else {
+		bucket = pick_bucket(shape, scratch, k, flush_n, cutoff_ns, &k);
+		if (bucket == SB_MAX_BUCKETS)
+			return 0; /* no bucket is full or due yet */
+		uint32_t most = shape->buckets && shape->most[bucket] < max_n
+			? shape->most[bucket] : max_n;
+		n = k < most ? k : most;
+		if (shape->takes && n < shape->takes)
+			n = shape->take[n];
 	}
-	for (uint32_t j = 0; j < k; j++)
-		claimed = claim_one(base, batcher, (uint32_t)scratch[3 * j + 2], now, slots,
+	if (n < k) /* more eligible than taken: the most urgent, then the oldest */
+		qsort(scratch, k, 4 * sizeof(uint64_t), by_level_arrival);
+	for (uint32_t j = 0; j < n; j++)
+		claimed = claim_one(base, batcher, (uint32_t)scratch[4 * j + 2], now, slots,
 				    gens, lengths, claimed);
 	report[SB_R_CLAIM_NS] = now;
+	report[SB_R_BUCKET] = bucket;
 	return claimed;
 }
 

@@ -147,6 +147,7 @@
 #define SB_MAX_PRIORITIES 8
 #define SB_MAX_TENSORS 16
 #define SB_MAX_BUCKETS 16
+#define SB_MAX_TAKE 1024
 #define SB_HIST_BUCKETS 128
 
 /* the control word's fields (drawn above) that Python reads too */
@@ -345,20 +346,37 @@ uint32_t sb_scan(const void *base, uint32_t max_out, uint32_t *slots,
 uint32_t sb_claim_slots(void *base, uint32_t batcher, const uint32_t *want,
 			uint32_t n, uint64_t claim_ns, uint32_t *slots,
 			uint32_t *gens, uint32_t *lengths);
+/* The shapes a batch may take, as the caller's policy hands them to the
+ * claim: length buckets (a request of length L is in the first bucket b
+ * with L <= bound[b]; a batch holds one bucket, at most most[b] requests)
+ * and a take table (of r eligible requests, r <= max_n <= takes - 1, claim
+ * the take[r] most urgent, oldest first: the allowed batch sizes' rule). */
+typedef struct {
+	uint32_t buckets;               /* 0: no buckets (one, unbounded) */
+	uint32_t bound[SB_MAX_BUCKETS];
+	uint32_t most[SB_MAX_BUCKETS];
+	uint32_t takes;                 /* 0: no table (take all r) */
+	uint32_t take[SB_MAX_TAKE + 1];
+} sb_shape;
 /* Both steps in one call for the flush rule's thresholds (the fast path):
  * first fails, unstarted, every READY request whose deadline is before
  * expire_ns (SB_STATUS_EXPIRED); then, if at least flush_n are READY or the
  * oldest of any level arrived at or before cutoff_ns, claims up to max_n of
- * them, most urgent level first, oldest first within it (scratch: 3 *
- * capacity u64), else none. Returns how many it claimed; report[SB_R_*]
- * says when and what it saw. */
+ * them, most urgent level first, oldest first within it (scratch: 4 *
+ * capacity u64), else none. With a shape (NULL: none), the test and the
+ * count are per bucket: of the buckets that hold min(flush_n, most[b]) or
+ * one due request, the one holding the most urgent, oldest request is
+ * claimed, at most min(max_n, most[b]) of it, as the take table says.
+ * Returns how many it claimed; report[SB_R_*] says when and what it saw. */
 #define SB_R_CLAIM_NS 0
 #define SB_R_READY 1
 #define SB_R_OLDEST_NS 2
 #define SB_R_EXPIRED 3
+#define SB_R_BUCKET 4
 uint32_t sb_claim(void *base, uint32_t batcher, uint32_t max_n, uint32_t flush_n,
-		  uint64_t cutoff_ns, uint64_t expire_ns, uint64_t *scratch,
-		  uint32_t *slots, uint32_t *gens, uint32_t *lengths, uint64_t *report);
+		  uint64_t cutoff_ns, uint64_t expire_ns, const sb_shape *shape,
+		  uint64_t *scratch, uint32_t *slots, uint32_t *gens, uint32_t *lengths,
+		  uint64_t *report);
 uint32_t sb_complete(void *base, uint32_t batcher, const uint32_t *slots,
 		     const uint32_t *gens, uint32_t n, uint32_t status,
 		     const char *msg, uint32_t msg_len);

@@ -28,7 +28,7 @@ from multiprocessing.connection import Connection
 import numpy as np
 
 from engine import admission, aimd, backends, liveness, policy, ring
-from engine.config import describe, shape_text
+from engine.tensors import describe, shape_text
 from engine.layout import Segment
 
 # The idle wait has no flush timer; this bound only lets a batcher notice a
@@ -69,11 +69,26 @@ class Batcher:
         self.batches = 0
         self.expire_lead_ns = 0  # the fit's fixed cost: less time than that left is too little
         self.var_axis = cfg.var_axis
+        self.var_bound = cfg.padded_shape[cfg.var_axis] if cfg.var_axis is not None else 0
         self.out_shape = tuple(cfg.output_shape)
         self.out_dtype = np.dtype(cfg.output_dtype)
-        # preallocated once: the claim buffers and the gather buffer
+        self.named = cfg.named
+        self.out_specs = cfg.output_specs
+        self.var_inputs = [(t, s) for t, s in enumerate(cfg.input_specs) if s.var_axis is not None]
+        # the batch shapes a compiled model wants (None: any size, the longest length)
+        top = max((s.max_shape[s.var_axis] for _, s in self.var_inputs), default=None)
+        self.shapes = policy.BatchShapes.of(cfg.max_batch_size, cfg.allowed_batch_sizes,
+                                            cfg.length_buckets, cfg.max_batch_tokens, top)
+        self.allowed = cfg.allowed_batch_sizes
+        # preallocated once: the claim buffers and the gather buffers
         self.claimed = ring.ClaimBuffers(segment.capacity, cfg.max_batch_size)
-        self.gather_buffer = np.zeros((cfg.max_batch_size, *cfg.padded_shape), cfg.input_dtype)
+        if self.shapes is not None:
+            self.claimed.set_shape(self.shapes.bounds, self.shapes.most,
+                                   self.shapes.take(cfg.max_batch_size))
+        rows = max((cfg.max_batch_size, *(self.allowed or ())))
+        self.gather_buffer = np.zeros((rows, *cfg.padded_shape), cfg.input_dtype)
+        self.gather_buffers = {s.name: np.zeros((rows, *s.max_shape), s.dtype)
+                               for s in cfg.input_specs} if self.named else {}
 
     def run(self) -> None:
         """Serves until the engine is STOPPED and nothing is left to serve, or
@@ -116,13 +131,11 @@ class Batcher:
         or, with isolate_failures, only the requests that fail alone."""
         self.seg.mark_batch(self.instance, claim_ns)
         slots = self.claimed.slots[:n]
-        batch, contiguous = self.gather(slots)
         try:
-            out = self.check(self.call(batch, self.claimed.lengths, n), n)
-            self.scatter(slots, batch, out, contiguous)
+            contiguous = self.compute(slots, self.claimed.lengths[:n], self.claimed.bucket)
             status, message = ring.STATUS_OK, b""
         except Exception as e:
-            status, message = ring.STATUS_BACKEND, _message(e)
+            status, message, contiguous = ring.STATUS_BACKEND, _message(e), False
         if status != ring.STATUS_OK and self.isolate and n > 1:
             self.isolate_failures(np.arange(n), message)
         else:
@@ -131,6 +144,20 @@ class Batcher:
         self.ring.finish_batch(self.claimed, n, claim_ns, done_ns, contiguous)
         self.seg.mark_batch(self.instance, 0)
         self.learn(n, done_ns - claim_ns)
+
+    def compute(self, slots: np.ndarray, lengths: np.ndarray, bucket: int) -> bool:
+        """Gather, call, check and scatter for these slots (a batch or part of
+        one); returns whether the batch was a view of the rows (zero copy)."""
+        rows = policy.pad_size(len(slots), self.allowed)
+        if self.named:
+            batch, contiguous = self.gather_named(slots, rows)
+            out = self.check_named(self.call_named(batch, slots, rows, bucket), rows)
+            self.scatter_named(slots, out, contiguous)
+            return contiguous
+        batch, contiguous = self.gather(slots, rows)
+        out = self.check(self.call(batch, lengths, rows, bucket), rows)
+        self.scatter(slots, batch, out[:len(slots)] if rows > len(slots) else out, contiguous)
+        return contiguous
 
     def learn(self, n: int, service_ns: int) -> None:
         """Feeds the batch's service time to the fit that admission reads and,
@@ -157,12 +184,9 @@ class Batcher:
             return
         for half in np.array_split(failed, 2):
             self.ring.add_word(ring.W_RETRY_CALLS)
-            slots = self.claimed.slots[half]
             try:
-                batch = np.take(self.seg.inputs, slots, axis=0, out=self.gather_buffer[:len(half)],
-                                mode="clip")
-                out = self.check(self.call(batch, self.claimed.lengths[half], len(half)), len(half))
-                self.seg.outputs[slots] = out
+                self.compute(self.claimed.slots[half], self.claimed.lengths[half],
+                             self.claimed.bucket)
             except Exception as e:
                 self.isolate_failures(half, _message(e))
                 continue
@@ -172,24 +196,35 @@ class Batcher:
         self.ring.complete_some(self.instance, self.claimed.slots[positions],
                                 self.claimed.gens[positions], status, message)
 
-    def gather(self, slots: np.ndarray):
+    # -- the single-array form ----------------------------------------------------
+    def gather(self, slots: np.ndarray, rows: int):
         """(batch, contiguous): a view of the input rows when the slots are one
-        contiguous run, else a copy of them into the gather buffer."""
+        contiguous run, else a copy of them into the gather buffer (then, with
+        allowed batch sizes, zero rows up to `rows`)."""
         first, n = int(slots[0]), len(slots)
-        if int(slots[-1]) - first == n - 1:
+        if int(slots[-1]) - first == n - 1 and rows == n:
             return self.seg.inputs[first:first + n], True
         # mode="clip": the slots are in range, and "raise" would buffer the copy (~4x slower)
-        return np.take(self.seg.inputs, slots, axis=0, out=self.gather_buffer[:n], mode="clip"), False
+        np.take(self.seg.inputs, slots, axis=0, out=self.gather_buffer[:n], mode="clip")
+        self.gather_buffer[n:rows] = 0
+        return self.gather_buffer[:rows], False
 
-    def call(self, batch: np.ndarray, lengths: np.ndarray, n: int):
-        """The backend on the batch (with a variable dim: cut to the longest
-        request, and the real lengths, lengths[:n])."""
+    def call(self, batch: np.ndarray, lengths: np.ndarray, rows: int, bucket: int):
+        """The backend on the batch (with a variable dim: cut to the bucket's
+        bound or the longest request, and the real lengths, 0 for padding rows)."""
         if self.var_axis is None:
             return self.fn(batch)
-        lengths = lengths[:n].astype(np.int64)
+        n = len(lengths)
+        real = np.zeros(rows, np.int64)
+        real[:n] = lengths
         index = [slice(None)] * batch.ndim
-        index[self.var_axis + 1] = slice(0, int(lengths.max()))
-        return self.fn(batch[tuple(index)], lengths)
+        index[self.var_axis + 1] = slice(0, self._cut(bucket, int(real.max()), self.var_bound))
+        return self.fn(batch[tuple(index)], real)
+
+    def _cut(self, bucket: int, longest: int, bound: int) -> int:
+        if self.shapes is None:
+            return longest
+        return min(bound, self.shapes.padded_length(bucket, longest))
 
     def scatter(self, slots: np.ndarray, batch: np.ndarray, out: np.ndarray, contiguous: bool) -> None:
         """Each answer into its request's output row, by position."""
@@ -206,17 +241,78 @@ class Batcher:
         if (type(result) is np.ndarray and result.dtype == self.out_dtype
                 and result.shape == (n, *self.out_shape)):
             return result  # the common case, checked cheaply
-        try:
-            out = np.asarray(result)
-        except Exception as e:
-            raise BadResult(f"backend result is not an array ({type(e).__name__}: {e})") from None
-        want = (n, *self.out_shape)
-        if out.shape != want:
-            raise BadResult(f"expected {self.out_dtype}{shape_text(want)} (one row per "
-                            f"request), got {describe(out)}")
-        if not np.can_cast(out.dtype, self.out_dtype, casting="same_kind"):
-            raise BadResult(f"expected {self.out_dtype}{shape_text(want)}, got {describe(out)}")
-        return out
+        return _checked(result, n, self.out_dtype, self.out_shape, "")
+
+    # -- named tensors ------------------------------------------------------------
+    def gather_named(self, slots: np.ndarray, rows: int):
+        """({name: batch}, contiguous), each tensor as gather() does it."""
+        first, n = int(slots[0]), len(slots)
+        if int(slots[-1]) - first == n - 1 and rows == n:
+            return {name: region[first:first + n]
+                    for name, region in self.seg.input_regions.items()}, True
+        batch = {}
+        for name, region in self.seg.input_regions.items():
+            buffer = self.gather_buffers[name]
+            np.take(region, slots, axis=0, out=buffer[:n], mode="clip")
+            buffer[n:rows] = 0
+            batch[name] = buffer[:rows]
+        return batch, False
+
+    def call_named(self, batch: dict, slots: np.ndarray, rows: int, bucket: int):
+        """The backend on {name: batch}; with variable dims each such tensor is
+        cut (as call() does) and {name: real lengths} passed too."""
+        if not self.var_inputs:
+            return self.fn(batch)
+        lengths = {}
+        per_slot = self.seg.lengths[slots]  # (n, inputs): copied, the rows may be reused
+        for t, spec in self.var_inputs:
+            real = np.zeros(rows, np.int64)
+            real[:len(slots)] = per_slot[:, t]
+            index = [slice(None)] * (len(spec.shape) + 1)
+            axis_bound = spec.max_shape[spec.var_axis]
+            index[spec.var_axis + 1] = slice(0, self._cut(bucket, int(real.max()), axis_bound))
+            batch[spec.name] = batch[spec.name][tuple(index)]
+            lengths[spec.name] = real
+        return self.fn(batch, lengths)
+
+    def check_named(self, result, n: int) -> dict:
+        """result as {output name: n rows of its spec}, or BadResult."""
+        if not isinstance(result, dict):
+            raise BadResult(f"expected a dict of outputs {list(self.seg.output_regions)}, got "
+                            f"{type(result).__name__}")
+        missing = [s.name for s in self.out_specs if s.name not in result]
+        if missing:
+            raise BadResult(f"expected outputs {[s.name for s in self.out_specs]}, got "
+                            f"{sorted(result, key=str)} (missing {missing})")
+        return {s.name: _checked(result[s.name], n, np.dtype(s.dtype), s.shape, s.name)
+                for s in self.out_specs}
+
+    def scatter_named(self, slots: np.ndarray, out: dict, contiguous: bool) -> None:
+        n = len(slots)
+        for name, region in self.seg.output_regions.items():
+            if contiguous:
+                first = int(slots[0])
+                region[first:first + n] = out[name][:n]
+            else:
+                region[slots] = out[name][:n]
+
+
+def _checked(result, n: int, dtype: np.dtype, shape, name: str) -> np.ndarray:
+    """result as n rows of (dtype, shape), or BadResult saying what came."""
+    where = f"output {name!r}: " if name else ""
+    if type(result) is np.ndarray and result.dtype == dtype and result.shape == (n, *shape):
+        return result
+    try:
+        out = np.asarray(result)
+    except Exception as e:
+        raise BadResult(f"{where}backend result is not an array ({type(e).__name__}: {e})") from None
+    want = (n, *shape)
+    if out.shape != want:
+        raise BadResult(f"{where}expected {dtype}{shape_text(want)} (one row per "
+                        f"request), got {describe(out)}")
+    if not np.can_cast(out.dtype, dtype, casting="same_kind"):
+        raise BadResult(f"{where}expected {dtype}{shape_text(want)}, got {describe(out)}")
+    return out
 
 
 def main(name: str, instance: int, backend, backend_args: dict, cpus, gpu, conn,

@@ -294,6 +294,8 @@ class Client:
             except BaseException:
                 r.cancel(slot, gen)
                 raise
+            if seg.named:  # the request's length, for buckets: its longest input
+                length = max(length)
             code = r.publish(slot, gen, length, deadline or 0, priority)
         if code != ring.OK:
             raise EngineUnavailable(f"cannot enqueue on engine {self.name!r} (code {code}: the "
@@ -362,14 +364,13 @@ class Client:
 
     @staticmethod
     def _write_row(seg, slot, array, length) -> None:
-        row = seg.inputs[slot]
-        var_axis = seg.config.var_axis
-        if var_axis is None:
-            row[...] = array
-        else:  # zero the padding, so the batch needs no per-request fill
-            head = (slice(None),) * var_axis
-            row[head + (slice(0, length),)] = array
-            row[head + (slice(length, None),)] = 0
+        if seg.named:  # array: {name: array}; length: each input's real length
+            for t, spec in enumerate(seg.config.input_specs):
+                _write(seg.input_regions[spec.name][slot], array[spec.name], spec.var_axis,
+                       length[t])
+                seg.lengths[slot, t] = length[t]
+            return
+        _write(seg.inputs[slot], array, seg.config.var_axis, length)
 
     def _segment(self) -> Segment:
         """The running engine's segment; re-attaches after a restart of the engine."""
@@ -405,7 +406,10 @@ class Client:
         out or a new array) and frees the slot; without, leaves it in the slot
         and returns None. Errors free the slot and raise."""
         r = seg.ring
-        if out is None and take:
+        named, take_named = seg.named and take, False
+        if named:  # outputs copied below, one per tensor: wait, then take
+            take_named, take = True, False
+        elif out is None and take:
             out = np.empty(seg.output_shape, seg.output_dtype)
 
         def wait_slice(slice_ns: int) -> int:
@@ -428,6 +432,8 @@ class Client:
                 if waiting.give_up(seg, slot, gen, error) is not None:
                     raise error
                 code = wait_slice(0)  # answered at the last instant: take it
+        if take_named and code == ring.OK:
+            code, out = waiting.take_named(seg, slot, gen, out)
         if code == ring.OK:
             return out
         raise waiting.failed(seg, slot, gen, code)
@@ -439,6 +445,17 @@ class Client:
                 self._completer.start()
             return self._completer
 
+
+
+def _write(row: np.ndarray, array: np.ndarray, var_axis, length: int) -> None:
+    """One input into its row; with a variable dim, the padding zeroed (so a
+    batch needs no per-request fill)."""
+    if var_axis is None:
+        row[...] = array
+    else:
+        head = (slice(None),) * var_axis
+        row[head + (slice(0, length),)] = array
+        row[head + (slice(length, None),)] = 0
 
 
 def _after_fork_in_child() -> None:

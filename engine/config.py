@@ -139,6 +139,9 @@ class EngineConfig:
         """allowed_batch_sizes, length_buckets and max_batch_tokens, validated."""
         if self.allowed_batch_sizes is not None:
             sizes = tuple(sorted({int(n) for n in self.allowed_batch_sizes}))
+            if int(self.max_batch_size) > ring.MAX_TAKE:
+                raise ValueError(f"allowed_batch_sizes needs max_batch_size <= {ring.MAX_TAKE}, "
+                                 f"got {self.max_batch_size}")
             if not sizes or sizes[0] < 1 or sizes[-1] > int(self.max_batch_size):
                 raise ValueError(f"allowed_batch_sizes must be sizes in 1..max_batch_size "
                                  f"({self.max_batch_size}), got {list(self.allowed_batch_sizes)}")

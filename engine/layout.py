@@ -131,7 +131,8 @@ class Segment:
         # the READY bitmaps (a hint for the batcher's scan; the C owns them: for reading)
         self.ready_words = np.ndarray((cfg.priority_levels, -(-self.capacity // 64)), np.uint64,
                                       buffer=mapping, offset=self.ring.field(ring.F_OFF_READY))
-        self.fixed_shape = cfg.var_axis is None  # inputs go into their row as they are
+        self.named = cfg.named  # requests and answers are dicts of arrays
+        self.fixed_shape = cfg.var_axis is None and not cfg.named  # one row, as it is
         self.admit_by_deadline = cfg.admission == "deadline"  # read per request
         self.in_place = bool(self.ring.field(ring.F_IN_PLACE))  # outputs is inputs
 

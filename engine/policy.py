@@ -12,6 +12,14 @@ The batcher applies the rule in C, in one pass and one call per batch
 plain arrays: what a policy that must see the ready list in Python builds on
 (ring.scan and ring.claim_slots), and the rule's specification in the tests,
 which check the C claim against it.
+
+BatchShapes are the shapes a compiled model wants, as thresholds the C claim
+applies in the same pass: length buckets (a batch holds one bucket; with
+max_batch_tokens, at most tokens // bound of it) and allowed batch sizes.
+Allowed sizes' rule: of r ready, claim r and pad up to the next allowed size,
+unless rounding down to the allowed size below leaves fewer requests waiting
+than rounding up would add padding rows; then claim that size now (the rest
+go with the next batch, which by then has company).
 """
 import dataclasses
 from typing import Optional
@@ -64,3 +72,59 @@ class FlushRule:
             priority = np.zeros(n, np.int64)
         order = np.lexsort((np.arange(n), arrival_ns, priority))  # ties: the lower slot first
         return Decision(order[:max_n], 0)
+
+
+def pad_size(n: int, allowed) -> int:
+    """The batch size the backend sees for n requests: the smallest allowed
+    size >= n (n itself without allowed sizes)."""
+    if not allowed:
+        return n
+    return next((a for a in allowed if a >= n), allowed[-1])
+
+
+def take_table(allowed, max_n: int) -> list:
+    """take[r] for r = 0..max_n: how many of r eligible requests to claim
+    (see the module's rule); [] without allowed sizes."""
+    if not allowed:
+        return []
+    take = []
+    for r in range(max_n + 1):
+        if r >= allowed[-1]:
+            take.append(allowed[-1])
+            continue
+        up = pad_size(r, allowed)
+        down = max((a for a in allowed if a <= r), default=None)
+        take.append(down if down is not None and r - down < up - r else r)
+    return take
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchShapes:
+    """bounds: length bucket bounds (ascending; () none); most[b]: at most so
+    many requests in a batch of bucket b; allowed: allowed batch sizes;
+    fixed: batches are padded to their bucket's bound (length buckets), not
+    to their longest request (max_batch_tokens alone: one bucket)."""
+    bounds: tuple = ()
+    most: tuple = ()
+    allowed: tuple = ()
+    fixed: bool = False
+
+    @classmethod
+    def of(cls, max_batch: int, allowed=None, buckets=None, max_tokens=None,
+           top: Optional[int] = None) -> Optional["BatchShapes"]:
+        """The shapes of an engine's knobs (top: the largest variable bound);
+        None when there are none (the claim's fast path)."""
+        if not allowed and not buckets and not max_tokens:
+            return None
+        bounds = tuple(buckets or ((top,) if max_tokens else ()))
+        most = tuple(max(1, min(max_batch, max_tokens // b)) if max_tokens else max_batch
+                     for b in bounds)
+        return cls(bounds, most, tuple(allowed or ()), bool(buckets))
+
+    def take(self, max_n: int) -> list:
+        return take_table(self.allowed, max_n)
+
+    def padded_length(self, bucket: int, longest: int) -> int:
+        """Where a batch of bucket `bucket` is cut along the variable dim: the
+        bucket's bound (a fixed shape), or without buckets the longest request."""
+        return self.bounds[bucket] if self.fixed else longest

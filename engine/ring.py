@@ -70,11 +70,25 @@ class ClaimBuffers:
         self.slots = np.zeros(max_batch, np.uint32)
         self.gens = np.zeros(max_batch, np.uint32)
         self.lengths = np.zeros(max_batch, np.uint32)
-        self.scratch = np.zeros(3 * capacity, np.uint64)
+        self.scratch = np.zeros(4 * capacity, np.uint64)
         self.c_slots, self.c_gens = _ptr(self.slots, "uint32_t *"), _ptr(self.gens, "uint32_t *")
         self.c_lengths = _ptr(self.lengths, "uint32_t *")
         self.c_scratch = _ptr(self.scratch, "uint64_t *")
-        self.c_report = ffi.new("uint64_t[4]")
+        self.c_report = ffi.new("uint64_t[5]")
+        self.c_shape = ffi.NULL  # no batch shapes: the flush rule's count alone
+        self.bucket = 0  # the length bucket of the last claim (with a shape)
+
+    def set_shape(self, bounds=(), most=(), take=()) -> None:
+        """The batch shapes the claim may form (policy.BatchShapes): length
+        bucket bounds with at most most[b] requests a batch, and a take table."""
+        shape = ffi.new("sb_shape *")
+        shape.buckets = len(bounds)
+        for b, (bound, n) in enumerate(zip(bounds, most)):
+            shape.bound[b], shape.most[b] = bound, n
+        shape.takes = len(take)
+        for r, n in enumerate(take):
+            shape.take[r] = n
+        self.c_shape = shape
 
 
 class Ring:
@@ -252,9 +266,10 @@ class Ring:
         are READY or the oldest arrived by cutoff_ns; returns (claimed,
         claim_ns, ready, oldest_ns, expired)."""
         n = lib.sb_claim(self.base, batcher, max_n, flush_n, cutoff_ns, expire_ns,
-                         batch.c_scratch, batch.c_slots, batch.c_gens, batch.c_lengths,
-                         batch.c_report)
+                         batch.c_shape, batch.c_scratch, batch.c_slots, batch.c_gens,
+                         batch.c_lengths, batch.c_report)
         report = batch.c_report
+        batch.bucket = report[R_BUCKET]
         return n, report[R_CLAIM_NS], report[R_READY], report[R_OLDEST_NS], report[R_EXPIRED]
 
     def scan(self, slots: np.ndarray, arrival_ns: np.ndarray, lengths: np.ndarray,

@@ -112,15 +112,39 @@ def settle_now(seg, slot: int, gen: int, out: Optional[np.ndarray],
     abandoned and error returned (unless it was answered that instant);
     without, (False, None, None, None)."""
     r = seg.ring
-    if out is None:
-        out = np.empty(seg.output_shape, seg.output_dtype)
-    code, stamps = r.take_timed(slot, gen, out)
+    if seg.named:
+        def take():
+            code, answer = take_named(seg, slot, gen, out)
+            return code, None, answer  # no stamps: the fused take reads them
+    else:
+        if out is None:
+            out = np.empty(seg.output_shape, seg.output_dtype)
+        take = lambda: (*r.take_timed(slot, gen, out), out)  # noqa: E731
+    code, stamps, value = take()
     if code == ring.ETIMEOUT:
         if error is None:
             return False, None, None, None
         if give_up(seg, slot, gen, error) is not None:
             return True, None, error, None
-        code, stamps = r.take_timed(slot, gen, out)
+        code, stamps, value = take()
     if code == ring.OK:
-        return True, out, None, stamps
+        return True, value, None, stamps
     return True, None, failed(seg, slot, gen, code), None
+
+
+def take_named(seg, slot: int, gen: int, out: Optional[dict]):
+    """(code, answer) of a named-tensor ticket, without waiting: answered, a
+    dict of its outputs (copied into out's arrays, or new ones), the slot freed;
+    else the code (ETIMEOUT: not yet; EFAILED: the slot is left to failed())."""
+    code = seg.ring.wait_slot(slot, gen, 0, 0)
+    if code != ring.OK:
+        return code, None
+    answer = {}
+    for name, region in seg.output_regions.items():
+        if out is None:
+            answer[name] = region[slot].copy()
+        else:
+            answer[name] = out[name]
+            np.copyto(answer[name], region[slot])
+    seg.ring.release_slot(slot, gen)
+    return ring.OK, answer
