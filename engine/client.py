@@ -27,6 +27,7 @@ parent's.
 """
 import asyncio
 import concurrent.futures
+import functools
 import os
 import threading
 import weakref
@@ -267,7 +268,7 @@ class Client:
         return seg, array, length
 
     def _enqueue(self, x, deadline, out=None, priority=0):
-        seg, array, length = self._validated(x, out=out, priority=priority)
+        seg, array, length = self._validated(x, False, out, priority)
         r = seg.ring
         if priority:
             self._check_share(seg, priority)
@@ -276,6 +277,8 @@ class Client:
         if fused:  # one C call: admit, take, copy, publish
             code, slot, gen = r.submit(self._pid, self._start_ticks, array, length,
                                        deadline or 0, priority, admit)
+            if code == ring.OK:  # the common case: enqueued
+                return seg, slot, gen
         else:
             now_ns = ring.now_ns()
             wait_ns = r.predicted_wait_ns(priority, now_ns) if admit else 0
@@ -406,26 +409,25 @@ class Client:
         out or a new array) and frees the slot; without, leaves it in the slot
         and returns None. Errors free the slot and raise."""
         r = seg.ring
-        named, take_named = seg.named and take, False
-        if named:  # outputs copied below, one per tensor: wait, then take
-            take_named, take = True, False
-        elif out is None and take:
-            out = np.empty(seg.output_shape, seg.output_dtype)
-
-        def wait_slice(slice_ns: int) -> int:
-            started_ns = ring.now_ns()
-            if take:  # on OK: copied out and released in the same call
-                code = r.take(slot, gen, slice_ns, self._spin_ns, out)
-            else:
-                code = r.wait_slot(slot, gen, slice_ns, self._spin_ns)
-            self._spin_ns = SPIN_NS if ring.now_ns() - started_ns <= SPIN_NS else 0
-            return code
-
+        take_named = take and seg.named  # outputs copied one per tensor: wait, then take
+        if take_named:
+            into = None
+        elif take:
+            into = out = np.empty(seg.output_shape, seg.output_dtype) if out is None else out
+        else:
+            into = None
         # the common case, answered within the first slice, without the wait loop
-        first_ns = waiting.LIVENESS_SLICE_NS if deadline is None else deadline - ring.now_ns()
-        code = wait_slice(min(first_ns, waiting.LIVENESS_SLICE_NS)) if first_ns > 0 else ring.ETIMEOUT
+        # (and without a closure made per request: partials on the slow path only)
+        slice_ns = waiting.LIVENESS_SLICE_NS
+        if deadline is not None:
+            left_ns = deadline - ring.now_ns()
+            if left_ns < slice_ns:
+                slice_ns = left_ns
+        code = self._wait_slice(r, slot, gen, into, slice_ns) if slice_ns > 0 else ring.ETIMEOUT
         if code == ring.ETIMEOUT:
-            why, code = waiting.wait(wait_slice, lambda: waiting.engine_lives(seg), deadline)
+            wait_slice = functools.partial(self._wait_slice, r, slot, gen, into)
+            why, code = waiting.wait(wait_slice, functools.partial(waiting.engine_lives, seg),
+                                     deadline)
             if why != waiting.ANSWERED:
                 error = waiting.timed_out(timeout) if why == waiting.EXPIRED else \
                     waiting.engine_gone(self.name)
@@ -437,6 +439,18 @@ class Client:
         if code == ring.OK:
             return out
         raise waiting.failed(seg, slot, gen, code)
+
+    def _wait_slice(self, r, slot, gen, into, slice_ns: int) -> int:
+        """One C wait of at most slice_ns for the ticket; with into (an array),
+        on OK its answer is copied there and the slot freed in the same call.
+        Spins first only if the last wait ended within SPIN_NS."""
+        started_ns = ring.now_ns()
+        if into is not None:
+            code = r.take(slot, gen, slice_ns, self._spin_ns, into)
+        else:
+            code = r.wait_slot(slot, gen, slice_ns, self._spin_ns)
+        self._spin_ns = SPIN_NS if ring.now_ns() - started_ns <= SPIN_NS else 0
+        return code
 
     def _completer_for(self) -> futures.Completer:
         with self._lock:
