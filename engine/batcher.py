@@ -328,6 +328,11 @@ def main(name: str, instance: int, backend, backend_args: dict, cpus, gpu, conn,
             psutil.Process().cpu_affinity(list(cpus))
         segment = Segment.attach(name)
         fn = backends.resolve(backend)(**(backend_args or {}))
+        cfg = segment.config
+        if cfg.named and callable(getattr(fn, "check_tensors", None)):
+            # the backend says, before anything is served, whether the tensors fit it
+            fn.check_tensors({t.name: (t.dtype, t.shape) for t in cfg.input_specs},
+                             {t.name: (t.dtype, t.shape) for t in cfg.output_specs})
         batcher = Batcher(segment, instance, fn, epoch)
         pid = os.getpid()
         segment.ring.set_word(ring.W_BATCHER_START + instance, liveness.start_ticks(pid) or 0)

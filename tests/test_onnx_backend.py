@@ -89,3 +89,48 @@ def test_a_one_input_one_output_model_serves_a_plain_array_batch(tmp_path):
     x = np.random.default_rng(0).standard_normal((6, 4)).astype(np.float32)
     np.testing.assert_allclose(fn(x), x @ w, rtol=1e-5, atol=1e-6)
     assert fn.check_tensors({"x": ("float32", (4,))}, {"y": ("float32", (3,))}) is None
+
+
+def test_an_engine_serving_the_model_answers_each_process_as_the_model_alone(encoder_path,
+                                                                           make_engine, fork_ctx):
+    import engine
+    inputs, outputs = encoder_tensors()
+    eng = make_engine("onnx", backend="engine.backends:onnx",
+                      backend_args={"path": str(encoder_path), "intra_op_threads": 1},
+                      inputs=inputs, outputs=outputs, max_batch_size=8,
+                      max_input_shapes={"input_ids": (48,), "attention_mask": (48,)},
+                      length_buckets=[16, 48])
+
+    def request(k):
+        ids = np.random.default_rng(k).integers(1, 1000, 1 + k % 48)
+        return {"input_ids": ids, "attention_mask": np.ones(len(ids), np.int64)}
+
+    def sender(first, q):
+        with engine.Client(eng.name) as c:
+            futures = [(k, c.submit(request(k), timeout=60)) for k in range(first, first + 16)]
+            q.put([(k, f.result(timeout=60)) for k, f in futures])
+
+    q = fork_ctx.Queue()
+    procs = [fork_ctx.Process(target=sender, args=(100 * p, q)) for p in range(3)]
+    for p in procs:
+        p.start()
+    answers = [a for _ in procs for a in q.get(timeout=120)]
+    for p in procs:
+        p.join(10)
+    alone = backends.onnx(encoder_path)
+    assert len(answers) == 48
+    for k, y in answers:
+        x = request(k)
+        want = alone({name: a[None] for name, a in x.items()})
+        for name in ("embedding", "logits"):
+            np.testing.assert_allclose(y[name], want[name][0], rtol=1e-4, atol=1e-5)
+
+
+def test_an_engine_whose_tensors_do_not_fit_the_model_does_not_start(encoder_path, make_engine):
+    import engine
+    inputs, outputs = encoder_tensors()
+    inputs = {"token_ids" if name == "input_ids" else name: spec for name, spec in inputs.items()}
+    with pytest.raises(engine.BackendError, match="'token_ids' is not a model input"):
+        make_engine("onnx-bad", backend="engine.backends:onnx",
+                    backend_args={"path": str(encoder_path)}, inputs=inputs, outputs=outputs,
+                    max_input_shapes={"token_ids": (48,), "attention_mask": (48,)})
