@@ -199,6 +199,8 @@
 #define SB_W_SUPERVISOR_START 2
 #define SB_W_INSTANCES 3
 #define SB_W_EPOCH 4          /* batchers started before the current epoch retire */
+#define SB_W_TOKENS 5         /* variable dim: real lengths served, summed */
+#define SB_W_PADDED_TOKENS 6  /* ... and the padded lengths the backend saw */
 #define SB_W_REQUESTS 8
 #define SB_W_REJECTED 9
 #define SB_W_TIMEOUTS 10

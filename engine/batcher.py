@@ -77,6 +77,7 @@ class Batcher:
         self.var_inputs = [(t, s) for t, s in enumerate(cfg.input_specs) if s.var_axis is not None]
         # the batch shapes a compiled model wants (None: any size, the longest length)
         top = max((s.max_shape[s.var_axis] for _, s in self.var_inputs), default=None)
+        self.var_top = top or 0  # the largest variable bound (0: none)
         self.shapes = policy.BatchShapes.of(cfg.max_batch_size, cfg.allowed_batch_sizes,
                                             cfg.length_buckets, cfg.max_batch_tokens, top)
         self.allowed = cfg.allowed_batch_sizes
@@ -149,6 +150,10 @@ class Batcher:
         """Gather, call, check and scatter for these slots (a batch or part of
         one); returns whether the batch was a view of the rows (zero copy)."""
         rows = policy.pad_size(len(slots), self.allowed)
+        if self.var_top:  # padding waste: what the backend computes beyond the real lengths
+            self.ring.add_word(ring.W_TOKENS, int(lengths.sum()))
+            self.ring.add_word(ring.W_PADDED_TOKENS,
+                               rows * self._cut(bucket, int(lengths.max()), self.var_top))
         if self.named:
             batch, contiguous = self.gather_named(slots, rows)
             out = self.check_named(self.call_named(batch, slots, rows, bucket), rows)

@@ -134,3 +134,13 @@ def test_an_engine_whose_tensors_do_not_fit_the_model_does_not_start(encoder_pat
         make_engine("onnx-bad", backend="engine.backends:onnx",
                     backend_args={"path": str(encoder_path)}, inputs=inputs, outputs=outputs,
                     max_input_shapes={"token_ids": (48,), "attention_mask": (48,)})
+
+
+def test_the_model_bench_answers_right_with_and_without_buckets():
+    from engine.tools import model_bench
+    rows = model_bench.run(model_bench.Setup(batch_sizes=(4,), clients=2, in_flight=4,
+                                             seconds=0.5), log=lambda line: None)
+    assert [r["length_buckets"] for r in rows] == [[], list(model_bench.BUCKETS)]
+    for r in rows:
+        assert (r["errors"], r["wrong"]) == (0, 0) and r["checked"] > 0 and r["answered"] > 0
+        assert r["padding_waste"] >= 1.0
