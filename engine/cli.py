@@ -1,4 +1,4 @@
-"""The `shmbatch` command (contract section 4): serve, status, cleanup, bench, tune."""
+"""The `shmbatch` command (contract sections 4 and 8): serve, status, reload, cleanup, bench, tune."""
 import argparse
 import dataclasses
 import itertools
@@ -351,8 +351,10 @@ def cmd_cleanup(args) -> int:
                     f"engine {args.name!r} is already running (supervisor pid "
                     f"{seg.ring.word(ring.W_SUPERVISOR_PID)}); stop it instead")
             r = seg.ring
+            # both banks: a reload's old and new batchers hold different numbers
+            numbers = range(min(2 * seg.config.instances, ring.MAX_INSTANCES))
             batchers = [(r.word(ring.W_BATCHER_PID + i), r.word(ring.W_BATCHER_START + i))
-                        for i in range(seg.config.instances)]
+                        for i in numbers]
         finally:
             seg.close()
         live = [pid for pid, ticks in batchers if pid and liveness.is_alive(pid, ticks)]
@@ -365,6 +367,41 @@ def cmd_cleanup(args) -> int:
     if not layout.remove_if_dead(args.name):
         raise EngineUnavailable(f"no engine named {args.name!r} (nothing in /dev/shm)")
     print(f"removed /dev/shm{layout.segment_name(args.name)}")
+    return 0
+
+
+RELOAD_TIMEOUT_S = 600.0
+
+
+def _reload_parser(sub):
+    p = sub.add_parser(
+        "reload", help="new batchers (new backend args or weights, or a new backend) take over "
+                       "a running engine; no request is lost or refused",
+        description="Starts new batchers beside the running engine's, and hands them the queue "
+                    "once they are ready (Engine.reload). --backend-arg K=V are merged over the "
+                    "engine's current backend args (unlike Engine.reload(backend_args=...), "
+                    "which replaces them); with no flag, the same factory runs again (e.g. to "
+                    "read new weights). If a new batcher fails to start, the old ones keep "
+                    "serving and this exits 1 with the reason.")
+    p.add_argument("name")
+    p.add_argument("--backend", metavar="MOD:FACTORY", help="a new backend (default: the current one)")
+    p.add_argument("--backend-arg", action="append", metavar="KEY=VALUE",
+                   help="a backend arg, merged over the current ones; repeated")
+    p.add_argument("--timeout", type=float, default=RELOAD_TIMEOUT_S, metavar="SECONDS",
+                   help=f"wait at most this long for the engine's answer (default "
+                        f"{RELOAD_TIMEOUT_S:g})")
+
+
+def cmd_reload(args) -> int:
+    from engine import control
+    reply = control.request(args.name, {"op": "reload", "backend": args.backend,
+                                        "backend_args": key_values(args.backend_arg)},
+                            timeout_s=args.timeout)
+    if not reply.get("ok"):
+        print(f"shmbatch reload: {reply.get('error', 'the engine gave no reason')}", file=sys.stderr)
+        return 1
+    print(f"shmbatch reload: engine {args.name!r} reloaded (epoch {reply.get('epoch')}, "
+          f"batchers {reply.get('batcher_pids')})")
     return 0
 
 
@@ -390,6 +427,7 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _status_parser(sub)
+    _reload_parser(sub)
     _cleanup_parser(sub)
     _bench_parser(sub)
     _tune_parser(sub)
@@ -397,8 +435,8 @@ def main(argv=None) -> int:
     # SIGTERM unwinds like Ctrl-C, so engines stop and their segments go
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        return {"serve": cmd_serve, "status": cmd_status, "cleanup": cmd_cleanup,
-                "bench": cmd_bench, "tune": cmd_tune}[args.command](args)
+        return {"serve": cmd_serve, "status": cmd_status, "reload": cmd_reload,
+                "cleanup": cmd_cleanup, "bench": cmd_bench, "tune": cmd_tune}[args.command](args)
     except KeyboardInterrupt:
         return 130
     except (EngineError, ValueError, RuntimeError, OSError) as e:

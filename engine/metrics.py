@@ -58,10 +58,21 @@ def _summary_ms(counts: np.ndarray, max_ns: int, sum_ns: int) -> dict:
             "mean": sum_ns / n / 1e6 if n else 0.0}
 
 
+def batcher_numbers(r: ring.Ring, instances: int) -> range:
+    """The batcher numbers of the batchers serving now: a reload starts its new
+    batchers in the other bank of `instances` numbers (supervisor.reload), and
+    the bank follows the epoch word (E, then E+1 while the old ones retire,
+    then E+2 for the new ones: each bank holds two epochs)."""
+    bank = (r.word(ring.W_EPOCH) // 2) % 2
+    if (bank + 1) * instances > ring.MAX_INSTANCES:  # no reload for so many: one bank
+        bank = 0
+    return range(bank * instances, (bank + 1) * instances)
+
+
 def batcher_pids(r: ring.Ring, instances: int):
     """The live batchers' pids, as the batchers registered them."""
     pids = []
-    for i in range(instances):
+    for i in batcher_numbers(r, instances):
         pid = r.word(ring.W_BATCHER_PID + i)
         if pid and liveness.is_alive(pid, r.word(ring.W_BATCHER_START + i)):
             pids.append(pid)

@@ -12,6 +12,21 @@ then wakes on any batcher's exit or every REAP_INTERVAL_S:
 - the slots of dead clients are reclaimed: their owner is named in each
   slot's control word, and death is judged by pid + start time.
 
+reload() starts new batchers (new backend args or weights, or a new backend)
+beside the old ones and hands the ring over without overlap, by the header's
+epoch word (a batcher serves while the word is its epoch, waits while it is
+older, exits between batches once it is newer): the new batchers start with
+epoch E+2 and wait; once every one of them is ready the word goes to E+1 (the
+old ones, epoch E, finish their batch and exit), then, when they are gone, to
+E+2 (the new ones serve). Every request the old weights answer is claimed
+before any the new ones answer; requests queue meanwhile. The old and new
+batchers of a reload hold different batcher numbers (two banks of
+`instances`, flipping each reload, so reload needs instances <= 16). The
+monitor thread runs the reload (it spawns every batcher: they die with it),
+step by step between its other duties. A reload whose new batchers fail to
+start kills them and leaves the old ones serving. `shmbatch reload NAME`
+reaches a running engine through its control socket (engine.control).
+
 stop() refuses new requests (EngineUnavailable), serves what is queued,
 stops the batchers and unlinks the segment.
 """
@@ -27,8 +42,8 @@ import threading
 import weakref
 from typing import Optional
 
-from engine import backends, liveness, metrics, reaper, ring
-from engine.errors import BackendError, EngineUnavailable
+from engine import backends, control, liveness, metrics, reaper, ring
+from engine.errors import BackendError, EngineError, EngineUnavailable
 from engine.config import EngineConfig, knob
 from engine.layout import Segment
 
@@ -98,7 +113,12 @@ class Engine:
                      for c in _per_instance(self.options.cpus, instances, "cpus")]
         self.gpus = _per_instance(self.options.gpus, instances, "gpus")
         self._seg: Optional[Segment] = None
-        self._instances = [_Instance(i) for i in range(instances)]
+        self._instances = [_Instance(i, i) for i in range(instances)]
+        self._epoch = 0  # the header's W_EPOCH, as this engine last set it
+        self._reload: Optional[_Reload] = None  # the reload the monitor thread is running
+        self._reload_posted: Optional[_Reload] = None  # posted by reload(), for the monitor
+        self._reload_lock = threading.Lock()  # one reload() at a time
+        self._control: Optional[control.Server] = None
         self._monitor: Optional[threading.Thread] = None
         self._started = threading.Event()
         self._start_error: Optional[BaseException] = None
@@ -135,6 +155,9 @@ class Engine:
         r.set_word(ring.W_SUPERVISOR_START, liveness.start_ticks(pid) or 0)
         r.set_word(ring.W_SUPERVISOR_PID, pid)
         r.set_word(ring.W_INSTANCES, self.config.instances)
+        self._epoch = 0
+        r.set_word(ring.W_EPOCH, 0)
+        self._instances = [_Instance(i, i) for i in range(self.config.instances)]
         self._seg.set_batch_limit(self.config.max_batch_size)  # AIMD moves it, with slo_ms
         self._wake_r, self._wake_w = os.pipe()
         self._stopping.clear()
@@ -149,6 +172,11 @@ class Engine:
         if self._start_error is not None:
             raise self._start_error
         r.set_word(ring.W_ENGINE_STATE, ring.ENGINE_RUNNING)
+        try:
+            self._control = control.Server(self.name, self._control_request)
+        except OSError as e:  # the engine serves; only `shmbatch reload` cannot reach it
+            log.warning("engine %s: no control socket (%s); `shmbatch reload %s` will not "
+                        "reach this engine", self.name, e, self.name)
         _live_engines.add(self)
         log.info("engine %s started: %d instance(s), batcher pids %s", self.name,
                  self.config.instances, [b.proc.pid for b in self._instances])
@@ -184,12 +212,17 @@ class Engine:
 
     def _teardown(self) -> None:
         self._stopping.set()
+        if self._control is not None:
+            self._control.close()  # no new request; one in progress is answered
         self._seg.ring.set_word(ring.W_ENGINE_STATE, ring.ENGINE_STOPPED)
         self._seg.ring.wake_work()  # batchers see STOPPED and exit once idle
         if self._wake_w is not None:
             os.write(self._wake_w, b"x")
         if self._monitor is not None:
-            self._monitor.join(timeout=30)
+            self._monitor.join(timeout=30)  # it ends a reload in progress (kills its new batchers)
+        if self._control is not None:
+            self._control.join(timeout=10)
+            self._control = None
         for b in self._instances:
             proc, b.proc = b.proc, None
             if proc is None:
@@ -220,75 +253,321 @@ class Engine:
             raise EngineUnavailable(f"engine {self.name!r} is not running")
         return metrics.read_stats(self._seg)
 
+    # -- reload (contract section 8) -------------------------------------------
+    def reload(self, backend=None, backend_args: Optional[dict] = None) -> dict:
+        """Starts new batchers beside the old ones, with `backend` (MOD:FACTORY
+        or a picklable callable; None keeps the current one) and `backend_args`
+        (they REPLACE the current args; None keeps them: with neither, the
+        same factory runs again, e.g. to read new weights from disk). Once
+        every new batcher is ready (its factory ran), the old ones finish the
+        batch they hold and exit, then the new ones take the queue: no request
+        is lost, refused or answered twice, and every request the old
+        batchers answer was claimed before any the new ones answer. Requests
+        keep queueing meanwhile. Later restarts of a crashed batcher use the
+        new backend and args.
+
+        Returns {"epoch": ..., "batcher_pids": [...]} once the new batchers
+        serve. Raises BackendError when a new batcher fails to start (its
+        factory raised, its module does not import, it was not ready within
+        start_timeout_s): the new batchers are killed and the old ones keep
+        serving. ValueError for a malformed backend spec, or an engine of more
+        than 16 instances (old and new batchers hold different numbers of the
+        ring's 32); EngineUnavailable when the engine is not running.
+        (`shmbatch reload NAME --backend-arg K=V` merges its args over the
+        current ones instead: it cannot see them.)"""
+        return self._reload_with(backend, backend_args, merge=False)
+
+    def _reload_with(self, backend, backend_args: Optional[dict], merge: bool) -> dict:
+        limit = ring.MAX_INSTANCES // 2
+        if self.config.instances > limit:
+            raise ValueError(f"reload needs instances <= {limit} (the new batchers start beside "
+                             f"the old ones, and the ring numbers at most {ring.MAX_INSTANCES} "
+                             f"batchers); engine {self.name!r} has {self.config.instances}")
+        if backend_args is not None and not isinstance(backend_args, dict):
+            raise ValueError(f"backend_args must be a dict, got {type(backend_args).__name__}")
+        with self._reload_lock:
+            if self._seg is None or self._stopping.is_set():
+                raise EngineUnavailable(f"engine {self.name!r} is not running")
+            current = self.options
+            args = current.backend_args
+            if backend_args is not None:
+                args = {**args, **backend_args} if merge else backend_args
+            options = dataclasses.replace(  # checks the spec (ValueError), copies the args
+                current, backend=current.backend if backend is None else backend,
+                backend_args=args)
+            request = _Reload(options)
+            self._reload_posted = request
+            try:
+                os.write(self._wake_w, b"r")  # the monitor thread runs it
+            except (OSError, TypeError):
+                self._reload_posted = None
+                raise EngineUnavailable(f"engine {self.name!r} is not running") from None
+            # the monitor may first finish a restart, then starts (start_timeout_s) and retires
+            bound = 2 * options.start_timeout_s + self._retire_bound_s() + 10
+            if not request.done.wait(bound):
+                if self._reload_posted is request:
+                    self._reload_posted = None
+                raise BackendError("ReloadTimeout", f"the reload of engine {self.name!r} did "
+                                   f"not finish within {bound:g} s")
+            if request.error is not None:
+                raise request.error
+            return dict(request.result)
+
+    def _retire_bound_s(self) -> float:
+        """How long a retiring batcher may take to finish its batch before it is killed."""
+        return min(t for t in (self.options.drain_timeout_s, self.options.batch_timeout_s)
+                   if t is not None)
+
+    def _control_request(self, request: dict) -> dict:
+        """One request of the control socket (engine.control), as `shmbatch reload` sends it:
+        {"op": "reload", "backend": None or "MOD:FACTORY", "backend_args": {...} merged
+        over the current args}."""
+        if request.get("op") != "reload":
+            return {"ok": False, "error": f"unknown op {request.get('op')!r} (expected 'reload')"}
+        try:
+            result = self._reload_with(request.get("backend"), request.get("backend_args"),
+                                       merge=True)
+        except (EngineError, ValueError, TypeError) as e:
+            return {"ok": False, "error": str(e)}
+        return {"ok": True, **result}
+
+    def _begin_reload(self, request: "_Reload") -> None:
+        """Launches the new batchers, epoch E+2, numbered in the other bank: they
+        wait, not claiming, until the epoch word reaches theirs."""
+        n = self.config.instances
+        bank = (self._epoch // 2 + 1) % 2
+        request.epoch = self._epoch + 2
+        request.new = [_Instance(bank * n + i, i) for i in range(n)]
+        request.deadline_ns = ring.now_ns() + int(request.options.start_timeout_s * 1e9)
+        self._reload = request
+        log.info("engine %s: reload: starting batchers %s (epoch %d)", self.name,
+                 [b.index for b in request.new], request.epoch)
+        try:
+            for b in request.new:
+                self._seg.mark_batch(b.index, 0)
+                b.proc, request.readers[b.index] = self._launch(b, request.options, request.epoch)
+        except BaseException as e:
+            self._abort_reload(e)
+
+    def _step_reload(self) -> None:
+        """Moves the reload on, if it can: all new batchers ready -> the old ones
+        retire (epoch E+1); all old ones gone -> the new ones serve (E+2)."""
+        request = self._reload
+        if request.phase == "start":
+            try:
+                for b in request.new:
+                    reader = request.readers.get(b.index)
+                    if reader is not None:
+                        if reader.poll(0):
+                            del request.readers[b.index]
+                            try:
+                                self._await_ready(b, b.proc, reader)
+                            finally:
+                                reader.close()
+                    elif not b.proc.is_alive():
+                        raise BackendError("BatcherDied", f"new batcher {b.index} (pid "
+                                           f"{b.proc.pid}) exited (exit code "
+                                           f"{b.proc.exitcode}) before it took over")
+                if request.readers:
+                    if ring.now_ns() > request.deadline_ns:
+                        raise BackendError("StartTimeout", f"new batcher(s) "
+                                           f"{sorted(request.readers)} not ready within "
+                                           f"{request.options.start_timeout_s:g} s")
+                    # a waiting new batcher may take a wake meant for an old one: pass it on
+                    self._seg.ring.wake_work()
+                    return
+            except BaseException as e:
+                self._abort_reload(e)
+                return
+            request.phase = "retire"
+            request.deadline_ns = ring.now_ns() + int(self._retire_bound_s() * 1e9)
+            self._set_epoch(request.epoch - 1)  # the old ones exit after the batch they hold
+        for b in self._instances:
+            if b.proc is not None and not b.proc.is_alive():
+                self._retire(b)
+        stragglers = [b for b in self._instances if b.proc is not None]
+        if stragglers:
+            if ring.now_ns() <= request.deadline_ns:
+                return
+            for b in stragglers:
+                b.proc.kill()
+                b.proc.join(10)
+                self._retire(b, overran=True)
+        self._instances, self.options = request.new, request.options
+        self._set_epoch(request.epoch)  # the new ones serve
+        self._reload = None
+        request.result = {"epoch": request.epoch,
+                          "batcher_pids": [b.proc.pid for b in request.new]}
+        log.info("engine %s reloaded: epoch %d, batcher pids %s", self.name, request.epoch,
+                 request.result["batcher_pids"])
+        request.done.set()
+
+    def _abort_reload(self, error: BaseException) -> None:
+        """Kills the reload's new batchers (they never claimed: the epoch never
+        reached theirs) and reports why; the old ones keep serving."""
+        request, self._reload = self._reload, None
+        for b in request.new:
+            reader = request.readers.pop(b.index, None)
+            if reader is not None:
+                reader.close()
+            if b.proc is not None:
+                b.proc.kill()
+                b.proc.join(10)
+                b.proc.close()
+                b.proc = None
+            self._seg.ring.set_word(ring.W_BATCHER_PID + b.index, 0)
+        if isinstance(error, EngineUnavailable):
+            request.error = error
+        else:
+            exc_type, message = ((error.exc_type, error.message) if isinstance(error, BackendError)
+                                 else (type(error).__name__, str(error)))
+            request.error = BackendError(exc_type, f"{message} (reload abandoned: the old "
+                                         f"batchers keep serving)")
+            log.error("engine %s: reload failed: %s", self.name, request.error)
+        request.done.set()
+
+    def _retire(self, b: "_Instance", overran: bool = False) -> None:
+        """Forgets an old batcher that exited after a reload retired it; one that
+        died holding a batch (or was killed for overrunning) has it failed."""
+        r, proc = self._seg.ring, b.proc
+        proc.join(0)
+        why = None
+        if overran:
+            why = (f"still in its last batch {self._retire_bound_s():g} s after a reload "
+                   f"retired it; killed")
+        elif b.hung:
+            why = f"hung: its batch ran over batch_timeout_s={self.options.batch_timeout_s:g}"
+        elif proc.exitcode:
+            why = (f"killed by signal {-proc.exitcode}" if proc.exitcode < 0
+                   else f"exit code {proc.exitcode}")
+        # a clean exit left nothing claimed (it exits between batches); reap in any case
+        failed = r.reap_batcher(b.index, f"batcher {b.index} (pid {proc.pid}) died "
+                                         f"({why or 'exited'}) while serving this request"
+                                         .encode())
+        if why is not None:
+            log.warning("engine %s: retiring batcher %d (pid %d) %s; failed %d claimed "
+                        "request(s)", self.name, b.index, proc.pid, why, failed)
+        self._seg.mark_batch(b.index, 0)
+        r.set_word(ring.W_BATCHER_PID + b.index, 0)
+        proc.close()
+        b.proc, b.hung = None, False
+
+    def _set_epoch(self, epoch: int) -> None:
+        self._epoch = epoch
+        self._seg.ring.set_word(ring.W_EPOCH, epoch)
+        self._seg.ring.wake_work()  # sleeping batchers look at the word now
+
     # -- the monitor thread --------------------------------------------------
-    def _spawn(self, i: int) -> "BatcherProcess":
-        """Starts batcher i and waits until it serves (or its factory fails)."""
+    def _launch(self, b: "_Instance", options: EngineOptions, epoch: int):
+        """Starts b's batcher process with these options and epoch; returns
+        (process, the reader of its readiness pipe)."""
         read_fd, write_fd = os.pipe()
         reader = multiprocessing.connection.Connection(read_fd, writable=False)
         proc = None
         try:
-            args = dict(name=self.name, instance=i, backend=self.options.backend,
-                        backend_args=self.options.backend_args, cpus=self.cpus[i],
-                        gpu=self.gpus[i],
-                        ready_fd=write_fd)
+            args = dict(name=self.name, instance=b.index, backend=options.backend,
+                        backend_args=options.backend_args, cpus=self.cpus[b.position],
+                        gpu=self.gpus[b.position], ready_fd=write_fd, epoch=epoch)
             try:
                 payload = pickle.dumps(list(sys.path)) + pickle.dumps(args)
             except Exception as e:
                 raise BackendError(type(e).__name__, f"cannot pass the backend to a "
                                    f"batcher process: {e}") from None
-            proc = BatcherProcess([sys.executable, "-c", "from engine.batcher import _entry; _entry()"], stdin=subprocess.PIPE,
-                            pass_fds=(write_fd,))
+            proc = BatcherProcess([sys.executable, "-c",
+                                   "from engine.batcher import _entry; _entry()"],
+                                  stdin=subprocess.PIPE, pass_fds=(write_fd,))
             os.close(write_fd)
             write_fd = None
             try:
                 proc.stdin.write(payload)
                 proc.stdin.close()
             except BrokenPipeError:
-                pass  # it died at once: the recv below says so
-            if not reader.poll(self.options.start_timeout_s):
-                raise BackendError("StartTimeout", f"batcher {i} not ready within "
-                                   f"{self.options.start_timeout_s} s")
-            try:
-                msg = reader.recv()
-            except EOFError:
-                proc.join(10)
-                msg = ("error", "BatcherDied", f"batcher {i} exited during start "
-                       f"(exit code {proc.exitcode})", "")
-            if msg[0] != "ready":
-                log.error("engine %s: batcher %d failed to start: %s: %s", self.name, i,
-                          msg[1], msg[2])
-                log.debug("batcher %d traceback:\n%s", i, msg[3])
-                raise BackendError(msg[1], msg[2])
-            return proc
+                pass  # it died at once: the recv says so
+            return proc, reader
         except BaseException:
+            reader.close()
             if proc is not None:
-                proc.kill()
-                proc.join(10)
-                proc.close()
+                _kill(proc)
             raise
         finally:
-            reader.close()
             if write_fd is not None:
                 os.close(write_fd)
 
+    def _await_ready(self, b: "_Instance", proc: "BatcherProcess", reader) -> None:
+        """Reads the readiness message (there is one, or EOF); BackendError unless ready."""
+        try:
+            msg = reader.recv()
+        except EOFError:
+            proc.join(10)
+            msg = ("error", "BatcherDied", f"batcher {b.index} exited during start "
+                   f"(exit code {proc.exitcode})", "")
+        if msg[0] != "ready":
+            log.error("engine %s: batcher %d failed to start: %s: %s", self.name, b.index,
+                      msg[1], msg[2])
+            log.debug("batcher %d traceback:\n%s", b.index, msg[3])
+            raise BackendError(msg[1], msg[2])
+
+    def _spawn(self, b: "_Instance") -> "BatcherProcess":
+        """Starts b's batcher (current options and epoch) and waits until it serves
+        (or its factory fails)."""
+        proc, reader = self._launch(b, self.options, self._epoch)
+        try:
+            if not reader.poll(self.options.start_timeout_s):
+                raise BackendError("StartTimeout", f"batcher {b.index} not ready within "
+                                   f"{self.options.start_timeout_s} s")
+            self._await_ready(b, proc, reader)
+            return proc
+        except BaseException:
+            _kill(proc)
+            raise
+        finally:
+            reader.close()
+
     def _monitor_main(self) -> None:
         try:
-            for i in range(self.config.instances):
-                self._instances[i].proc = self._spawn(i)
+            for b in self._instances:
+                b.proc = self._spawn(b)
         except BaseException as e:
             self._start_error = e
             self._started.set()
             return
         self._started.set()
+        try:
+            self._watch()
+        finally:
+            if self._reload is not None:
+                self._abort_reload(EngineUnavailable(f"engine {self.name!r} stopped during "
+                                                     f"the reload"))
+            posted, self._reload_posted = self._reload_posted, None
+            if posted is not None:
+                posted.error = EngineUnavailable(f"engine {self.name!r} is stopping")
+                posted.done.set()
+
+    def _watch(self) -> None:
+        """The monitor's loop: restarts dead batchers, kills hung ones, reaps dead
+        clients' slots, runs a posted reload step by step."""
         while not self._stopping.is_set():
             waitables = [b.proc.sentinel for b in self._instances if b.proc is not None]
+            if self._reload is not None and self._reload.phase == "start":
+                waitables += [b.proc.sentinel for b in self._reload.new if b.proc is not None]
+                waitables += list(self._reload.readers.values())
             waitables.append(self._wake_r)
-            multiprocessing.connection.wait(waitables, timeout=self.options.reap_interval_s)
+            ready = multiprocessing.connection.wait(waitables,
+                                                    timeout=self.options.reap_interval_s)
+            if self._wake_r in ready:
+                os.read(self._wake_r, 4096)  # readable: does not block
             if self._stopping.is_set():
                 break
+            if self._reload is None and self._reload_posted is not None:
+                request, self._reload_posted = self._reload_posted, None
+                self._begin_reload(request)
+            if self._reload is not None:
+                self._step_reload()
+            retiring = self._reload is not None and self._reload.phase == "retire"
             for b in self._instances:
                 if b.proc is None or not b.proc.is_alive():
-                    self._replace(b)
+                    if not retiring:  # a retiring batcher's exit is the reload's to handle
+                        self._replace(b)
                 elif self.options.batch_timeout_s is not None:
                     self._kill_if_hung(b)
             self._reap_clients()
@@ -323,7 +602,7 @@ class Engine:
         if ring.now_ns() < b.restart_at_ns:
             return
         try:
-            b.proc = self._spawn(i)
+            b.proc = self._spawn(b)
             b.backoff_s = 0.0
         except BackendError as e:
             backoff = b.backoff_s = min(_RESTART_BACKOFF_MAX_S, 2 * b.backoff_s or 0.5)
@@ -340,13 +619,36 @@ class Engine:
 
 @dataclasses.dataclass
 class _Instance:
-    """Instance `index` of the engine: its batcher process (None between a
-    death and the restart) and its restart state."""
+    """One of the engine's instances: its batcher number in the ring `index`
+    (position + instances * bank, the bank flipping on each reload), its
+    `position` (which cpus/gpus entry it takes), its batcher process (None
+    between a death and the restart) and its restart state."""
     index: int
+    position: int
     proc: Optional["BatcherProcess"] = None
     restart_at_ns: int = 0  # no restart before this (backoff after failed starts)
     backoff_s: float = 0.0
     hung: bool = False  # killed by the watchdog (batch_timeout_s), not crashed
+
+
+@dataclasses.dataclass(eq=False)
+class _Reload:
+    """A reload: posted by reload(), run by the monitor thread, answered by `done`."""
+    options: EngineOptions
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    phase: str = "start"  # "start": new batchers starting; "retire": old ones finishing
+    epoch: int = 0  # the new batchers' epoch
+    new: list = dataclasses.field(default_factory=list)  # their _Instances
+    readers: dict = dataclasses.field(default_factory=dict)  # index -> readiness pipe, until ready
+    deadline_ns: int = 0  # of the current phase
+    result: Optional[dict] = None
+    error: Optional[BaseException] = None
+
+
+def _kill(proc: "BatcherProcess") -> None:
+    proc.kill()
+    proc.join(10)
+    proc.close()
 
 
 class BatcherProcess(subprocess.Popen):
