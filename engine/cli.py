@@ -112,7 +112,11 @@ def _bench_parser(sub):
     p.add_argument("--slo-ms", type=float, default=100.0, help="--overload: each request's deadline")
     p.add_argument("--urgent-share", type=float, default=0.0,
                    help="--overload: share of requests sent at priority 0 (the rest at 1)")
-    p.add_argument("--seconds", type=float, default=3.0, help="--overload: seconds per row")
+    p.add_argument("--seconds", type=float, default=3.0,
+                   help="--overload and --model: seconds per row")
+    p.add_argument("--model", choices=("synthetic", "onnx"), default="synthetic",
+                   help="onnx: a transformer encoder built at run time, through ONNX Runtime "
+                        "on the CPU, with and without length_buckets (needs .[onnx])")
     p.add_argument("--out", metavar="DIR", help="write DIR/bench.json and DIR/bench.png")
 
 
@@ -123,12 +127,29 @@ def _rows(args):
     return list(itertools.product(args.batch_sizes or [1, 2, 4, 8, 16, 32], args.delays_ms or [0.0]))
 
 
+def _bench_model(args) -> int:
+    import json
+
+    from engine.tools import model_bench
+    setup = model_bench.Setup(seconds=args.seconds, seed=args.seed, clients=args.clients,
+                              **({"batch_sizes": tuple(args.batch_sizes)} if args.batch_sizes else {}))
+    rows = model_bench.run(setup)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "model.json"), "w") as f:
+            json.dump({"setup": dataclasses.asdict(setup), "rows": rows}, f, indent=2)
+        print(f"wrote {args.out}/model.json")
+    return 0
+
+
 def cmd_bench(args) -> int:
     from engine import tools
     from engine.tools import bench, closed_loop, procs
     from engine.tools.load import Load
     if args.out:
         tools.pyplot()  # the plot's dependency, asked for before minutes of measuring
+    if args.model == "onnx":
+        return _bench_model(args)
     if args.overload:
         from engine.tools import overload
         overload.run(overload.Setup(slo_ms=args.slo_ms, urgent_share=args.urgent_share,

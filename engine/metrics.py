@@ -31,6 +31,8 @@ COUNTERS = (
     ("expired_total", ring.W_EXPIRED, "expired"),
     ("isolated_failures_total", ring.W_ISOLATED, None),
     ("isolation_calls_total", ring.W_RETRY_CALLS, None),
+    ("tokens_total", ring.W_TOKENS, None),
+    ("padded_tokens_total", ring.W_PADDED_TOKENS, None),
 )
 
 
@@ -189,6 +191,12 @@ class Collector:
                                        labels=["engine"])
         isolated.add_metric([labels["engine"]], w(ring.W_ISOLATED))
         yield isolated
+        tokens = CounterMetricFamily("shmbatch_tokens", "Lengths along the variable dim: "
+                                     "real, and padded as the backend saw them.",
+                                     labels=["engine", "kind"])
+        tokens.add_metric([labels["engine"], "real"], w(ring.W_TOKENS))
+        tokens.add_metric([labels["engine"], "padded"], w(ring.W_PADDED_TOKENS))
+        yield tokens
         limit = GaugeMetricFamily("shmbatch_batch_limit", "The batch limit (AIMD with slo_ms).",
                                   labels=["engine"])
         limit.add_metric([labels["engine"]], self.segment.batch_limit())
