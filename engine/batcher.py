@@ -35,6 +35,9 @@ from engine.layout import Segment
 # lost parent even if the kernel's parent-death signal did not fire.
 IDLE_CHECK_NS = 1_000_000_000
 
+# A batcher started by a reload waits for its epoch; it notices within this.
+ACTIVATION_CHECK_NS = 10_000_000
+
 # After a batch, a batcher that finds nothing queued spins up to ring.SPIN_NS
 # before it sleeps: under steady load the next request comes within it. One
 # spin per batch at most: an idle batcher sleeps.
@@ -104,7 +107,10 @@ class Batcher:
             if epoch != self.epoch:
                 if epoch > self.epoch:
                     return
-                r.wait_work(seen, IDLE_CHECK_NS)
+                # not let in yet: look again at each finished batch, or within
+                # ACTIVATION_CHECK_NS; never asleep on the work word, whose wake
+                # (one sleeper's) is meant for a batcher that serves
+                r.wait_done_seq(r.done_seq(), ACTIVATION_CHECK_NS)
                 continue
             state = self.seg.engine_state()
             now_ns = ring.now_ns()
