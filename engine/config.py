@@ -210,11 +210,7 @@ class EngineConfig:
     def input_spec(self) -> str:
         if self.named:
             return "{" + ", ".join(f"{t.name}: {t.spec_text()}" for t in self.input_specs) + "}"
-        if self.var_axis is None:
-            return f"{self.input_dtype}{shape_text(self.input_shape)}"
-        dims = [f"1..{b}" if d is None else str(d)
-                for d, b in zip(self.input_shape, self.max_input_shape)]
-        return f"{self.input_dtype}[{', '.join(dims)}]"
+        return self.input_specs[0].spec_text()
 
     def check_input(self, x):
         """(array, real length of the variable dim or 0); with named tensors
@@ -223,25 +219,7 @@ class EngineConfig:
             return x, 0  # the common case, in three comparisons
         if self.named:
             return tensors.check_named(self.input_specs, x)
-        if not isinstance(x, np.ndarray):
-            try:
-                x = np.asarray(x, dtype=self.input_dtype)
-            except (TypeError, ValueError) as e:
-                raise InvalidInput(f"expected {self.input_spec()}, got {type(x).__name__} "
-                                   f"not convertible to {self.input_dtype} ({e})") from None
-        elif x.dtype != self.input_dtype:
-            raise self._mismatch(x)
-        if x.ndim != len(self.input_shape):
-            raise self._mismatch(x)
-        length = 0
-        for axis, (got, want) in enumerate(zip(x.shape, self.input_shape)):
-            if want is None:
-                if not 1 <= got <= self.max_input_shape[axis]:
-                    raise self._mismatch(x)
-                length = got
-            elif got != want:
-                raise self._mismatch(x)
-        return x, length
+        return self.input_specs[0].check(x)
 
     def check_many(self, xs) -> Tuple[np.ndarray, int]:
         """(array of n inputs, their common real length or 0), for infer_many."""
@@ -271,9 +249,6 @@ class EngineConfig:
                    if isinstance(out, np.ndarray) else type(out).__name__)
             raise InvalidInput(f"out: expected a writable C-contiguous {self.output_dtype}"
                                f"{shape_text(self.output_shape)}, got {got}")
-
-    def _mismatch(self, x: np.ndarray) -> InvalidInput:
-        return InvalidInput(f"expected {self.input_spec()}, got {describe(x)}")
 
     def to_json(self) -> bytes:
         return json.dumps(dataclasses.asdict(self)).encode()
