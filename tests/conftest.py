@@ -11,6 +11,7 @@ Every wait is on a condition and has a bound; a sleep only paces a load or
 is itself the interval measured.
 """
 import contextlib
+import gc
 import itertools
 import multiprocessing
 import os
@@ -26,6 +27,11 @@ import engine
 from engine import ring
 from engine.config import EngineConfig
 from engine.layout import Segment
+
+# A process forked by a test must not collect the objects it inherited: the
+# parent's garbage may hold an ONNX Runtime session, whose destructor waits
+# on the parent's threads, which do not exist in the child (it would hang).
+os.register_at_fork(after_in_child=gc.freeze)
 
 _names = itertools.count()
 
