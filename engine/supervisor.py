@@ -14,18 +14,10 @@ then wakes on any batcher's exit or every REAP_INTERVAL_S:
 
 reload() starts new batchers (new backend args or weights, or a new backend)
 beside the old ones and hands the ring over without overlap, by the header's
-epoch word (a batcher serves while the word is its epoch, waits while it is
-older, exits between batches once it is newer): the new batchers start with
-epoch E+2 and wait; once every one of them is ready the word goes to E+1 (the
-old ones, epoch E, finish their batch and exit), then, when they are gone, to
-E+2 (the new ones serve). Every request the old weights answer is claimed
-before any the new ones answer; requests queue meanwhile. The old and new
-batchers of a reload hold different batcher numbers (two banks of
-`instances`, flipping each reload, so reload needs instances <= 16). The
-monitor thread runs the reload (it spawns every batcher: they die with it),
-step by step between its other duties. A reload whose new batchers fail to
-start kills them and leaves the old ones serving. `shmbatch reload NAME`
-reaches a running engine through its control socket (engine.control).
+epoch word; the monitor thread runs it step by step (engine.reloading says
+how). `shmbatch reload NAME` reaches a running engine through its control
+socket (engine.control). The batcher processes themselves (handles, launch,
+readiness) are engine.batchers'.
 
 stop() refuses new requests (EngineUnavailable), serves what is queued,
 stops the batchers and unlinks the segment.
@@ -35,17 +27,17 @@ import dataclasses
 import logging
 import multiprocessing.connection
 import os
-import pickle
-import subprocess
-import sys
 import threading
 import weakref
 from typing import Optional
 
-from engine import backends, control, liveness, metrics, reaper, ring
+from engine import backends, batchers, control, liveness, metrics, reaper, ring
+from engine.batchers import BatcherProcess as BatcherProcess  # re-exported: its old home
+from engine.batchers import Instance
 from engine.errors import BackendError, EngineError, EngineUnavailable
 from engine.config import EngineConfig, knob
 from engine.layout import Segment
+from engine.reloading import Reload
 
 log = logging.getLogger("shmbatch")
 
@@ -113,10 +105,10 @@ class Engine:
                      for c in _per_instance(self.options.cpus, instances, "cpus")]
         self.gpus = _per_instance(self.options.gpus, instances, "gpus")
         self._seg: Optional[Segment] = None
-        self._instances = [_Instance(i, i) for i in range(instances)]
+        self._instances = [Instance(i, i) for i in range(instances)]
         self._epoch = 0  # the header's W_EPOCH, as this engine last set it
-        self._reload: Optional[_Reload] = None  # the reload the monitor thread is running
-        self._reload_posted: Optional[_Reload] = None  # posted by reload(), for the monitor
+        self._reload: Optional[Reload] = None  # the reload the monitor thread is running
+        self._reload_posted: Optional[Reload] = None  # posted by reload(), for the monitor
         self._reload_lock = threading.Lock()  # one reload() at a time
         self._control: Optional[control.Server] = None
         self._monitor: Optional[threading.Thread] = None
@@ -157,7 +149,7 @@ class Engine:
         r.set_word(ring.W_INSTANCES, self.config.instances)
         self._epoch = 0
         r.set_word(ring.W_EPOCH, 0)
-        self._instances = [_Instance(i, i) for i in range(self.config.instances)]
+        self._instances = [Instance(i, i) for i in range(self.config.instances)]
         self._seg.set_batch_limit(self.config.max_batch_size)  # AIMD moves it, with slo_ms
         self._wake_r, self._wake_w = os.pipe()
         self._stopping.clear()
@@ -295,7 +287,7 @@ class Engine:
             options = dataclasses.replace(  # checks the spec (ValueError), copies the args
                 current, backend=current.backend if backend is None else backend,
                 backend_args=args)
-            request = _Reload(options)
+            request = Reload(options)
             self._reload_posted = request
             try:
                 os.write(self._wake_w, b"r")  # the monitor thread runs it
@@ -331,21 +323,10 @@ class Engine:
             return {"ok": False, "error": str(e)}
         return {"ok": True, **result}
 
-    def _begin_reload(self, request: "_Reload") -> None:
-        """Launches the new batchers, epoch E+2, numbered in the other bank: they
-        wait, not claiming, until the epoch word reaches theirs."""
-        n = self.config.instances
-        bank = (self._epoch // 2 + 1) % 2
-        request.epoch = self._epoch + 2
-        request.new = [_Instance(bank * n + i, i) for i in range(n)]
-        request.deadline_ns = ring.now_ns() + int(request.options.start_timeout_s * 1e9)
+    def _begin_reload(self, request: Reload) -> None:
         self._reload = request
-        log.info("engine %s: reload: starting batchers %s (epoch %d)", self.name,
-                 [b.index for b in request.new], request.epoch)
         try:
-            for b in request.new:
-                self._seg.mark_batch(b.index, 0)
-                b.proc, request.readers[b.index] = self._launch(b, request.options, request.epoch)
+            request.begin(self._seg, self.name, self._epoch, self.cpus, self.gpus)
         except BaseException as e:
             self._abort_reload(e)
 
@@ -355,102 +336,24 @@ class Engine:
         request = self._reload
         if request.phase == "start":
             try:
-                for b in request.new:
-                    reader = request.readers.get(b.index)
-                    if reader is not None:
-                        if reader.poll(0):
-                            del request.readers[b.index]
-                            try:
-                                self._await_ready(b, b.proc, reader)
-                            finally:
-                                reader.close()
-                    elif not b.proc.is_alive():
-                        raise BackendError("BatcherDied", f"new batcher {b.index} (pid "
-                                           f"{b.proc.pid}) exited (exit code "
-                                           f"{b.proc.exitcode}) before it took over")
-                if request.readers:
-                    if ring.now_ns() > request.deadline_ns:
-                        raise BackendError("StartTimeout", f"new batcher(s) "
-                                           f"{sorted(request.readers)} not ready within "
-                                           f"{request.options.start_timeout_s:g} s")
-                    # a waiting new batcher may take a wake meant for an old one: pass it on
-                    self._seg.ring.wake_work()
+                if not request.ready(self.name):
                     return
             except BaseException as e:
                 self._abort_reload(e)
                 return
-            request.phase = "retire"
-            request.deadline_ns = ring.now_ns() + int(self._retire_bound_s() * 1e9)
+            request.retire(self._retire_bound_s())
             self._set_epoch(request.epoch - 1)  # the old ones exit after the batch they hold
-        for b in self._instances:
-            if b.proc is not None and not b.proc.is_alive():
-                self._retire(b)
-        stragglers = [b for b in self._instances if b.proc is not None]
-        if stragglers:
-            if ring.now_ns() <= request.deadline_ns:
-                return
-            for b in stragglers:
-                b.proc.kill()
-                b.proc.join(10)
-                self._retire(b, overran=True)
+        if not request.retired(self._seg, self.name, self._instances, self._retire_bound_s(),
+                               self.options.batch_timeout_s):
+            return
         self._instances, self.options = request.new, request.options
         self._set_epoch(request.epoch)  # the new ones serve
         self._reload = None
-        request.result = {"epoch": request.epoch,
-                          "batcher_pids": [b.proc.pid for b in request.new]}
-        log.info("engine %s reloaded: epoch %d, batcher pids %s", self.name, request.epoch,
-                 request.result["batcher_pids"])
-        request.done.set()
+        request.finish(self.name)
 
     def _abort_reload(self, error: BaseException) -> None:
-        """Kills the reload's new batchers (they never claimed: the epoch never
-        reached theirs) and reports why; the old ones keep serving."""
         request, self._reload = self._reload, None
-        for b in request.new:
-            reader = request.readers.pop(b.index, None)
-            if reader is not None:
-                reader.close()
-            if b.proc is not None:
-                b.proc.kill()
-                b.proc.join(10)
-                b.proc.close()
-                b.proc = None
-            self._seg.ring.set_word(ring.W_BATCHER_PID + b.index, 0)
-        if isinstance(error, EngineUnavailable):
-            request.error = error
-        else:
-            exc_type, message = ((error.exc_type, error.message) if isinstance(error, BackendError)
-                                 else (type(error).__name__, str(error)))
-            request.error = BackendError(exc_type, f"{message} (reload abandoned: the old "
-                                         f"batchers keep serving)")
-            log.error("engine %s: reload failed: %s", self.name, request.error)
-        request.done.set()
-
-    def _retire(self, b: "_Instance", overran: bool = False) -> None:
-        """Forgets an old batcher that exited after a reload retired it; one that
-        died holding a batch (or was killed for overrunning) has it failed."""
-        r, proc = self._seg.ring, b.proc
-        proc.join(0)
-        why = None
-        if overran:
-            why = (f"still in its last batch {self._retire_bound_s():g} s after a reload "
-                   f"retired it; killed")
-        elif b.hung:
-            why = f"hung: its batch ran over batch_timeout_s={self.options.batch_timeout_s:g}"
-        elif proc.exitcode:
-            why = (f"killed by signal {-proc.exitcode}" if proc.exitcode < 0
-                   else f"exit code {proc.exitcode}")
-        # a clean exit left nothing claimed (it exits between batches); reap in any case
-        failed = r.reap_batcher(b.index, f"batcher {b.index} (pid {proc.pid}) died "
-                                         f"({why or 'exited'}) while serving this request"
-                                         .encode())
-        if why is not None:
-            log.warning("engine %s: retiring batcher %d (pid %d) %s; failed %d claimed "
-                        "request(s)", self.name, b.index, proc.pid, why, failed)
-        self._seg.mark_batch(b.index, 0)
-        r.set_word(ring.W_BATCHER_PID + b.index, 0)
-        proc.close()
-        b.proc, b.hung = None, False
+        request.abort(self._seg, self.name, error)
 
     def _set_epoch(self, epoch: int) -> None:
         self._epoch = epoch
@@ -458,70 +361,12 @@ class Engine:
         self._seg.ring.wake_work()  # sleeping batchers look at the word now
 
     # -- the monitor thread --------------------------------------------------
-    def _launch(self, b: "_Instance", options: EngineOptions, epoch: int):
-        """Starts b's batcher process with these options and epoch; returns
-        (process, the reader of its readiness pipe)."""
-        read_fd, write_fd = os.pipe()
-        reader = multiprocessing.connection.Connection(read_fd, writable=False)
-        proc = None
-        try:
-            args = dict(name=self.name, instance=b.index, backend=options.backend,
-                        backend_args=options.backend_args, cpus=self.cpus[b.position],
-                        gpu=self.gpus[b.position], ready_fd=write_fd, epoch=epoch)
-            try:
-                payload = pickle.dumps(list(sys.path)) + pickle.dumps(args)
-            except Exception as e:
-                raise BackendError(type(e).__name__, f"cannot pass the backend to a "
-                                   f"batcher process: {e}") from None
-            proc = BatcherProcess([sys.executable, "-c",
-                                   "from engine.batcher import _entry; _entry()"],
-                                  stdin=subprocess.PIPE, pass_fds=(write_fd,))
-            os.close(write_fd)
-            write_fd = None
-            try:
-                proc.stdin.write(payload)
-                proc.stdin.close()
-            except BrokenPipeError:
-                pass  # it died at once: the recv says so
-            return proc, reader
-        except BaseException:
-            reader.close()
-            if proc is not None:
-                _kill(proc)
-            raise
-        finally:
-            if write_fd is not None:
-                os.close(write_fd)
-
-    def _await_ready(self, b: "_Instance", proc: "BatcherProcess", reader) -> None:
-        """Reads the readiness message (there is one, or EOF); BackendError unless ready."""
-        try:
-            msg = reader.recv()
-        except EOFError:
-            proc.join(10)
-            msg = ("error", "BatcherDied", f"batcher {b.index} exited during start "
-                   f"(exit code {proc.exitcode})", "")
-        if msg[0] != "ready":
-            log.error("engine %s: batcher %d failed to start: %s: %s", self.name, b.index,
-                      msg[1], msg[2])
-            log.debug("batcher %d traceback:\n%s", b.index, msg[3])
-            raise BackendError(msg[1], msg[2])
-
-    def _spawn(self, b: "_Instance") -> "BatcherProcess":
+    def _spawn(self, b: Instance) -> BatcherProcess:
         """Starts b's batcher (current options and epoch) and waits until it serves
         (or its factory fails)."""
-        proc, reader = self._launch(b, self.options, self._epoch)
-        try:
-            if not reader.poll(self.options.start_timeout_s):
-                raise BackendError("StartTimeout", f"batcher {b.index} not ready within "
-                                   f"{self.options.start_timeout_s} s")
-            self._await_ready(b, proc, reader)
-            return proc
-        except BaseException:
-            _kill(proc)
-            raise
-        finally:
-            reader.close()
+        o = self.options
+        return batchers.start(self.name, b, o.backend, o.backend_args, self.cpus[b.position],
+                              self.gpus[b.position], self._epoch, o.start_timeout_s)
 
     def _monitor_main(self) -> None:
         try:
@@ -572,7 +417,7 @@ class Engine:
                     self._kill_if_hung(b)
             self._reap_clients()
 
-    def _kill_if_hung(self, b: "_Instance") -> None:
+    def _kill_if_hung(self, b: Instance) -> None:
         started_ns = self._seg.batch_started_ns(b.index)
         if started_ns and ring.now_ns() - started_ns > self.options.batch_timeout_s * 1e9:
             log.error("engine %s: batcher %d (pid %d) ran one batch over batch_timeout_s=%g; "
@@ -581,7 +426,7 @@ class Engine:
             b.hung = True
             b.proc.kill()  # the next pass sees it dead: its batch fails, a new one starts
 
-    def _replace(self, b: "_Instance") -> None:
+    def _replace(self, b: Instance) -> None:
         r, i, proc = self._seg.ring, b.index, b.proc
         if proc is not None:
             proc.join(0)
@@ -615,67 +460,6 @@ class Engine:
         census = reaper.Census(self._seg.ring, self._seg.capacity)
         for slot, pid in reaper.reap_dead_clients(self._seg.ring, census):
             log.info("engine %s: reclaimed slot %d of dead client pid %d", self.name, slot, pid)
-
-
-@dataclasses.dataclass
-class _Instance:
-    """One of the engine's instances: its batcher number in the ring `index`
-    (position + instances * bank, the bank flipping on each reload), its
-    `position` (which cpus/gpus entry it takes), its batcher process (None
-    between a death and the restart) and its restart state."""
-    index: int
-    position: int
-    proc: Optional["BatcherProcess"] = None
-    restart_at_ns: int = 0  # no restart before this (backoff after failed starts)
-    backoff_s: float = 0.0
-    hung: bool = False  # killed by the watchdog (batch_timeout_s), not crashed
-
-
-@dataclasses.dataclass(eq=False)
-class _Reload:
-    """A reload: posted by reload(), run by the monitor thread, answered by `done`."""
-    options: EngineOptions
-    done: threading.Event = dataclasses.field(default_factory=threading.Event)
-    phase: str = "start"  # "start": new batchers starting; "retire": old ones finishing
-    epoch: int = 0  # the new batchers' epoch
-    new: list = dataclasses.field(default_factory=list)  # their _Instances
-    readers: dict = dataclasses.field(default_factory=dict)  # index -> readiness pipe, until ready
-    deadline_ns: int = 0  # of the current phase
-    result: Optional[dict] = None
-    error: Optional[BaseException] = None
-
-
-def _kill(proc: "BatcherProcess") -> None:
-    proc.kill()
-    proc.join(10)
-    proc.close()
-
-
-class BatcherProcess(subprocess.Popen):
-    """The handle of a batcher process (the loop it runs is batcher.Batcher),
-    with the few multiprocessing.Process names used here."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.sentinel = os.pidfd_open(self.pid)  # readable once the process exits
-
-    def is_alive(self) -> bool:
-        return self.poll() is None
-
-    @property
-    def exitcode(self):
-        return self.poll()
-
-    def join(self, timeout: float) -> None:
-        try:
-            self.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
-
-    def close(self) -> None:
-        if self.sentinel is not None:
-            os.close(self.sentinel)
-            self.sentinel = None
 
 
 @atexit.register

@@ -1,0 +1,165 @@
+"""A reload's state machine: new batchers take over the ring from the old ones.
+
+Engine.reload() starts new batchers (new backend args or weights, or a new
+backend) beside the old ones and hands the ring over without overlap, by the
+header's epoch word (a batcher serves while the word is its epoch, waits
+while it is older, exits between batches once it is newer): the new batchers
+start with epoch E+2 and wait; once every one of them is ready the word goes
+to E+1 (the old ones, epoch E, finish their batch and exit), then, when they
+are gone, to E+2 (the new ones serve). Every request the old weights answer
+is claimed before any the new ones answer; requests queue meanwhile. The old
+and new batchers of a reload hold different batcher numbers (two banks of
+`instances`, flipping each reload, so reload needs instances <= 16).
+
+The engine's monitor thread runs a Reload (it spawns every batcher: they die
+with it), step by step between its other duties, and moves the epoch word
+itself; a Reload launches, checks and retires batchers and answers the
+caller. A reload whose new batchers fail to start kills them and leaves the
+old ones serving.
+"""
+import dataclasses
+import logging
+import threading
+from typing import Optional
+
+from engine import batchers, ring
+from engine.batchers import Instance
+from engine.errors import BackendError, EngineUnavailable
+
+log = logging.getLogger("shmbatch")
+
+
+@dataclasses.dataclass(eq=False)
+class Reload:
+    """A reload: posted by reload(), run by the monitor thread, answered by `done`."""
+    options: object  # the EngineOptions the new batchers run with
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    phase: str = "start"  # "start": new batchers starting; "retire": old ones finishing
+    epoch: int = 0  # the new batchers' epoch
+    new: list = dataclasses.field(default_factory=list)  # their Instances
+    readers: dict = dataclasses.field(default_factory=dict)  # index -> readiness pipe, until ready
+    deadline_ns: int = 0  # of the current phase
+    result: Optional[dict] = None
+    error: Optional[BaseException] = None
+
+    def begin(self, seg, engine: str, epoch: int, cpus: list, gpus: list) -> None:
+        """Launches the new batchers, epoch E+2, numbered in the other bank: they
+        wait, not claiming, until the epoch word reaches theirs. cpus and gpus
+        hold one entry per instance. Raises if one cannot be launched (the
+        caller aborts the reload)."""
+        n = len(cpus)
+        bank = (epoch // 2 + 1) % 2
+        self.epoch = epoch + 2
+        self.new = [Instance(bank * n + i, i) for i in range(n)]
+        self.deadline_ns = ring.now_ns() + int(self.options.start_timeout_s * 1e9)
+        log.info("engine %s: reload: starting batchers %s (epoch %d)", engine,
+                 [b.index for b in self.new], self.epoch)
+        for b in self.new:
+            seg.mark_batch(b.index, 0)
+            b.proc, self.readers[b.index] = batchers.launch(
+                engine, b, self.options.backend, self.options.backend_args, cpus[b.position],
+                gpus[b.position], self.epoch)
+
+    def ready(self, engine: str) -> bool:
+        """Phase "start": whether every new batcher is ready (reads the readiness
+        messages that came). BackendError when one failed, died or is late."""
+        for b in self.new:
+            reader = self.readers.get(b.index)
+            if reader is not None:
+                if reader.poll(0):
+                    del self.readers[b.index]
+                    try:
+                        batchers.await_ready(engine, b, b.proc, reader)
+                    finally:
+                        reader.close()
+            elif not b.proc.is_alive():
+                raise BackendError("BatcherDied", f"new batcher {b.index} (pid "
+                                   f"{b.proc.pid}) exited (exit code "
+                                   f"{b.proc.exitcode}) before it took over")
+        if self.readers:
+            if ring.now_ns() > self.deadline_ns:
+                raise BackendError("StartTimeout", f"new batcher(s) "
+                                   f"{sorted(self.readers)} not ready within "
+                                   f"{self.options.start_timeout_s:g} s")
+            return False
+        return True
+
+    def retire(self, bound_s: float) -> None:
+        """Enters phase "retire": the old batchers have bound_s to finish their batch
+        (the caller moves the epoch word to E+1)."""
+        self.phase = "retire"
+        self.deadline_ns = ring.now_ns() + int(bound_s * 1e9)
+
+    def retired(self, seg, engine: str, old: list, bound_s: float,
+                batch_timeout_s: Optional[float]) -> bool:
+        """Phase "retire": forgets the old batchers that exited; past the deadline,
+        kills the rest. Whether none is left (then the new ones may serve)."""
+        for b in old:
+            if b.proc is not None and not b.proc.is_alive():
+                _retire(seg, engine, b, bound_s, batch_timeout_s)
+        stragglers = [b for b in old if b.proc is not None]
+        if stragglers:
+            if ring.now_ns() <= self.deadline_ns:
+                return False
+            for b in stragglers:
+                b.proc.kill()
+                b.proc.join(10)
+                _retire(seg, engine, b, bound_s, batch_timeout_s, overran=True)
+        return True
+
+    def finish(self, engine: str) -> None:
+        """Answers the caller: the new batchers serve (the epoch word is theirs)."""
+        self.result = {"epoch": self.epoch, "batcher_pids": [b.proc.pid for b in self.new]}
+        log.info("engine %s reloaded: epoch %d, batcher pids %s", engine, self.epoch,
+                 self.result["batcher_pids"])
+        self.done.set()
+
+    def abort(self, seg, engine: str, error: BaseException) -> None:
+        """Kills the new batchers (they never claimed: the epoch never reached
+        theirs) and answers the caller with why; the old ones keep serving."""
+        for b in self.new:
+            reader = self.readers.pop(b.index, None)
+            if reader is not None:
+                reader.close()
+            if b.proc is not None:
+                b.proc.kill()
+                b.proc.join(10)
+                b.proc.close()
+                b.proc = None
+            seg.ring.set_word(ring.W_BATCHER_PID + b.index, 0)
+        if isinstance(error, EngineUnavailable):
+            self.error = error
+        else:
+            exc_type, message = ((error.exc_type, error.message) if isinstance(error, BackendError)
+                                 else (type(error).__name__, str(error)))
+            self.error = BackendError(exc_type, f"{message} (reload abandoned: the old "
+                                      f"batchers keep serving)")
+            log.error("engine %s: reload failed: %s", engine, self.error)
+        self.done.set()
+
+
+def _retire(seg, engine: str, b: Instance, bound_s: float, batch_timeout_s: Optional[float],
+            overran: bool = False) -> None:
+    """Forgets an old batcher that exited after a reload retired it; one that
+    died holding a batch (or was killed for overrunning) has it failed."""
+    r, proc = seg.ring, b.proc
+    proc.join(0)
+    why = None
+    if overran:
+        why = f"still in its last batch {bound_s:g} s after a reload retired it; killed"
+    elif b.hung:
+        why = f"hung: its batch ran over batch_timeout_s={batch_timeout_s:g}"
+    elif proc.exitcode:
+        why = (f"killed by signal {-proc.exitcode}" if proc.exitcode < 0
+               else f"exit code {proc.exitcode}")
+    # a clean exit left nothing claimed (it exits between batches); reap in any case
+    failed = r.reap_batcher(b.index, f"batcher {b.index} (pid {proc.pid}) died "
+                                     f"({why or 'exited'}) while serving this request"
+                                     .encode())
+    if why is not None:
+        log.warning("engine %s: retiring batcher %d (pid %d) %s; failed %d claimed "
+                    "request(s)", engine, b.index, proc.pid, why, failed)
+    seg.mark_batch(b.index, 0)
+    r.set_word(ring.W_BATCHER_PID + b.index, 0)
+    proc.close()
+    b.proc, b.hung = None, False
