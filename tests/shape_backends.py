@@ -53,3 +53,18 @@ def gated_log(gate, log_path, fixed=False):
             sem.close()
         return inner(batch, *lengths)
     return run
+
+
+def gated_named(gate):
+    """token_stats, whose first batch first waits (at most 60 s) for `gate`."""
+    import posix_ipc
+    sem = posix_ipc.Semaphore(gate)
+    inner, opened = token_stats(), []
+
+    def run(batch, lengths):
+        if not opened:
+            opened.append(True)
+            sem.acquire(60)
+            sem.close()
+        return inner(batch, lengths)
+    return run

@@ -100,3 +100,17 @@ def test_named_tensors_each_take_one_region_of_their_own_spec():
 def test_named_tensor_settings_are_checked_before_anything_starts(knobs, says):
     with pytest.raises(ValueError, match=says):
         engine.Engine("bad-named", backend="helpers:affine", **knobs)
+
+
+def test_a_contiguous_run_of_named_requests_reaches_the_backend_without_a_copy(make_engine, gate):
+    eng = make_engine("named-views", **{**NAMED, "backend": "shape_backends:gated_named",
+                                        "backend_args": {"gate": gate.name}})
+    with engine.Client(eng.name) as c:
+        first = c.submit(request(0)[0], timeout=60)
+        futures = [c.submit(request(k)[0], timeout=60) for k in range(1, 8)]
+        gate.open()
+        for k, f in enumerate([first] + futures):
+            assert np.array_equal(f.result(timeout=60)["total"], request(k)[1]["total"])
+    stats = eng.stats()
+    # consecutive submits take consecutive slots: each batch is a view of the regions
+    assert stats["gathered_batches"] == 0 and stats["zero_copy_batches"] == stats["batches_total"]
