@@ -140,7 +140,9 @@ def test_the_model_bench_answers_right_with_and_without_buckets():
     from engine.tools import model_bench
     rows = model_bench.run(model_bench.Setup(batch_sizes=(4,), clients=2, in_flight=4,
                                              seconds=0.5), log=lambda line: None)
-    assert [r["length_buckets"] for r in rows] == [[], list(model_bench.BUCKETS)]
+    buckets = list(model_bench.BUCKETS)
+    assert [r["length_buckets"] for r in rows] == [[], buckets, buckets]
+    assert [r["allowed_batch_sizes"] for r in rows] == [[], [], [1, 2, 4]]
     for r in rows:
         assert (r["errors"], r["wrong"]) == (0, 0) and r["checked"] > 0 and r["answered"] > 0
         assert r["padding_waste"] >= 1.0

@@ -4,7 +4,8 @@ The model is a small transformer encoder with random weights, built at run
 time (engine.tools.onnx_model: embedding, 2 attention blocks, masked mean
 pooling; sequences up to 128 tokens). Requests draw their lengths from one
 fixed, seeded distribution (mostly short, a few long, as text is). Each row
-serves them at one max_batch_size, with and without length_buckets, to
+serves them at one max_batch_size, without and with length_buckets (and
+with allowed_batch_sizes, powers of two, beside the buckets), to
 client processes that keep a fixed number of requests in flight (a closed
 loop: the figure is the most the engine serves, and the latency that comes
 with it). The engine's token counters give the padding waste: padded tokens
@@ -88,7 +89,7 @@ def _client(cid, setup: Setup, conn) -> None:
 
 
 def run_row(model_path: str, max_batch_size: int, buckets: Optional[tuple], setup: Setup,
-            reference) -> dict:
+            reference, allowed: Optional[tuple] = None) -> dict:
     from engine.tools.onnx_model import encoder_tensors
     inputs, outputs = encoder_tensors()
     name = f"bench-model-{os.getpid()}-{max_batch_size}-{'b' if buckets else 'n'}"
@@ -103,6 +104,7 @@ def run_row(model_path: str, max_batch_size: int, buckets: Optional[tuple], setu
                      inputs=inputs, outputs=outputs,
                      max_input_shapes={"input_ids": (MAX_LEN,), "attention_mask": (MAX_LEN,)},
                      max_batch_size=max_batch_size, length_buckets=buckets,
+                     allowed_batch_sizes=allowed,
                      queue_capacity=max(64, setup.clients * setup.in_flight),
                      cpus=batcher_cpus).start()
         procs.go(conns, name, client_cpus, 100_000_000)
@@ -118,6 +120,7 @@ def run_row(model_path: str, max_batch_size: int, buckets: Optional[tuple], setu
             wrong += any(not np.allclose(y[n], want[n][0], rtol=1e-4, atol=1e-5) for n in want)
     p = percentiles_ms(rtt)
     return {"max_batch_size": max_batch_size, "length_buckets": list(buckets or []),
+            "allowed_batch_sizes": list(allowed or []),
             "rps": len(rtt) / max(r[3] for r in results), "answered": int(len(rtt)),
             "errors": sum(r[1] for r in results), "wrong": wrong,
             "checked": sum(len(r[2]) for r in results),
@@ -128,7 +131,9 @@ def run_row(model_path: str, max_batch_size: int, buckets: Optional[tuple], setu
 
 def row_line(row: dict) -> str:
     how = f"buckets {row['length_buckets']}" if row["length_buckets"] else "no buckets"
-    return (f"max_batch {row['max_batch_size']:>3} {how:<24} | {row['rps']:>7.0f} req/s | "
+    if row["allowed_batch_sizes"]:
+        how += f" + sizes {row['allowed_batch_sizes']}"
+    return (f"max_batch {row['max_batch_size']:>3} {how:<45} | {row['rps']:>7.0f} req/s | "
             f"p50 {row['p50_ms']:>7.2f} ms p99 {row['p99_ms']:>7.2f} ms | avg batch "
             f"{row['avg_batch']:>5.1f} | padded/real tokens {row['padding_waste']:.2f} | "
             f"errors {row['errors']} wrong {row['wrong']} of {row['checked']} checked")
@@ -146,8 +151,11 @@ def run(setup: Setup, log=print) -> List[dict]:
             f"lengths 70 % 4-32, 25 % 33-80, 5 % 81-128 tokens")
         rows = []
         for b in setup.batch_sizes:
-            for buckets in (None, BUCKETS):
-                row = run_row(path, b, buckets, setup, reference)
+            # the shapes a compiled model would want: buckets, then also powers of two
+            sizes = tuple(1 << k for k in range(b.bit_length()) if 1 << k <= b)
+            variants = [(None, None), (BUCKETS, None)] + ([(BUCKETS, sizes)] if b > 2 else [])
+            for buckets, allowed in variants:
+                row = run_row(path, b, buckets, setup, reference, allowed)
                 rows.append(row)
                 log(row_line(row))
     return rows
