@@ -30,6 +30,7 @@ def refuses(wait_ns: int, left_ns: int) -> bool:
 # How much weight a new batch's service time has against the past ones:
 # about the last 1/FORGET batches count.
 FORGET = 0.02
+KEEP = 1.0 - FORGET  # each older batch's weight, relative to the next one's
 # A batch slower than this many times the fit's prediction counts as this many.
 OUTLIER = 4.0
 # The fit is solved after each of the first REFIT batches, then every REFIT.
@@ -54,7 +55,7 @@ def predicted_wait_ns(queued_ahead: int, batch_limit: int, instances: int,
     return int(in_service_ns + full_rounds * full_batch_ns + fixed_ns + own_batch * per_item_ns)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class ServiceFit:
     """S(n) = fixed + n * per_item by weighted least squares over the batches
     seen, each older batch weighing (1 - FORGET) times less. The fit is solved
@@ -74,17 +75,19 @@ class ServiceFit:
         than the fit predicts (a stall, a recompile) counts as OUTLIER times
         the prediction, so it cannot lock admission out for the many batches
         the fit takes to forget it."""
-        if self.batches:
-            service_ns = min(service_ns,
-                             OUTLIER * (self.fixed_ns + batch_size * self.per_item_ns) + 1)
-        keep = 1.0 - FORGET
-        self.w = self.w * keep + 1.0
-        self.n = self.n * keep + batch_size
-        self.nn = self.nn * keep + batch_size * batch_size
-        self.s = self.s * keep + service_ns
-        self.ns = self.ns * keep + batch_size * service_ns
-        self.batches += 1
-        if self.batches > REFIT and self.batches % REFIT:
+        # run per batch by the batcher: plain float arithmetic, no builtin calls
+        batches = self.batches
+        if batches:
+            cap = OUTLIER * (self.fixed_ns + batch_size * self.per_item_ns) + 1
+            if service_ns > cap:
+                service_ns = cap
+        self.w = self.w * KEEP + 1.0
+        self.n = self.n * KEEP + batch_size
+        self.nn = self.nn * KEEP + batch_size * batch_size
+        self.s = self.s * KEEP + service_ns
+        self.ns = self.ns * KEEP + batch_size * service_ns
+        self.batches = batches = batches + 1
+        if batches > REFIT and batches % REFIT:
             return False
         self.fixed_ns, self.per_item_ns = self._solve()
         return True

@@ -69,6 +69,11 @@ class Batcher:
         self.rule = policy.FlushRule(cfg.max_batch_size, int(cfg.max_delay_ms * 1e6))
         self.max_batch = cfg.max_batch_size
         self.limit = segment.batch_limit() or cfg.max_batch_size  # AIMD's, with slo_ms
+        # the header's words the loop reads (epoch, state) and stamps (the
+        # watchdog's batch start) each batch, without a call (Segment.epoch(),
+        # engine_state() and mark_batch() are these loads and stores)
+        self.words = self.ring.header_words()
+        self.batch_start_word = ring.W_BATCH_START + instance
         self.slo_ns = None if cfg.slo_ms is None else int(cfg.slo_ms * 1e6)
         self.isolate = cfg.isolate_failures
         self.fit = admission.ServiceFit()
@@ -78,6 +83,7 @@ class Batcher:
         self.var_bound = cfg.padded_shape[cfg.var_axis] if cfg.var_axis is not None else 0
         self.out_shape = tuple(cfg.output_shape)
         self.out_dtype = np.dtype(cfg.output_dtype)
+        self.in_place = segment.in_place
         self.named = cfg.named
         self.out_specs = cfg.output_specs
         self.var_inputs = [(t, s) for t, s in enumerate(cfg.input_specs) if s.var_axis is not None]
@@ -93,6 +99,8 @@ class Batcher:
             self.claimed.set_shape(self.shapes.bounds, self.shapes.most,
                                    self.shapes.take(cfg.max_batch_size))
         rows = max((cfg.max_batch_size, *(self.allowed or ())))
+        # the result shape check's want, per batch size: no tuple built per batch
+        self.out_shapes = [(k, *self.out_shape) for k in range(rows + 1)]
         self.gather_buffer = np.zeros((rows, *cfg.padded_shape), cfg.input_dtype)
         self.gather_buffers = {s.name: np.zeros((rows, *s.max_shape), s.dtype)
                                for s in cfg.input_specs} if self.named else {}
@@ -103,29 +111,33 @@ class Batcher:
         a batcher serves while the engine's epoch is its own, waits while it
         is older (started by a reload, not yet let in) and exits, between
         batches, once it is newer (retired by a reload)."""
-        r, spin_ns = self.ring, 0
+        # with one request a batch, each turn's Python is a round trip's: what
+        # the loop uses every turn is bound to locals once (self.limit and
+        # self.expire_lead_ns change with each batch: read each turn)
+        r, words, rule, claimed, instance = self.ring, self.words, self.rule, self.claimed, self.instance
+        work_seq, claim, thresholds, serve, now = r.work_seq, r.claim, rule.thresholds, self.serve, ring.now_ns
+        own_epoch, spin_ns = self.epoch, 0
         while True:
-            seen = r.work_seq()  # before the claim's scan: a publish after it wakes us
-            epoch = self.seg.epoch()
-            if epoch != self.epoch:
-                if epoch > self.epoch:
+            seen = work_seq()  # before the claim's scan: a publish after it wakes us
+            epoch = words[ring.W_EPOCH]
+            if epoch != own_epoch:
+                if epoch > own_epoch:
                     return RETIRED
                 # not let in yet: look again at each finished batch, or within
                 # ACTIVATION_CHECK_NS; never asleep on the work word, whose wake
                 # (one sleeper's) is meant for a batcher that serves
                 r.wait_done_seq(r.done_seq(), ACTIVATION_CHECK_NS)
                 continue
-            state = self.seg.engine_state()
-            now_ns = ring.now_ns()
+            state = words[ring.W_ENGINE_STATE]
+            now_ns = now()
             # the flush rule's thresholds, applied by the C claim in its one pass; a
             # request that cannot finish even alone in a batch starting now is
             # failed unstarted (expired): computing it helps nobody
-            max_n, flush_n, cutoff_ns = self.rule.thresholds(
-                now_ns, state != ring.ENGINE_RUNNING, self.limit)
-            n, claim_ns, ready, oldest_ns, _ = r.claim(self.instance, max_n, flush_n, cutoff_ns,
-                                                       self.claimed, now_ns + self.expire_lead_ns)
+            max_n, flush_n, cutoff_ns = thresholds(now_ns, state != ring.ENGINE_RUNNING, self.limit)
+            n, claim_ns, ready, oldest_ns, _ = claim(instance, max_n, flush_n, cutoff_ns, claimed,
+                                                     now_ns + self.expire_lead_ns)
             if n:
-                self.serve(n, claim_ns)
+                serve(n, claim_ns)
                 spin_ns = SPIN_NS
             elif ready == 0:
                 if state == ring.ENGINE_STOPPED:
@@ -133,32 +145,36 @@ class Batcher:
                 r.wait_work(seen, IDLE_CHECK_NS, spin_ns)
                 spin_ns = 0
             elif oldest_ns > cutoff_ns:  # not due yet: sleep until it is (else: raced, retry)
-                r.wait_work(seen, self.rule.wait_ns(oldest_ns, now_ns))
+                r.wait_work(seen, rule.wait_ns(oldest_ns, now_ns))
 
     def serve(self, n: int, claim_ns: int) -> None:
         """Runs one claimed batch, claimed.slots[:n] (ascending): gather, call,
         check, scatter, complete. A backend's fault fails this batch only,
         or, with isolate_failures, only the requests that fail alone."""
-        self.seg.mark_batch(self.instance, claim_ns)
-        slots = self.claimed.slots[:n]
-        try:
-            contiguous = self.compute(slots, self.claimed.lengths[:n], self.claimed.bucket)
-            status, message = ring.STATUS_OK, b""
+        words, r, claimed = self.words, self.ring, self.claimed
+        words[self.batch_start_word] = claim_ns  # for the supervisor's watchdog (0: idle)
+        slots = claimed.slots[:n]
+        try:  # the real lengths only where a variable dim needs them
+            contiguous = self.compute(slots, claimed.lengths[:n] if self.var_inputs else None,
+                                      claimed.bucket)
         except Exception as e:
-            status, message, contiguous = ring.STATUS_BACKEND, _message(e), False
-        if status != ring.STATUS_OK and self.isolate and n > 1:
-            self.isolate_failures(np.arange(n), message)
+            contiguous = False
+            if self.isolate and n > 1:
+                self.isolate_failures(np.arange(n), _message(e))
+            else:
+                r.complete(self.instance, claimed, n, ring.STATUS_BACKEND, _message(e))
         else:
-            self.ring.complete(self.instance, self.claimed, n, status, message)
+            r.complete(self.instance, claimed, n, ring.STATUS_OK, b"")
         done_ns = ring.now_ns()
-        self.ring.finish_batch(self.claimed, n, claim_ns, done_ns, contiguous)
-        self.seg.mark_batch(self.instance, 0)
+        r.finish_batch(claimed, n, claim_ns, done_ns, contiguous)
+        words[self.batch_start_word] = 0
         self.learn(n, done_ns - claim_ns)
 
     def compute(self, slots: np.ndarray, lengths: np.ndarray, bucket: int) -> bool:
         """Gather, call, check and scatter for these slots (a batch or part of
         one); returns whether the batch was a view of the rows (zero copy)."""
-        rows = policy.pad_size(len(slots), self.allowed)
+        n = len(slots)
+        rows = policy.pad_size(n, self.allowed) if self.allowed else n
         if self.var_top:  # padding waste: what the backend computes beyond the real lengths
             self.ring.add_word(ring.W_TOKENS, int(lengths.sum()))
             self.ring.add_word(ring.W_PADDED_TOKENS,
@@ -169,8 +185,9 @@ class Batcher:
             self.scatter_named(slots, out, contiguous)
             return contiguous
         batch, contiguous = self.gather(slots, rows)
-        out = self.check(self.call(batch, lengths, rows, bucket), rows)
-        self.scatter(slots, batch, out[:len(slots)] if rows > len(slots) else out, contiguous)
+        result = self.fn(batch) if self.var_axis is None else self.call(batch, lengths, rows, bucket)
+        out = self.check(result, rows)
+        self.scatter(slots, batch, out[:n] if rows > n else out, contiguous)
         return contiguous
 
     def learn(self, n: int, service_ns: int) -> None:
@@ -179,7 +196,7 @@ class Batcher:
         in service and then its own: each must take at most half the objective)."""
         self.batches += 1
         # a batcher's first batch warms the model up: not a measure
-        if self.batches > 1 and self.fit.add(n, service_ns):
+        if self.batches > 1 and self.fit.add(n, service_ns):  # solved every REFIT batches
             fixed_ns, per_item_ns = self.fit.estimate()
             self.seg.publish_service_fit(fixed_ns, per_item_ns)
             self.expire_lead_ns = fixed_ns
@@ -224,10 +241,9 @@ class Batcher:
         return self.gather_buffer[:rows], False
 
     def call(self, batch: np.ndarray, lengths: np.ndarray, rows: int, bucket: int):
-        """The backend on the batch (with a variable dim: cut to the bucket's
-        bound or the longest request, and the real lengths, 0 for padding rows)."""
-        if self.var_axis is None:
-            return self.fn(batch)
+        """The backend on a batch with a variable dim (compute() calls a fixed
+        shape's itself): cut to the bucket's bound or the longest request, with
+        the real lengths, 0 for padding rows."""
         n = len(lengths)
         real = np.zeros(rows, np.int64)
         real[:n] = lengths
@@ -242,7 +258,7 @@ class Batcher:
 
     def scatter(self, slots: np.ndarray, batch: np.ndarray, out: np.ndarray, contiguous: bool) -> None:
         """Each answer into its request's output row, by position."""
-        if contiguous and self.seg.in_place and out is batch:
+        if contiguous and self.in_place and out is batch:
             return  # answered in place: the rows already hold the answers
         if contiguous:
             first = int(slots[0])
@@ -252,9 +268,10 @@ class Batcher:
 
     def check(self, result, n: int) -> np.ndarray:
         """result as n outputs of the output spec, or BadResult saying what came."""
-        if (type(result) is np.ndarray and result.dtype == self.out_dtype
-                and result.shape == (n, *self.out_shape)):
-            return result  # the common case, checked cheaply
+        if (type(result) is np.ndarray
+                and (result.dtype is self.out_dtype or result.dtype == self.out_dtype)
+                and result.shape == self.out_shapes[n]):
+            return result  # the common case, checked cheaply (dtypes are mostly one object)
         return _checked(result, n, self.out_dtype, self.out_shape, "")
 
     # -- named tensors ------------------------------------------------------------

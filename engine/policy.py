@@ -46,7 +46,9 @@ class FlushRule:
         """(max_n, flush_n, cutoff_ns) for the C claim: take up to max_n of the
         oldest if flush_n are ready or the oldest arrived at or before cutoff_ns.
         A batch limit below max_batch (AIMD's) is a smaller full batch."""
-        max_n = self.max_batch if limit is None else max(1, min(limit, self.max_batch))
+        max_n = self.max_batch
+        if limit is not None and limit < max_n:  # (no min()/max() calls: run per batch)
+            max_n = limit if limit > 1 else 1
         if draining:
             return max_n, 1, ANY_TIME_NS
         return max_n, max_n, now_ns - self.max_delay_ns
