@@ -111,25 +111,27 @@ def settle_now(seg, slot: int, gen: int, out: Optional[np.ndarray],
     (arrival_ns, claim_ns, done_ns). Not answered: with error, the request
     abandoned and error returned (unless it was answered that instant);
     without, (False, None, None, None)."""
-    r = seg.ring
-    if seg.named:
-        def take():
-            code, answer = take_named(seg, slot, gen, out)
-            return code, None, answer  # no stamps: the fused take reads them
-    else:
-        if out is None:
-            out = np.empty(seg.output_shape, seg.output_dtype)
-        take = lambda: (*r.take_timed(slot, gen, out), out)  # noqa: E731
-    code, stamps, value = take()
+    if out is None and not seg.named:
+        out = np.empty(seg.output_shape, seg.output_dtype)
+    code, stamps, value = _take(seg, slot, gen, out)
     if code == ring.ETIMEOUT:
         if error is None:
             return False, None, None, None
         if give_up(seg, slot, gen, error) is not None:
             return True, None, error, None
-        code, stamps, value = take()
+        code, stamps, value = _take(seg, slot, gen, out)
     if code == ring.OK:
         return True, value, None, stamps
     return True, None, failed(seg, slot, gen, code), None
+
+
+def _take(seg, slot: int, gen: int, out):
+    """(code, stamps, answer) of one take that does not wait."""
+    if seg.named:
+        code, answer = take_named(seg, slot, gen, out)
+        return code, None, answer  # no stamps: the fused take reads them
+    code, stamps = seg.ring.take_timed(slot, gen, out)
+    return code, stamps, out
 
 
 def take_named(seg, slot: int, gen: int, out: Optional[dict]):
