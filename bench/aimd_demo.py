@@ -22,7 +22,7 @@ from engine import ring
 from engine.tools import load
 
 
-def client(name, rate, seconds, conn):
+def client(name, rate, seconds, timeout_s, conn):
     offsets = load.poisson_offsets_ns(rate, int(rate * seconds), 1)
     scheduled = np.zeros(len(offsets), np.int64)
     x = np.ones(16, np.float32)
@@ -32,10 +32,12 @@ def client(name, rate, seconds, conn):
         for k in load.paced(offsets, start, scheduled):
             due = int(scheduled[k])
             try:
-                f = c.submit(x, timeout=1.0)
-            except engine.QueueFull:
+                f = c.submit(x, timeout=timeout_s)
+            except engine.QueueFull:  # refused at once (Overloaded is one)
                 continue
-            f.add_done_callback(lambda f, due=due: done.append((due, ring.now_ns())))
+            # answered ones only: a request that timed out has no latency to count
+            f.add_done_callback(lambda f, due=due: f.exception() is None
+                                and done.append((due, ring.now_ns())))
             pending.append(f)
         for f in pending:
             f.exception(timeout=10)
@@ -48,6 +50,9 @@ def main() -> int:
     p.add_argument("--slo-ms", type=float, default=20.0)
     p.add_argument("--seconds", type=float, default=9.0)
     p.add_argument("--rate", type=float, default=1000.0)
+    p.add_argument("--timeout-ms", type=float, default=1000.0,
+                   help="each request's timeout (its deadline: admission refuses what cannot "
+                        "make it)")
     args = p.parse_args()
     import multiprocessing
     ctx = multiprocessing.get_context("fork")
@@ -61,7 +66,8 @@ def main() -> int:
                                          "cost_file": cost.name},
                            max_batch_size=32, queue_capacity=4096, slo_ms=args.slo_ms) as eng:
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=client, args=(name, args.rate, args.seconds, child))
+            proc = ctx.Process(target=client, args=(name, args.rate, args.seconds,
+                                                          args.timeout_ms / 1000, child))
             proc.start()
             start, limits, phase = time.monotonic(), [], 0
             while time.monotonic() - start < args.seconds:
