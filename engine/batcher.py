@@ -107,15 +107,16 @@ class Batcher:
 
     def run(self) -> str:
         """Serves until the engine is STOPPED and nothing is left to serve, or
-        until a reload retires it (returns STOPPED or RETIRED). Epochs hand the ring over without overlap:
-        a batcher serves while the engine's epoch is its own, waits while it
-        is older (started by a reload, not yet let in) and exits, between
-        batches, once it is newer (retired by a reload)."""
+        until a reload retires it (returns STOPPED or RETIRED). Epochs hand
+        the ring over without overlap: a batcher serves while the engine's
+        epoch is its own, waits while it is older (started by a reload, not
+        yet let in) and exits, between batches, once it is newer (retired)."""
         # with one request a batch, each turn's Python is a round trip's: what
         # the loop uses every turn is bound to locals once (self.limit and
         # self.expire_lead_ns change with each batch: read each turn)
-        r, words, rule, claimed, instance = self.ring, self.words, self.rule, self.claimed, self.instance
-        work_seq, claim, thresholds, serve, now = r.work_seq, r.claim, rule.thresholds, self.serve, ring.now_ns
+        r, words, rule, claimed = self.ring, self.words, self.rule, self.claimed
+        instance, serve, now = self.instance, self.serve, ring.now_ns
+        work_seq, claim, thresholds = r.work_seq, r.claim, rule.thresholds
         own_epoch, spin_ns = self.epoch, 0
         while True:
             seen = work_seq()  # before the claim's scan: a publish after it wakes us
