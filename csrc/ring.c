@@ -1117,8 +1117,8 @@ uint32_t sb_claim(void *base, uint32_t batcher, uint32_t max_n, uint32_t flush_n
 		uint32_t most = shape->buckets && shape->most[bucket] < max_n
 			? shape->most[bucket] : max_n;
 		n = k < most ? k : most;
-		if (shape->takes && n < shape->takes)
-			n = shape->take[n];
+		if (shape->takes && n < shape->takes && shape->take[n] <= n)
+			n = shape->take[n]; /* never more than eligible: slots holds max_n */
 	}
 	if (n < k) /* more eligible than taken: the most urgent, then the oldest */
 		qsort(scratch, k, 4 * sizeof(uint64_t), by_level_arrival);

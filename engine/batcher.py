@@ -115,7 +115,7 @@ class Batcher:
         # the loop uses every turn is bound to locals once (self.limit and
         # self.expire_lead_ns change with each batch: read each turn)
         r, words, rule, claimed = self.ring, self.words, self.rule, self.claimed
-        instance, serve, now = self.instance, self.serve, ring.now_ns
+        instance, serve, now, allowed = self.instance, self.serve, ring.now_ns, self.allowed
         work_seq, claim, thresholds = r.work_seq, r.claim, rule.thresholds
         own_epoch, spin_ns = self.epoch, 0
         while True:
@@ -134,7 +134,11 @@ class Batcher:
             # the flush rule's thresholds, applied by the C claim in its one pass; a
             # request that cannot finish even alone in a batch starting now is
             # failed unstarted (expired): computing it helps nobody
-            max_n, flush_n, cutoff_ns = thresholds(now_ns, state != ring.ENGINE_RUNNING, self.limit)
+            max_n, flush_n, cutoff_ns = thresholds(now_ns, state != ring.ENGINE_RUNNING,
+                                                   self.limit)
+            if allowed:  # padded up to an allowed size, a batch stays within the limit
+                max_n = policy.fit_allowed(max_n, allowed)
+                flush_n = min(flush_n, max_n)
             n, claim_ns, ready, oldest_ns, _ = claim(instance, max_n, flush_n, cutoff_ns, claimed,
                                                      now_ns + self.expire_lead_ns)
             if n:
@@ -176,19 +180,20 @@ class Batcher:
         one); returns whether the batch was a view of the rows (zero copy)."""
         n = len(slots)
         rows = policy.pad_size(n, self.allowed) if self.allowed else n
-        if self.var_top:  # padding waste: what the backend computes beyond the real lengths
-            self.ring.add_word(ring.W_TOKENS, int(lengths.sum()))
-            self.ring.add_word(ring.W_PADDED_TOKENS,
-                               rows * self._cut(bucket, int(lengths.max()), self.var_top))
         if self.named:
             batch, contiguous = self.gather_named(slots, rows)
             out = self.check_named(self.call_named(batch, slots, rows, bucket), rows)
             self.scatter_named(slots, out, contiguous)
-            return contiguous
-        batch, contiguous = self.gather(slots, rows)
-        result = self.fn(batch) if self.var_axis is None else self.call(batch, lengths, rows, bucket)
-        out = self.check(result, rows)
-        self.scatter(slots, batch, out[:n] if rows > n else out, contiguous)
+        else:
+            batch, contiguous = self.gather(slots, rows)
+            result = (self.fn(batch) if self.var_axis is None
+                      else self.call(batch, lengths, rows, bucket))
+            out = self.check(result, rows)
+            self.scatter(slots, batch, out[:n] if rows > n else out, contiguous)
+        if self.var_top:  # padding waste, of answered requests only (each counted once)
+            self.ring.add_word(ring.W_TOKENS, int(lengths.sum()))
+            self.ring.add_word(ring.W_PADDED_TOKENS,
+                               rows * self._cut(bucket, int(lengths.max()), self.var_top))
         return contiguous
 
     def learn(self, n: int, service_ns: int) -> None:

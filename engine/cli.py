@@ -50,6 +50,14 @@ def boolean(text: str) -> bool:
     return value
 
 
+def json_value(text: str):
+    """A flag's JSON value (named tensors: {"ids": ["int64", [null]]})."""
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected JSON, got {text!r} ({e})") from None
+
+
 def numbers(kind):
     def parse(text: str):
         try:
@@ -77,7 +85,8 @@ def _knob_flag(p, knob, with_default: bool = False) -> None:
         p.add_argument(flag, action="append", type=cpu_list, metavar="0[,1...]",
                        help=f"{doc}; one flag per instance")
         return
-    parse = {"int": int, "float": float, "shape": shape, "bool": boolean}.get(kind, str)
+    parse = {"int": int, "float": float, "shape": shape, "bool": boolean, "json": json_value,
+             "ints": numbers(int)}.get(kind, str)
     metavar = {"callable": "MOD:FACTORY", "gpus": "0,1"}.get(kind)
     p.add_argument(flag, type=parse, default=default, metavar=metavar, help=doc)
 
@@ -256,7 +265,8 @@ def serve_settings(args) -> dict:
             settings[knob.name] = _config_shape(settings[knob.name], knob.name)
         if knob.metadata["cli"] == "gpus" and isinstance(settings.get(knob.name), str):
             settings[knob.name] = [g.strip() for g in settings[knob.name].split(",") if g.strip()]
-    missing = [k for k in ("name", "backend", "input_shape", "output_shape") if k not in settings]
+    spec = ("inputs", "outputs") if "inputs" in settings else ("input_shape", "output_shape")
+    missing = [k for k in ("name", "backend", *spec) if k not in settings]
     if missing:
         raise ValueError("missing " + ", ".join(f"--{k.replace('_', '-')}" for k in missing)
                          + " (or the key in --config)")

@@ -72,7 +72,13 @@ class EngineConfig:
         if (self.inputs is None) != (self.outputs is None):
             raise ValueError("inputs and outputs (named tensors) are given together")
         if self.inputs is not None:
+            if self.max_input_shape is not None or None in self.input_shape:
+                raise ValueError("named inputs take their bounds from max_input_shapes; "
+                                 "input_shape and max_input_shape are the single-array form's")
             ins, outs = tensors.named_specs(self.inputs, self.outputs, self.max_input_shapes)
+            if len(ins) + len(outs) > ring.MAX_TENSORS:
+                raise ValueError(f"an engine has at most {ring.MAX_TENSORS} tensors (inputs and "
+                                 f"outputs), got {len(ins)} + {len(outs)}")
             # stored as plain JSON-able values; the specs are derived
             put("inputs", {t.name: [t.dtype, list(t.shape)] for t in ins})
             put("outputs", {t.name: [t.dtype, list(t.shape)] for t in outs})
@@ -154,7 +160,8 @@ class EngineConfig:
         top = max(t.max_shape[t.var_axis] for t in var)
         if self.length_buckets is not None:
             bounds = sorted({int(b) for b in self.length_buckets})
-            if not bounds or bounds[0] < 1 or bounds[-1] > top or len(bounds) > ring.MAX_BUCKETS:
+            buckets = len(bounds) + (bool(bounds) and bounds[-1] < top)  # top is appended
+            if not bounds or bounds[0] < 1 or bounds[-1] > top or buckets > ring.MAX_BUCKETS:
                 raise ValueError(f"length_buckets must be at most {ring.MAX_BUCKETS} bounds in "
                                  f"1..{top} (the largest variable bound), got "
                                  f"{list(self.length_buckets)}")
@@ -185,7 +192,9 @@ class EngineConfig:
 
     @property
     def var_axis(self) -> Optional[int]:
-        """The index of the variable dim, or None."""
+        """The index of the single-array form's variable dim, or None."""
+        if self.named:
+            return None
         return next((i for i, d in enumerate(self.input_shape) if d is None), None)
 
     @property

@@ -147,6 +147,10 @@ class Segment:
         if size == 0:
             raise ValueError(f"an engine of {config.queue_capacity} slots of "
                              f"{config.input_slot_bytes} B input is too large")
+        if len(config.to_json()) > ring.CONFIG_BYTES:
+            raise ValueError(f"engine {config.name!r}'s settings take {len(config.to_json())} B "
+                             f"as JSON, more than the header's {ring.CONFIG_BYTES} B: fewer or "
+                             f"shorter tensor names")
         check_fits(config, size)  # before anything is allocated
         for _ in range(2):
             try:

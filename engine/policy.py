@@ -84,6 +84,15 @@ def pad_size(n: int, allowed) -> int:
     return next((a for a in allowed if a >= n), allowed[-1])
 
 
+def fit_allowed(limit: int, allowed) -> int:
+    """The largest batch that is still at most `limit` once padded: the largest
+    allowed size <= limit (the smallest allowed size if none is; limit itself
+    without allowed sizes)."""
+    if not allowed:
+        return limit
+    return max((a for a in allowed if a <= limit), default=allowed[0])
+
+
 def take_table(allowed, max_n: int) -> list:
     """take[r] for r = 0..max_n: how many of r eligible requests to claim
     (see the module's rule); [] without allowed sizes."""
@@ -121,6 +130,9 @@ class BatchShapes:
         bounds = tuple(buckets or ((top,) if max_tokens else ()))
         most = tuple(max(1, min(max_batch, max_tokens // b)) if max_tokens else max_batch
                      for b in bounds)
+        # a batch is padded up to an allowed size: its claim is capped by the
+        # allowed size below its cap, so the padded batch keeps the budget too
+        most = tuple(fit_allowed(n, allowed) for n in most)
         return cls(bounds, most, tuple(allowed or ()), bool(buckets))
 
     def take(self, max_n: int) -> list:

@@ -110,6 +110,10 @@ class Engine:
         self._reload: Optional[Reload] = None  # the reload the monitor thread is running
         self._reload_posted: Optional[Reload] = None  # posted by reload(), for the monitor
         self._reload_lock = threading.Lock()  # one reload() at a time
+        # posting a reload and the monitor's end exclude each other: a reload
+        # posted once the monitor has ended would wait for nobody
+        self._post_lock = threading.Lock()
+        self._monitor_ended = False
         self._control: Optional[control.Server] = None
         self._monitor: Optional[threading.Thread] = None
         self._started = threading.Event()
@@ -154,6 +158,7 @@ class Engine:
         self._wake_r, self._wake_w = os.pipe()
         self._stopping.clear()
         self._started.clear()
+        self._monitor_ended = False
         self._start_error = None
         # the batchers are spawned by the monitor thread: they die with it
         self._monitor = threading.Thread(target=self._monitor_main, daemon=True,
@@ -195,7 +200,10 @@ class Engine:
             if not reaper.Census(r, self._seg.capacity).count(ring.WRITING, ring.READY,
                                                               ring.CLAIMED):
                 return
-            alive = any(b.proc is not None and b.proc.is_alive() for b in self._instances)
+            # a reload's new batchers count: they serve once the old ones have left
+            reload = self._reload
+            batchers = self._instances + (reload.new if reload is not None else [])
+            alive = any(b.proc is not None and b.proc.is_alive() for b in batchers)
             if not alive:
                 log.error("engine %s: no batcher left to drain the queue", self.name)
                 return
@@ -288,12 +296,11 @@ class Engine:
                 current, backend=current.backend if backend is None else backend,
                 backend_args=args)
             request = Reload(options)
-            self._reload_posted = request
-            try:
+            with self._post_lock:
+                if self._monitor_ended:
+                    raise EngineUnavailable(f"engine {self.name!r} is stopping")
+                self._reload_posted = request
                 os.write(self._wake_w, b"r")  # the monitor thread runs it
-            except (OSError, TypeError):
-                self._reload_posted = None
-                raise EngineUnavailable(f"engine {self.name!r} is not running") from None
             # the monitor may first finish a restart, then starts (start_timeout_s) and retires
             bound = 2 * options.start_timeout_s + self._retire_bound_s() + 10
             if not request.done.wait(bound):
@@ -383,7 +390,9 @@ class Engine:
             if self._reload is not None:
                 self._abort_reload(EngineUnavailable(f"engine {self.name!r} stopped during "
                                                      f"the reload"))
-            posted, self._reload_posted = self._reload_posted, None
+            with self._post_lock:
+                self._monitor_ended = True
+                posted, self._reload_posted = self._reload_posted, None
             if posted is not None:
                 posted.error = EngineUnavailable(f"engine {self.name!r} is stopping")
                 posted.done.set()

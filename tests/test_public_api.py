@@ -49,3 +49,18 @@ def test_every_knob_is_an_engine_keyword_a_serve_flag_and_a_config_key(tmp_path)
     config.write_text("".join(f"{k} = 1\n" for k in names if k != "backend_args"))
     args = argparse.Namespace(config=str(config), backend_arg=None, **dict.fromkeys(names))
     assert set(names) - {"backend_args"} <= set(cli.serve_settings(args))  # every key read
+
+
+def test_serve_takes_named_tensors_and_batch_shapes_as_flags():
+    from engine import cli
+    parser = argparse.ArgumentParser()
+    cli._serve_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["serve", "--name", "n", "--backend", "engine.backends:identity",
+                              "--inputs", '{"ids": ["int64", [null]]}',
+                              "--max-input-shapes", '{"ids": [8]}',
+                              "--outputs", '{"y": ["float32", [2]]}',
+                              "--allowed-batch-sizes", "1,2,4", "--length-buckets", "4"])
+    settings = cli.serve_settings(args)
+    config = engine.Engine(**settings).config
+    assert [t.name for t in config.input_specs] == ["ids"] and config.length_buckets == (4, 8)
+    assert config.allowed_batch_sizes == (1, 2, 4)

@@ -4,6 +4,7 @@ batch so the rest queue up behind it on any machine."""
 import json
 
 import numpy as np
+import pytest
 
 import engine
 from conftest import wait_for
@@ -92,3 +93,23 @@ def test_a_token_budget_makes_each_bucket_hold_budget_over_bound_requests():
     alone = policy.BatchShapes.of(32, None, None, 512, 128)  # no buckets: cut to the longest
     assert (alone.most, alone.padded_length(0, 20)) == ((4,), 20)
     assert policy.BatchShapes.of(32) is None
+
+
+def test_a_padded_batch_keeps_the_token_budget_and_the_limit():
+    # 1200 tokens of bound 100 allow 12 requests, but 12 would be padded to 16 rows
+    shapes = policy.BatchShapes.of(16, (8, 16), None, 1200, 100)
+    assert shapes.most == (8,)
+    assert [policy.fit_allowed(n, (2, 4, 8)) for n in (1, 2, 7, 8, 30)] == [2, 2, 4, 8, 8]
+
+
+@pytest.mark.parametrize("knobs, says", [
+    (dict(input_shape=(None,), max_input_shape=(200,), length_buckets=list(range(1, 17))),
+     "at most 16 bounds"),
+    (dict(inputs={f"i{k}": ("float32", (1,)) for k in range(9)},
+          outputs={f"o{k}": ("float32", (1,)) for k in range(8)}), "at most 16 tensors"),
+    (dict(inputs={"a": ("float32", (2,))}, outputs={"b": ("float32", (1,))},
+          input_shape=(None,)), "max_input_shapes"),
+])
+def test_batch_shape_and_tensor_limits_are_checked_before_anything_starts(knobs, says):
+    with pytest.raises(ValueError, match=says):
+        engine.Engine("limits", backend="helpers:affine", **knobs)
