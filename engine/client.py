@@ -236,6 +236,14 @@ class Client:
             raise waiting.timed_out(timeout, k)
         raise waiting.engine_gone(self.name)
 
+    def predicted_wait_s(self, priority: int = 0) -> float:
+        """How long a request of this priority sent now would wait for its
+        answer, as admission by deadline predicts it (the engine's fit of its
+        batches' service time and the queue ahead; 0.0 before any batch was
+        measured): a caller may send elsewhere rather than be refused."""
+        seg = self._segment()
+        return seg.ring.predicted_wait_ns(priority, ring.now_ns()) / 1e9
+
     def close(self) -> None:
         """Fails what is pending here with EngineUnavailable and detaches."""
         completer, self._completer = self._completer, None

@@ -46,6 +46,7 @@ def test_a_request_that_cannot_make_its_deadline_is_refused_before_enqueue(make_
         held = c.submit(-X - 1, timeout=60)  # keeps the batcher busy until the gate opens
         wait_for(lambda: eng.segment.batch_started_ns(0) != 0, "the held batch started")
         before = eng.stats()["requests_total"]
+        assert c.predicted_wait_s() >= 0.1  # the held batch's S(1), at least, is still ahead
         with pytest.raises(engine.Overloaded, match="exceeds the request's deadline"):
             c.infer(X, timeout=0.05)
         assert isinstance(engine.Overloaded("x"), engine.QueueFull)
@@ -54,6 +55,9 @@ def test_a_request_that_cannot_make_its_deadline_is_refused_before_enqueue(make_
         gate.open()
         assert np.array_equal(held.result(timeout=60), (-X - 1) * 2 + 1)
         assert np.array_equal(c.infer(X + 1, timeout=30), (X + 1) * 2 + 1)  # idle again: admitted
+        # nothing queued and the batcher idle again (it marks itself idle just after
+        # the answers go out): nothing to wait for, never a refusal
+        wait_for(lambda: c.predicted_wait_s() == 0.0, "a predicted wait of 0 when idle")
 
 
 def test_a_batch_takes_the_most_urgent_level_first(make_engine, gate):

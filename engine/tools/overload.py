@@ -13,7 +13,7 @@ from typing import List
 
 import numpy as np
 
-from engine import ring, tools
+from engine import admission, ring, tools
 from engine.client import Client
 from engine.supervisor import Engine
 from engine.errors import EngineError, Overloaded, QueueFull, RequestTimeout
@@ -58,8 +58,10 @@ def _rate_of(factor, capacity: float):
     return (lambda t: (high if t % 1.0 < width else low) * capacity), high * capacity
 
 
-def _client(cid, setup: Setup, factor, conn) -> None:
-    """One open-loop client process: its share of the row's arrivals."""
+def _client(cid, setup: Setup, factor, observe: bool, conn) -> None:
+    """One open-loop client process: its share of the row's arrivals. With
+    observe, each request is sent whatever admission would decide, and the
+    decision it would have taken is recorded."""
     load.fine_timer_slack()
     rate_of, peak = _rate_of(factor, setup.capacity_rps / setup.clients)
     offsets = arrivals_ns(rate_of, peak, setup.seconds, setup.seed * 1000 + cid)
@@ -68,6 +70,7 @@ def _client(cid, setup: Setup, factor, conn) -> None:
     urgent = rng.random(n) < setup.urgent_share
     outcome = np.full(n, PENDING, np.int8)
     latency_ns, refusal_ns = np.zeros(n, np.int64), np.zeros(n, np.int64)
+    would_refuse = np.zeros(n, bool)  # "observe": what admission would have refused
     scheduled = np.zeros(n, np.int64)
     name = procs.await_target(conn)
     if name is None:
@@ -97,6 +100,9 @@ def _client(cid, setup: Setup, factor, conn) -> None:
         try:
             if left_s <= 0:
                 raise RequestTimeout("sent after its deadline")
+            if observe:  # admission's own rule on the engine's own estimate, not applied
+                wait_s = client.predicted_wait_s(0 if urgent[k] else 1)
+                would_refuse[k] = admission.refuses(int(wait_s * 1e9), int(left_s * 1e9))
             pending[k] = f = client.submit(x, timeout=left_s, priority=0 if urgent[k] else 1)
             f.add_done_callback(lambda f, k=k: done(f, k))
         except Overloaded:
@@ -111,15 +117,16 @@ def _client(cid, setup: Setup, factor, conn) -> None:
         except Exception:
             pass
     client.close()
-    conn.send((outcome, latency_ns, refusal_ns, urgent))
+    conn.send((outcome, latency_ns, refusal_ns, urgent, would_refuse))
     conn.close()
 
 
 def run_row(label: str, factor, setup: Setup, admission: str) -> dict:
     name = f"overload-{os.getpid()}"
     batcher_cpus, client_cpus = procs.placement(1, True)
-    children, conns = procs.fork_clients(_client, lambda cid, conn: (cid, setup, factor, conn),
-                                       setup.clients)
+    observe = admission == "observe"  # the engine admits all; the clients note the rule
+    children, conns = procs.fork_clients(
+        _client, lambda cid, conn: (cid, setup, factor, observe, conn), setup.clients)
     eng = None
     try:
         eng = Engine(name, backend="engine.backends:synthetic",
@@ -127,7 +134,8 @@ def run_row(label: str, factor, setup: Setup, admission: str) -> dict:
                                          "per_item_us": setup.per_item_us},
                            max_batch_size=setup.max_batch_size,
                            queue_capacity=setup.queue_capacity, cpus=batcher_cpus,
-                           priority_levels=2, admission=admission).start()
+                           priority_levels=2,
+                           admission="none" if observe else admission).start()
         procs.go(conns, name, client_cpus, 100_000_000)
         results = procs.collect(conns, children, setup.seconds * 10 + 120)
         stats = eng.stats()
@@ -137,6 +145,7 @@ def run_row(label: str, factor, setup: Setup, admission: str) -> dict:
     latency = np.concatenate([r[1] for r in results])
     refusal = np.concatenate([r[2] for r in results])
     urgent = np.concatenate([r[3] for r in results])
+    would_refuse = np.concatenate([r[4] for r in results])
     answered = np.isin(outcome, (OK, LATE))
     refused = np.isin(outcome, (REFUSED, OVERLOADED))
     count = lambda o: int((outcome == o).sum())  # noqa: E731
@@ -154,6 +163,9 @@ def run_row(label: str, factor, setup: Setup, admission: str) -> dict:
         "refusal_p50_us": pct(refusal[refused] / 1e3, 50),
         "refusal_p99_us": pct(refusal[refused] / 1e3, 99),
         "engine_expired": stats["expired_total"], "engine_overloaded": stats["overloaded_total"],
+        # "observe": requests admission would have refused, and those of them that made it
+        "would_refuse": int(would_refuse.sum()),
+        "would_refuse_in_time": int((would_refuse & (outcome == OK)).sum()),
     }
 
 
@@ -164,7 +176,10 @@ def line(r: dict) -> str:
             f"= {100 * r['goodput_share']:4.0f} % | refused {r['refused']:6} expired "
             f"{r['expired']:6} late {r['late']:5} | p50 {fmt(r['p50_ms'], '6.1f')} p99 "
             f"{fmt(r['p99_ms'], '6.1f')} ms urgent p99 {fmt(r['urgent_p99_ms'], '6.1f')} ms | "
-            f"refusal p50 {fmt(r['refusal_p50_us'], '5.1f')} p99 {fmt(r['refusal_p99_us'], '6.1f')} us")
+            f"refusal p50 {fmt(r['refusal_p50_us'], '5.1f')} p99 {fmt(r['refusal_p99_us'], '6.1f')} us"
+            + (f" | would refuse {r['would_refuse']}, of them in time {r['would_refuse_in_time']}"
+               f" = {100 * r['would_refuse_in_time'] / max(1, r['requests']):.2f} % of requests"
+               if r["admission"] == "observe" else ""))
 
 
 def run(setup: Setup, out_dir=None, log=print) -> List[dict]:
@@ -174,8 +189,11 @@ def run(setup: Setup, out_dir=None, log=print) -> List[dict]:
         f"{setup.slo_ms:g} ms, {100 * setup.urgent_share:g} % urgent (priority 0)")
     rows = []
     for label, factor in ROWS:
-        for admission in ("deadline", "none"):
-            rows.append(run_row(label, factor, setup, admission))
+        # at loads the engine keeps up with, also the rule observed, not applied: did
+        # the requests it would have refused make their deadline?
+        modes = ("deadline", "none") + (("observe",) if factor is not None and factor <= 1 else ())
+        for mode in modes:
+            rows.append(run_row(label, factor, setup, mode))
             log(line(rows[-1]))
     if out_dir:
         import json
@@ -190,11 +208,11 @@ def run(setup: Setup, out_dir=None, log=print) -> List[dict]:
 def plot(path: str, rows: List[dict], setup: Setup) -> None:
     plt = tools.pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for admission, style in (("deadline", "o-"), ("none", "s--")):
-        sel = sorted((r for r in rows if r["admission"] == admission and r["row"] != "burst"),
+    for mode, style in (("deadline", "o-"), ("none", "s--")):
+        sel = sorted((r for r in rows if r["admission"] == mode and r["row"] != "burst"),
                      key=lambda r: r["offered_x"])
         ax.plot([r["offered_x"] for r in sel], [100 * r["goodput_share"] for r in sel], style,
-                label=f"admission={admission!r}")
+                label=f"admission={mode!r}")
     ax.set_xlabel("offered load (x capacity)")
     ax.set_ylabel(f"goodput: answers within {setup.slo_ms:g} ms (% of capacity)")
     ax.set_ylim(0, 110)
