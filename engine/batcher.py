@@ -80,12 +80,11 @@ class Batcher:
         self.batches = 0
         self.expire_lead_ns = 0  # the fit's fixed cost: less time than that left is too little
         self.var_axis = cfg.var_axis
-        self.var_bound = cfg.padded_shape[cfg.var_axis] if cfg.var_axis is not None else 0
         self.out_shape = tuple(cfg.output_shape)
         self.out_dtype = np.dtype(cfg.output_dtype)
         self.in_place = segment.in_place
         self.named = cfg.named
-        self.out_specs = cfg.output_specs
+        self.out_specs = [(s.name, np.dtype(s.dtype), s.shape) for s in cfg.output_specs]
         self.var_inputs = [(t, s) for t, s in enumerate(cfg.input_specs) if s.var_axis is not None]
         # the batch shapes a compiled model wants (None: any size, the longest length)
         top = max((s.max_shape[s.var_axis] for _, s in self.var_inputs), default=None)
@@ -239,28 +238,29 @@ class Batcher:
         contiguous run, else a copy of them into the gather buffer (then, with
         allowed batch sizes, zero rows up to `rows`)."""
         first, n = int(slots[0]), len(slots)
-        if int(slots[-1]) - first == n - 1 and rows == n:
+        if int(slots[-1]) - first == n - 1 and rows == n:  # _contiguous, inline: the fast path
             return self.seg.inputs[first:first + n], True
-        # mode="clip": the slots are in range, and "raise" would buffer the copy (~4x slower)
-        np.take(self.seg.inputs, slots, axis=0, out=self.gather_buffer[:n], mode="clip")
-        self.gather_buffer[n:rows] = 0
-        return self.gather_buffer[:rows], False
+        return _rows(self.seg.inputs, self.gather_buffer, slots, rows, False), False
 
     def call(self, batch: np.ndarray, lengths: np.ndarray, rows: int, bucket: int):
         """The backend on a batch with a variable dim (compute() calls a fixed
         shape's itself): cut to the bucket's bound or the longest request, with
         the real lengths, 0 for padding rows."""
-        n = len(lengths)
-        real = np.zeros(rows, np.int64)
-        real[:n] = lengths
-        index = [slice(None)] * batch.ndim
-        index[self.var_axis + 1] = slice(0, self._cut(bucket, int(real.max()), self.var_bound))
-        return self.fn(batch[tuple(index)], real)
+        real = _padded_lengths(lengths, rows)
+        return self.fn(self._cut_batch(batch, self.var_axis, real, bucket, self.var_top), real)
 
     def _cut(self, bucket: int, longest: int, bound: int) -> int:
         if self.shapes is None:
             return longest
         return min(bound, self.shapes.padded_length(bucket, longest))
+
+    def _cut_batch(self, batch: np.ndarray, var_axis: int, real: np.ndarray, bucket: int,
+                   bound: int) -> np.ndarray:
+        """batch cut along a request's variable dim (var_axis) to the bucket's
+        bound, or the longest real length (never beyond bound)."""
+        index = [slice(None)] * batch.ndim
+        index[var_axis + 1] = slice(0, self._cut(bucket, int(real.max()), bound))
+        return batch[tuple(index)]
 
     def scatter(self, slots: np.ndarray, batch: np.ndarray, out: np.ndarray, contiguous: bool) -> None:
         """Each answer into its request's output row, by position."""
@@ -283,17 +283,9 @@ class Batcher:
     # -- named tensors ------------------------------------------------------------
     def gather_named(self, slots: np.ndarray, rows: int):
         """({name: batch}, contiguous), each tensor as gather() does it."""
-        first, n = int(slots[0]), len(slots)
-        if int(slots[-1]) - first == n - 1 and rows == n:
-            return {name: region[first:first + n]
-                    for name, region in self.seg.input_regions.items()}, True
-        batch = {}
-        for name, region in self.seg.input_regions.items():
-            buffer = self.gather_buffers[name]
-            np.take(region, slots, axis=0, out=buffer[:n], mode="clip")
-            buffer[n:rows] = 0
-            batch[name] = buffer[:rows]
-        return batch, False
+        contiguous = _contiguous(slots, rows)
+        return {name: _rows(region, self.gather_buffers[name], slots, rows, contiguous)
+                for name, region in self.seg.input_regions.items()}, contiguous
 
     def call_named(self, batch: dict, slots: np.ndarray, rows: int, bucket: int):
         """The backend on {name: batch}; with variable dims each such tensor is
@@ -303,26 +295,22 @@ class Batcher:
         lengths = {}
         per_slot = self.seg.lengths[slots]  # (n, inputs): copied, the rows may be reused
         for t, spec in self.var_inputs:
-            real = np.zeros(rows, np.int64)
-            real[:len(slots)] = per_slot[:, t]
-            index = [slice(None)] * (len(spec.shape) + 1)
-            axis_bound = spec.max_shape[spec.var_axis]
-            index[spec.var_axis + 1] = slice(0, self._cut(bucket, int(real.max()), axis_bound))
-            batch[spec.name] = batch[spec.name][tuple(index)]
-            lengths[spec.name] = real
+            real = lengths[spec.name] = _padded_lengths(per_slot[:, t], rows)
+            batch[spec.name] = self._cut_batch(batch[spec.name], spec.var_axis, real, bucket,
+                                               spec.max_shape[spec.var_axis])
         return self.fn(batch, lengths)
 
     def check_named(self, result, n: int) -> dict:
         """result as {output name: n rows of its spec}, or BadResult."""
+        names = list(self.seg.output_regions)
         if not isinstance(result, dict):
-            raise BadResult(f"expected a dict of outputs {list(self.seg.output_regions)}, got "
-                            f"{type(result).__name__}")
-        missing = [s.name for s in self.out_specs if s.name not in result]
+            raise BadResult(f"expected a dict of outputs {names}, got {type(result).__name__}")
+        missing = [name for name in names if name not in result]
         if missing:
-            raise BadResult(f"expected outputs {[s.name for s in self.out_specs]}, got "
-                            f"{sorted(result, key=str)} (missing {missing})")
-        return {s.name: _checked(result[s.name], n, np.dtype(s.dtype), s.shape, s.name)
-                for s in self.out_specs}
+            raise BadResult(f"expected outputs {names}, got {sorted(result, key=str)} "
+                            f"(missing {missing})")
+        return {name: _checked(result[name], n, dtype, shape, name)
+                for name, dtype, shape in self.out_specs}
 
     def scatter_named(self, slots: np.ndarray, out: dict, contiguous: bool) -> None:
         n = len(slots)
@@ -332,6 +320,33 @@ class Batcher:
                 region[first:first + n] = out[name][:n]
             else:
                 region[slots] = out[name][:n]
+
+
+def _contiguous(slots: np.ndarray, rows: int) -> bool:
+    """Whether the batch can be a view of the rows: the slots are one run and
+    no padding row is added."""
+    return int(slots[-1]) - int(slots[0]) == len(slots) - 1 and rows == len(slots)
+
+
+def _rows(region: np.ndarray, buffer: np.ndarray, slots: np.ndarray, rows: int,
+          contiguous: bool) -> np.ndarray:
+    """One tensor's batch: a view of its rows when contiguous, else a copy of
+    them into buffer, zero rows up to `rows`."""
+    n = len(slots)
+    if contiguous:
+        first = int(slots[0])
+        return region[first:first + n]
+    # mode="clip": the slots are in range, and "raise" would buffer the copy (~4x slower)
+    np.take(region, slots, axis=0, out=buffer[:n], mode="clip")
+    buffer[n:rows] = 0
+    return buffer[:rows]
+
+
+def _padded_lengths(lengths: np.ndarray, rows: int) -> np.ndarray:
+    """The real lengths as int64, 0 for the padding rows up to `rows`."""
+    real = np.zeros(rows, np.int64)
+    real[:len(lengths)] = lengths
+    return real
 
 
 def _checked(result, n: int, dtype: np.dtype, shape, name: str) -> np.ndarray:

@@ -418,12 +418,9 @@ class Client:
         and returns None. Errors free the slot and raise."""
         r = seg.ring
         take_named = take and seg.named  # outputs copied one per tensor: wait, then take
-        if take_named:
-            into = None
-        elif take:
+        into = None  # an array: the fused take copies the answer there and frees the slot
+        if take and not take_named:
             into = out = np.empty(seg.output_shape, seg.output_dtype) if out is None else out
-        else:
-            into = None
         # the common case, answered within the first slice, without the wait loop
         # (and without a closure made per request: partials on the slow path only)
         slice_ns = waiting.LIVENESS_SLICE_NS

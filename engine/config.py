@@ -14,7 +14,7 @@ import numpy as np
 
 from engine import ring, tensors
 from engine.errors import InvalidInput
-from engine.tensors import TensorSpec, describe, shape_text  # noqa: F401 (re-exported)
+from engine.tensors import TensorSpec, describe
 
 NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}\Z")
 
@@ -186,11 +186,6 @@ class EngineConfig:
         return tuple(t.slot_bytes for t in self.input_specs + self.output_specs)
 
     @property
-    def has_lengths(self) -> bool:
-        """Some input has a variable dim: the backend is given the real lengths."""
-        return any(t.var_axis is not None for t in self.input_specs)
-
-    @property
     def var_axis(self) -> Optional[int]:
         """The index of the single-array form's variable dim, or None."""
         if self.named:
@@ -250,14 +245,7 @@ class EngineConfig:
         """InvalidInput unless out can take an answer in place."""
         if self.named:
             return tensors.check_named_out(self.output_specs, out)
-        if not (type(out) is np.ndarray and out.shape == self.output_shape
-                and out.dtype == self.output_dtype and out.flags.c_contiguous
-                and out.flags.writeable):
-            got = (f"{describe(out)}{'' if out.flags.c_contiguous else ' not C-contiguous'}"
-                   f"{'' if out.flags.writeable else ' read-only'}"
-                   if isinstance(out, np.ndarray) else type(out).__name__)
-            raise InvalidInput(f"out: expected a writable C-contiguous {self.output_dtype}"
-                               f"{shape_text(self.output_shape)}, got {got}")
+        return tensors.check_out(self.output_specs[0], out)
 
     def to_json(self) -> bytes:
         return json.dumps(dataclasses.asdict(self)).encode()

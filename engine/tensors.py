@@ -164,9 +164,15 @@ def check_named_out(specs: Tuple[TensorSpec, ...], out) -> None:
         got = sorted(out) if isinstance(out, dict) else type(out).__name__
         raise InvalidInput(f"out: expected a dict of outputs {[s.name for s in specs]}, got {got}")
     for spec in specs:
-        a = out[spec.name]
-        if not (type(a) is np.ndarray and a.shape == spec.shape and a.dtype == spec.dtype
-                and a.flags.c_contiguous and a.flags.writeable):
-            got = describe(a) if isinstance(a, np.ndarray) else type(a).__name__
-            raise InvalidInput(f"out[{spec.name!r}]: expected a writable C-contiguous "
-                               f"{spec.dtype}{shape_text(spec.shape)}, got {got}")
+        check_out(spec, out[spec.name], f"out[{spec.name!r}]")
+
+
+def check_out(spec: TensorSpec, a, where: str = "out") -> None:
+    """InvalidInput unless array a can take an answer of spec in place."""
+    if not (type(a) is np.ndarray and a.shape == spec.shape and a.dtype == spec.dtype
+            and a.flags.c_contiguous and a.flags.writeable):
+        got = (f"{describe(a)}{'' if a.flags.c_contiguous else ' not C-contiguous'}"
+               f"{'' if a.flags.writeable else ' read-only'}"
+               if isinstance(a, np.ndarray) else type(a).__name__)
+        raise InvalidInput(f"{where}: expected a writable C-contiguous "
+                           f"{spec.dtype}{shape_text(spec.shape)}, got {got}")

@@ -173,5 +173,5 @@ def test_start_over_a_live_engine_of_that_name_refuses(make_engine):
 def test_no_timeout_waits_as_long_as_the_engine_lives(served):
     _, c = served
     assert np.array_equal(c.infer(X, timeout=None), X * 2 + 1)
-    assert np.array_equal(c.submit(X + 1, timeout=None).result(), (X + 1) * 2 + 1)
+    assert np.array_equal(c.submit(X + 1, timeout=None).result(timeout=60), (X + 1) * 2 + 1)
     assert np.array_equal(c.infer_many(np.stack([X, X]), timeout=None)[1], X * 2 + 1)

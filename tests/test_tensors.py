@@ -87,7 +87,7 @@ def test_named_tensors_each_take_one_region_of_their_own_spec():
     cfg = engine.Engine("spec-only", **NAMED).config
     assert [t.name for t in cfg.input_specs] == ["ids", "scale"]
     assert cfg.slot_bytes == (12 * 8, 2 * 4, 1 * 4, 2 * 4)
-    assert not cfg.in_place and cfg.has_lengths
+    assert not cfg.in_place and [t.var_axis for t in cfg.input_specs] == [0, None]
 
 
 @pytest.mark.parametrize("knobs, says", [
