@@ -300,7 +300,11 @@ class Engine:
                 if self._monitor_ended:
                     raise EngineUnavailable(f"engine {self.name!r} is stopping")
                 self._reload_posted = request
-                os.write(self._wake_w, b"r")  # the monitor thread runs it
+                try:
+                    os.write(self._wake_w, b"r")  # the monitor thread runs it
+                except (OSError, TypeError):  # the wake pipe is gone: torn down meanwhile
+                    self._reload_posted = None
+                    raise EngineUnavailable(f"engine {self.name!r} is not running") from None
             # the monitor may first finish a restart, then starts (start_timeout_s) and retires
             bound = 2 * options.start_timeout_s + self._retire_bound_s() + 10
             if not request.done.wait(bound):
