@@ -333,9 +333,7 @@ class Client:
         engine answers most. The C estimate (sb_predicted_wait_ns) is
         admission.predicted_wait_ns on the header's figures."""
         seg.ring.add_word(ring.W_OVERLOADED)
-        left_ms = max(0, deadline - ring.now_ns()) / 1e6
-        return Overloaded(f"predicted wait {wait_ms} ms exceeds the request's deadline of "
-                          f"{left_ms:.1f} ms")
+        return Overloaded.predicted(wait_ms, (deadline - ring.now_ns()) / 1e6)
 
     def _make_room(self, seg, deadline):
         """(code, slot, generation) of a slot taken after the ring was found

@@ -20,7 +20,32 @@ class QueueFull(EngineError):
 class Overloaded(QueueFull):
     """Refused at enqueue, at once: by the engine's own figures (the queue
     ahead, its measured service time) the request could not be answered
-    before its deadline. Nothing was enqueued."""
+    before its deadline. Nothing was enqueued.
+
+    ``predicted_wait_ms`` and ``deadline_left_ms`` say why (None when the
+    error was made from a message alone)."""
+
+    predicted_wait_ms = None
+    deadline_left_ms = None
+
+    @classmethod
+    def predicted(cls, predicted_wait_ms: int, deadline_left_ms: float) -> "Overloaded":
+        """The admission's refusal. Its message is written only when read: an
+        overloaded engine answers mostly this, and most are never printed."""
+        e = cls()
+        e.predicted_wait_ms, e.deadline_left_ms = predicted_wait_ms, deadline_left_ms
+        return e
+
+    def __str__(self) -> str:
+        if self.predicted_wait_ms is None:
+            return super().__str__()
+        return (f"predicted wait {self.predicted_wait_ms} ms exceeds the request's deadline "
+                f"of {max(0.0, self.deadline_left_ms):.1f} ms")
+
+    def __reduce__(self):
+        if self.predicted_wait_ms is None:
+            return super().__reduce__()
+        return type(self).predicted, (self.predicted_wait_ms, self.deadline_left_ms)
 
 
 class RequestTimeout(EngineError, TimeoutError):

@@ -47,9 +47,9 @@ def test_a_request_that_cannot_make_its_deadline_is_refused_before_enqueue(make_
         wait_for(lambda: eng.segment.batch_started_ns(0) != 0, "the held batch started")
         before = eng.stats()["requests_total"]
         assert c.predicted_wait_s() >= 0.1  # the held batch's S(1), at least, is still ahead
-        with pytest.raises(engine.Overloaded, match="exceeds the request's deadline"):
+        with pytest.raises(engine.Overloaded, match="exceeds the request's deadline") as refused:
             c.infer(X, timeout=0.05)
-        assert isinstance(engine.Overloaded("x"), engine.QueueFull)
+        assert refused.value.predicted_wait_ms >= 100 and refused.value.deadline_left_ms <= 50
         stats = eng.stats()
         assert stats["requests_total"] == before and stats["overloaded_total"] == 1
         gate.open()
@@ -58,6 +58,15 @@ def test_a_request_that_cannot_make_its_deadline_is_refused_before_enqueue(make_
         # nothing queued and the batcher idle again (it marks itself idle just after
         # the answers go out): nothing to wait for, never a refusal
         wait_for(lambda: c.predicted_wait_s() == 0.0, "a predicted wait of 0 when idle")
+
+
+def test_a_refusal_says_its_figures_and_survives_pickling():
+    import pickle
+    e = pickle.loads(pickle.dumps(engine.Overloaded.predicted(120, 49.96)))
+    assert isinstance(e, engine.QueueFull)
+    assert (e.predicted_wait_ms, e.deadline_left_ms) == (120, 49.96)
+    assert str(e) == "predicted wait 120 ms exceeds the request's deadline of 50.0 ms"
+    assert str(engine.Overloaded("as said")) == "as said"
 
 
 def test_a_batch_takes_the_most_urgent_level_first(make_engine, gate):
