@@ -542,6 +542,8 @@ int sb_submit(void *base, uint32_t pid, uint64_t start_ticks, const void *src,
 				: sb_predicted_wait_ns(base, priority, now);
 		if (wait && now + wait + wait / 8 > deadline_ns) {
 			ticket[0] = (uint32_t)(wait / 1000000);
+			/* relaxed: a figure, read by nobody who orders on it */
+			sb_add_relaxed(&hdr(base)->words[SB_W_OVERLOADED], 1);
 			return SB_EOVERLOADED;
 		}
 	}

@@ -284,8 +284,9 @@ int sb_release(void *base, uint32_t slot, uint32_t gen);
 #define SB_T_CLAIM 1
 #define SB_T_DONE 2
 /* with admit and a deadline, SB_EOVERLOADED (nothing taken, the predicted
- * wait in ms in ticket[0]) when the predicted wait would end after the
- * deadline: the caller's admission by deadline, decided before a slot is taken */
+ * wait in ms in ticket[0], counted in SB_W_OVERLOADED) when the predicted
+ * wait would end after the deadline: the caller's admission by deadline,
+ * decided before a slot is taken */
 int sb_submit(void *base, uint32_t pid, uint64_t start_ticks, const void *src,
 	      uint64_t nbytes, uint32_t length, uint64_t deadline_ns,
 	      uint32_t priority, uint32_t admit, uint32_t *ticket);

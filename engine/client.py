@@ -291,11 +291,12 @@ class Client:
             now_ns = ring.now_ns()
             wait_ns = r.predicted_wait_ns(priority, now_ns) if admit else 0
             if admit and admission.refuses(wait_ns, deadline - now_ns):
+                r.add_word(ring.W_OVERLOADED)  # as sb_submit counts its own refusals
                 code, slot = ring.EOVERLOADED, wait_ns // 1_000_000
             else:
                 code, slot, gen = r.acquire(self._pid, self._start_ticks)
         if code == ring.EOVERLOADED:  # then `slot` holds the predicted wait, in ms
-            raise self._overloaded(seg, deadline, slot)
+            raise self._overloaded(deadline, slot)
         if code == ring.EFULL:
             code, slot, gen = self._make_room(seg, deadline)
             fused = False
@@ -328,11 +329,11 @@ class Client:
                             f"got {held} queued")
 
     @staticmethod
-    def _overloaded(seg, deadline: int, wait_ms: int) -> Overloaded:
-        """The admission's refusal, counted; cheap, as it is what an overloaded
-        engine answers most. The C estimate (sb_predicted_wait_ns) is
-        admission.predicted_wait_ns on the header's figures."""
-        seg.ring.add_word(ring.W_OVERLOADED)
+    def _overloaded(deadline: int, wait_ms: int) -> Overloaded:
+        """The admission's refusal (already counted in overloaded_total), kept
+        cheap: it is what an overloaded engine answers most. The C estimate
+        (sb_predicted_wait_ns) is admission.predicted_wait_ns on the header's
+        figures."""
         return Overloaded.predicted(wait_ms, (deadline - ring.now_ns()) / 1e6)
 
     def _make_room(self, seg, deadline):
