@@ -482,6 +482,7 @@ static int publish_one(void *base, uint32_t slot, uint32_t gen, uint32_t length,
 	m->arrival_ns = now;
 	m->deadline_ns = deadline_ns;
 	m->priority = priority;
+	m->retry = SB_RETRY_NONE;
 	mark_ready(base, priority, slot); /* before READY: every READY slot has its bit */
 	do {
 		if (SB_CTL_GEN(cur) != gen || SB_CTL_STATE(cur) != SB_WRITING)
@@ -1175,7 +1176,9 @@ static int complete_one(void *base, uint32_t slot, uint32_t gen, uint32_t batche
 			slot_freed(h, slot);
 			return SB_ESTALE;
 		}
-		sb_add_relaxed(&h->words[status == SB_STATUS_OK ? SB_W_ANSWERED : SB_W_ERRORS], 1);
+		sb_add_relaxed(&h->words[status == SB_STATUS_OK ? SB_W_ANSWERED
+					 : status == SB_STATUS_EXPIRED ? SB_W_EXPIRED
+					 : SB_W_ERRORS], 1);
 		if (cur & SB_WAITING_BIT)
 			futex_wake(futex_word(c), INT_MAX);
 		return SB_OK;
@@ -1318,11 +1321,12 @@ int sb_reap_slot(void *base, uint32_t slot, uint64_t expected_ctl)
 	return SB_OK;
 }
 
-uint32_t sb_reap_batcher(void *base, uint32_t batcher, const char *msg,
-			 uint32_t msg_len)
+uint32_t sb_reap_batcher(void *base, uint32_t batcher, uint32_t retry,
+			 const char *msg, uint32_t msg_len, uint32_t *kept)
 {
 	sb_header *h = hdr(base);
 	uint32_t failed = 0;
+	*kept = 0;
 	for (uint32_t i = 0; i < h->capacity; i++) {
 		uint64_t *c = ctl_at(base, i);
 		uint64_t cur = sb_load_acquire(c);
@@ -1331,9 +1335,17 @@ uint32_t sb_reap_batcher(void *base, uint32_t batcher, const char *msg,
 			if ((st != SB_CLAIMED && st != SB_ABANDONED) ||
 			    SB_CTL_BATCHER(cur) != batcher)
 				break;
+			sb_slot_meta *m = meta_at(base, i);
+			if (st == SB_CLAIMED && retry && m->retry != SB_RETRY_ALONE) {
+				/* the dead batcher's, so ours: plain store; its
+				 * successor starts after this (a process spawn) */
+				m->retry = SB_RETRY_PENDING;
+				(*kept)++;
+				break;
+			}
 			uint64_t want = st == SB_ABANDONED ? freed(cur)
 				: SB_CTL(SB_CTL_GEN(cur), SB_CTL_PID(cur), 0, SB_FAILED);
-			if (st == SB_CLAIMED) /* dead batcher: the slot is ours now */
+			if (st == SB_CLAIMED)
 				put_error(base, i, SB_STATUS_BATCHER_DIED, msg, msg_len);
 			/* release: the error text is written before FAILED */
 			if (!sb_cas_acq_rel(c, &cur, want))
@@ -1352,6 +1364,41 @@ uint32_t sb_reap_batcher(void *base, uint32_t batcher, const char *msg,
 	if (failed)
 		bump_done_seq(h);
 	return failed;
+}
+
+uint32_t sb_inherited(const void *base, uint32_t batcher, uint32_t max,
+		      uint32_t *slots, uint32_t *gens, uint32_t *lengths,
+		      uint64_t *deadline_ns)
+{
+	uint32_t n = 0;
+	for (uint32_t i = 0; i < hdr(base)->capacity; i++) {
+		/* acquire: the meta the reaper wrote is read after */
+		uint64_t cur = sb_load_acquire(ctl_at(base, i));
+		if (SB_CTL_STATE(cur) != SB_CLAIMED || SB_CTL_BATCHER(cur) != batcher)
+			continue;
+		if (n < max) {
+			const sb_slot_meta *m = meta_at(base, i);
+			slots[n] = i;
+			gens[n] = SB_CTL_GEN(cur);
+			lengths[n] = m->length;
+			deadline_ns[n] = m->deadline_ns;
+		}
+		n++;
+	}
+	return n;
+}
+
+int sb_retry_alone(void *base, uint32_t batcher, uint32_t slot, uint32_t gen)
+{
+	if (slot >= hdr(base)->capacity)
+		return SB_EBADARG;
+	uint64_t cur = sb_load_acquire(ctl_at(base, slot));
+	if (SB_CTL_STATE(cur) != SB_CLAIMED || SB_CTL_GEN(cur) != gen ||
+	    SB_CTL_BATCHER(cur) != batcher)
+		return SB_ESTALE; /* abandoned meanwhile: its completion frees it */
+	/* CLAIMED by us: ours to write; the reaper reads it only once we are dead */
+	meta_at(base, slot)->retry = SB_RETRY_ALONE;
+	return SB_OK;
 }
 
 void sb_histogram(const void *base, int which, uint64_t *buckets)

@@ -78,6 +78,9 @@
  *     |<-- batcher completes it: FREE(g+1) ---- ABANDONED(g, b) <---+ timeout) / reap
  *     |<-- abandon (client) or reap: READY(g) / DONE(g) / FAILED(g) -> FREE(g+1)
  *
+ *   A dead batcher b's CLAIMED(g, b) slots may instead stay CLAIMED(g, b) for
+ *   b's successor (same number), which retries each alone (meta.retry).
+ *
  *   Every transition that leaves a slot FREE bumps the generation, so a late
  *   actor holding an old ticket fails its CAS and changes nothing. Each state
  *   names who may move it on: WRITING/READY/DONE/FAILED the owner (or the
@@ -138,7 +141,7 @@
 #include <stdint.h>
 
 /* --- cdef: everything from here to "cdef end" is read by cffi --------- */
-#define SB_LAYOUT_VERSION 6 /* 4: ready[]; 5: levels, deadlines; 6: tensors, control */
+#define SB_LAYOUT_VERSION 7 /* 4: ready[]; 5: levels, deadlines; 6: tensors, control; 7: retry */
 #define SB_HEADER_BYTES 16384
 #define SB_CONFIG_BYTES 2048
 #define SB_ERRMSG_BYTES 256
@@ -389,8 +392,22 @@ void sb_finish_batch(void *base, const uint32_t *slots, uint32_t n,
 /* reaper (supervisor) */
 uint32_t sb_snapshot(const void *base, uint64_t *ctl, uint64_t *owner_start);
 int sb_reap_slot(void *base, uint32_t slot, uint64_t expected_ctl);
-uint32_t sb_reap_batcher(void *base, uint32_t batcher, const char *msg,
-			 uint32_t msg_len);
+/* a dead batcher's CLAIMED slots: with retry, those not being retried alone
+ * stay CLAIMED under its number, marked SB_RETRY_PENDING, for its successor
+ * (counted in *kept), and one being retried alone (SB_RETRY_ALONE) fails with
+ * msg; without retry all fail with msg. Its ABANDONED slots are freed.
+ * Returns how many failed. */
+uint32_t sb_reap_batcher(void *base, uint32_t batcher, uint32_t retry,
+			 const char *msg, uint32_t msg_len, uint32_t *kept);
+/* batcher (a dead one's successor, on start): the slots left CLAIMED under
+ * its number, up to max, with their real lengths and deadlines; returns how
+ * many there are */
+uint32_t sb_inherited(const void *base, uint32_t batcher, uint32_t max,
+		      uint32_t *slots, uint32_t *gens, uint32_t *lengths,
+		      uint64_t *deadline_ns);
+/* batcher: an inherited slot is now retried alone (SB_RETRY_ALONE); SB_ESTALE
+ * if it is no longer CLAIMED(gen) by this batcher */
+int sb_retry_alone(void *base, uint32_t batcher, uint32_t slot, uint32_t gen);
 void sb_histogram(const void *base, int which, uint64_t *buckets);
 /* the queue wait of one priority level: histogram, sum and max (ns) */
 void sb_level_wait(const void *base, uint32_t level, uint64_t *buckets,
@@ -464,7 +481,15 @@ typedef struct {
 	uint64_t done_ns;     /* when its batch finished, set before DONE/FAILED */
 	uint64_t deadline_ns; /* CLOCK_MONOTONIC; 0: none */
 	uint32_t priority;    /* its level: 0 is the most urgent */
-	uint32_t _pad;
+	uint32_t retry;       /* SB_RETRY_*: its batch lost its batcher (0 at publish) */
 } sb_slot_meta;
+
+/* sb_slot_meta.retry, written only while the slot is CLAIMED, by the reaper
+ * (its batcher proven dead) or by that batcher's successor: a request whose
+ * batch killed its batcher is retried once, alone; killing one again then,
+ * it fails as poison */
+#define SB_RETRY_NONE 0
+#define SB_RETRY_PENDING 1 /* its batcher died: its successor retries it alone */
+#define SB_RETRY_ALONE 2   /* being retried alone */
 
 #endif

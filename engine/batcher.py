@@ -52,6 +52,9 @@ def _message(e: Exception) -> bytes:
     return f"{type(e).__name__}: {e}".encode("utf-8", "replace")[:ring.ERRMSG_BYTES]
 
 
+_EXPIRED = b"deadline passed before its retry (its batch lost a batcher) could start (not computed)"
+
+
 class BadResult(Exception):
     """The backend returned something that is not n outputs of the right spec."""
 
@@ -113,6 +116,7 @@ class Batcher:
         # with one request a batch, each turn's Python is a round trip's: what
         # the loop uses every turn is bound to locals once (self.limit and
         # self.expire_lead_ns change with each batch: read each turn)
+        self.retry_inherited()
         r, words, rule, claimed = self.ring, self.words, self.rule, self.claimed
         instance, serve, now, allowed = self.instance, self.serve, ring.now_ns, self.allowed
         work_seq, claim, thresholds = r.work_seq, r.claim, rule.thresholds
@@ -150,6 +154,23 @@ class Batcher:
                 spin_ns = 0
             elif oldest_ns > cutoff_ns:  # not due yet: sleep until it is (else: raced, retry)
                 r.wait_work(seen, rule.wait_ns(oldest_ns, now_ns))
+
+    def retry_inherited(self) -> None:
+        """The batch a dead predecessor left under this batcher number (kept
+        by the supervisor with isolate_failures), each request retried alone:
+        one that kills this batcher too then fails alone, as poison, and the
+        others are answered. One whose deadline has passed fails unstarted."""
+        r, claimed = self.ring, self.claimed
+        for slot, gen, length, deadline_ns in zip(*r.inherited(self.instance)):
+            claimed.slots[0], claimed.gens[0], claimed.lengths[0] = slot, gen, length
+            claimed.bucket = self.shapes.bucket_of(int(length)) if self.shapes else 0
+            now_ns = ring.now_ns()
+            if deadline_ns and deadline_ns < now_ns + self.expire_lead_ns:  # counted expired
+                r.complete(self.instance, claimed, 1, ring.STATUS_EXPIRED, _EXPIRED)
+            elif r.retry_alone(self.instance, int(slot), int(gen)) == ring.OK:
+                self.serve(1, now_ns)
+            else:  # withdrawn by its client meanwhile: completing it frees it
+                r.complete(self.instance, claimed, 1, ring.STATUS_EXPIRED, _EXPIRED)
 
     def serve(self, n: int, claim_ns: int) -> None:
         """Runs one claimed batch, claimed.slots[:n] (ascending): gather, call,

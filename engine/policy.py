@@ -21,6 +21,7 @@ unless rounding down to the allowed size below leaves fewer requests waiting
 than rounding up would add padding rows; then claim that size now (the rest
 go with the next batch, which by then has company).
 """
+import bisect
 import dataclasses
 from typing import Optional
 
@@ -137,6 +138,11 @@ class BatchShapes:
 
     def take(self, max_n: int) -> list:
         return take_table(self.allowed, max_n)
+
+    def bucket_of(self, length: int) -> int:
+        """The bucket of a request this long, as the C claim puts it: the
+        first whose bound holds it (the last for any longer)."""
+        return min(bisect.bisect_left(self.bounds, length), max(0, len(self.bounds) - 1))
 
     def padded_length(self, bucket: int, longest: int) -> int:
         """Where a batch of bucket `bucket` is cut along the variable dim: the

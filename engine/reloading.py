@@ -153,9 +153,10 @@ def _retire(seg, engine: str, b: Instance, bound_s: float, batch_timeout_s: Opti
         why = (f"killed by signal {-proc.exitcode}" if proc.exitcode < 0
                else f"exit code {proc.exitcode}")
     # a clean exit left nothing claimed (it exits between batches); reap in any case
-    failed = r.reap_batcher(b.index, f"batcher {b.index} (pid {proc.pid}) died "
-                                     f"({why or 'exited'}) while serving this request"
-                                     .encode())
+    # a retired batcher has no successor: its batch fails (not retried)
+    failed, _ = r.reap_batcher(b.index, f"batcher {b.index} (pid {proc.pid}) died "
+                                        f"({why or 'exited'}) while serving this request"
+                                        .encode())
     if why is not None:
         log.warning("engine %s: retiring batcher %d (pid %d) %s; failed %d claimed "
                     "request(s)", engine, b.index, proc.pid, why, failed)

@@ -319,8 +319,26 @@ class Ring:
     def reap_slot(self, slot: int, expected_ctl: int) -> int:
         return lib.sb_reap_slot(self.base, slot, expected_ctl)
 
-    def reap_batcher(self, batcher: int, message: bytes) -> int:
-        return lib.sb_reap_batcher(self.base, batcher, message, len(message))
+    def reap_batcher(self, batcher: int, message: bytes, retry: bool = False):
+        """A dead batcher's claimed slots: (failed, kept). With retry, each not
+        already being retried alone is kept CLAIMED for its successor."""
+        kept = ffi.new("uint32_t *")
+        failed = lib.sb_reap_batcher(self.base, batcher, retry, message, len(message), kept)
+        return failed, kept[0]
+
+    def inherited(self, batcher: int):
+        """(slots, gens, lengths, deadline_ns) left CLAIMED under this batcher
+        number by a dead predecessor, ascending."""
+        n = lib.sb_inherited(self.base, batcher, 0, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL)
+        slots, gens, lengths = (np.zeros(n, np.uint32) for _ in range(3))
+        deadline_ns = np.zeros(n, np.uint64)
+        n = min(n, lib.sb_inherited(self.base, batcher, n, _ptr(slots, "uint32_t *"),
+                                    _ptr(gens, "uint32_t *"), _ptr(lengths, "uint32_t *"),
+                                    _ptr(deadline_ns, "uint64_t *")))
+        return slots[:n], gens[:n], lengths[:n], deadline_ns[:n]
+
+    def retry_alone(self, batcher: int, slot: int, gen: int) -> int:
+        return lib.sb_retry_alone(self.base, batcher, slot, gen)
 
     def level_wait(self, level: int):
         """(histogram, max_ns, sum_ns) of the queue wait of one priority level."""

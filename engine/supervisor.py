@@ -5,10 +5,11 @@ engine spawns the batcher processes (each dies with that thread, by the
 kernel's parent-death signal, so nothing outlives a killed supervisor) and
 then wakes on any batcher's exit or every REAP_INTERVAL_S:
 
-- a dead batcher's claimed slots are failed (BackendError "BatcherDied": its
-  batch is NOT retried, since a request that crashed one batcher would crash
-  the next) and a new batcher takes its instance number; the requests still
-  queued are served by it or by the other instances;
+- a new batcher takes a dead one's instance number. With isolate_failures
+  (the default) it first retries the dead one's batch, each request alone:
+  one that kills a batcher again then fails as poison (BackendError
+  "BatcherDied"), its batch mates are answered. Without, the batch fails.
+  The requests still queued are served by it or by the other instances;
 - the slots of dead clients are reclaimed: their owner is named in each
   slot's control word, and death is judged by pid + start time.
 
@@ -68,7 +69,7 @@ class EngineOptions:
     drain_timeout_s: float = knob(30.0, "float", "stop() answers what is queued for this long")
     batch_timeout_s: Optional[float] = knob(
         None, "float", "a batch running longer is a hung model: its batcher is killed and "
-        "replaced, that batch fails (BatcherDied)")
+        "replaced, as one that died")
     reap_interval_s: float = knob(REAP_INTERVAL_S, "float",
                                   "how often dead clients' slots are looked for (a client that "
                                   "finds the ring full reclaims them at once)")
@@ -449,12 +450,19 @@ class Engine:
                 why = f"hung: its batch ran over batch_timeout_s={self.options.batch_timeout_s:g}"
                 b.hung = False
             self._seg.mark_batch(i, 0)
-            failed = r.reap_batcher(i, f"batcher {i} (pid {proc.pid}) died ({why}) "
-                                       f"while serving this request".encode())
+            # with isolate_failures its batch is kept for the successor to retry,
+            # each request alone; one that was being retried alone fails (poison)
+            retry = self.config.isolate_failures
+            failed, kept = r.reap_batcher(
+                i, (f"batcher {i} (pid {proc.pid}) died ({why}) while "
+                    + ("retrying this request alone, after its batch had lost a batcher: "
+                       "failed as poison" if retry else "serving this request")).encode(),
+                retry)
             r.set_word(ring.W_BATCHER_PID + i, 0)
             r.add_word(ring.W_RESTARTS)
             log.warning("engine %s: batcher %d (pid %d) died (%s); failed %d claimed "
-                        "request(s); restarting", self.name, i, proc.pid, why, failed)
+                        "request(s), kept %d to retry alone; restarting", self.name, i,
+                        proc.pid, why, failed, kept)
             proc.close()
             b.proc = None
         if ring.now_ns() < b.restart_at_ns:
@@ -465,8 +473,11 @@ class Engine:
         except BackendError as e:
             backoff = b.backoff_s = min(_RESTART_BACKOFF_MAX_S, 2 * b.backoff_s or 0.5)
             b.restart_at_ns = ring.now_ns() + int(backoff * 1e9)
-            log.error("engine %s: batcher %d did not restart (%s); next try in %.1f s",
-                      self.name, i, e, backoff)
+            # no successor to retry what the dead one kept: those fail now
+            failed, _ = r.reap_batcher(i, f"batcher {i} died while serving this request, and "
+                                          f"no batcher could restart to retry it ({e})".encode())
+            log.error("engine %s: batcher %d did not restart (%s); failed %d kept request(s); "
+                      "next try in %.1f s", self.name, i, e, failed, backoff)
 
     def _reap_clients(self) -> None:
         """Frees the slots of clients that died (pid gone, or reused by another)."""

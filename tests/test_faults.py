@@ -77,8 +77,9 @@ def test_killed_batcher_is_restarted_and_queued_requests_are_answered(make_engin
         p.join(10)
     ok = sum(r[0] for r in results)
     died = sum(r[1] for r in results)
-    assert sum(r[2] for r in results) == 0          # no wrong answer, no other error
-    assert ok + died == 450 and ok >= 450 - 4 * 3    # at most one batch failed per client
+    assert sum(r[2] for r in results) == 0  # no wrong answer, no other error
+    # the batch it held was retried by its successor, each request alone: none lost
+    assert (ok, died) == (450, 0)
     stats = eng.stats()
     assert stats["batcher_restarts_total"] == 1
     assert stats["batcher_pids"] and stats["batcher_pids"][0] != old_pid
@@ -92,12 +93,13 @@ def test_a_hung_batcher_is_replaced_and_only_its_batch_fails(make_engine):
     with engine.Client(eng.name) as c:
         hung = c.submit(-X, timeout=30)
         queued = c.submit(X, timeout=30)  # behind the hung batch
-        with pytest.raises(engine.BackendError, match="batch_timeout_s=0.5") as info:
+        # retried alone by the successor, it hangs that one too: failed as poison
+        with pytest.raises(engine.BackendError, match="batch_timeout_s=0.5.*poison") as info:
             hung.result(timeout=30)
         assert info.value.exc_type == "BatcherDied"
         assert np.array_equal(queued.result(timeout=30), X * 2 + 1)
     stats = eng.stats()
-    assert stats["batcher_restarts_total"] == 1 and stats["batcher_pids"][0] != old_pid
+    assert stats["batcher_restarts_total"] == 2 and stats["batcher_pids"][0] != old_pid
 
 
 def test_a_batch_timeout_must_be_positive():

@@ -302,11 +302,30 @@ def test_reaping_a_dead_batcher_fails_its_claims_only(segment):
     r = segment.ring
     mine = queue(r, 3)
     claim_all(r, max_n=2, batcher=5)
-    assert r.reap_batcher(5, b"gone") == 2
+    assert r.reap_batcher(5, b"gone") == (2, 0)
     codes = sorted(r.wait_slot(s, g, 0) for s, g in mine)
     assert codes == sorted([ring.EFAILED, ring.EFAILED, ring.ETIMEOUT])
     failed = [s for s, g in mine if r.wait_slot(s, g, 0) == ring.EFAILED]
     assert r.slot_error(failed[0]) == (ring.STATUS_BATCHER_DIED, "gone")
+
+
+def test_a_dead_batchers_claims_are_kept_for_its_successor_to_retry_alone(segment):
+    r = segment.ring
+    mine = queue(r, 3)
+    claim_all(r, max_n=3, batcher=5)
+    assert r.reap_batcher(5, b"gone", retry=True) == (0, 3)  # kept CLAIMED, none failed
+    slots, gens, lengths, deadlines = r.inherited(5)
+    assert sorted(zip(slots.tolist(), gens.tolist())) == sorted(mine)
+    assert len(r.inherited(4)[0]) == 0  # another batcher number inherits nothing
+    assert all(r.wait_slot(s, g, 0) == ring.ETIMEOUT for s, g in mine)  # still pending
+    # the successor retries the first alone and dies in it: that one fails (poison),
+    # the two not yet retried are kept again
+    assert r.retry_alone(5, int(slots[0]), int(gens[0])) == ring.OK
+    assert r.reap_batcher(5, b"poison", retry=True) == (1, 2)
+    assert r.wait_slot(int(slots[0]), int(gens[0]), 0) == ring.EFAILED
+    assert r.slot_error(int(slots[0])) == (ring.STATUS_BATCHER_DIED, "poison")
+    assert r.retry_alone(5, int(slots[0]), int(gens[0])) == ring.ESTALE  # failed: not ours
+    assert r.reap_batcher(5, b"no successor") == (2, 0)  # without retry: all fail
 
 
 def _ring_client(name, client_id, n, results):

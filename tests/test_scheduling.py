@@ -198,10 +198,34 @@ def test_the_predicted_wait_counts_full_rounds_ahead_then_its_own_batch():
                                        now_ns=11 * MS) == (f + 32 * c - MS) + f + c
 
 
-def test_an_input_that_kills_its_batcher_fails_its_batch_and_the_engine_serves_on(make_engine, gate):
+def test_an_input_that_kills_its_batcher_fails_alone_as_poison_and_its_batch_mates_are_answered(
+        make_engine, gate):
     eng = make_engine("poison", backend="helpers:gated",
                       backend_args={"gate": gate.name, "then": "exits_on_negative"},
                       max_batch_size=8)
+    for _ in range(3):  # each batcher's first batch waits at the gate: the first and two successors
+        gate.open()
+    with engine.Client(eng.name) as c:
+        first = c.submit(X, timeout=60)
+        wait_for(lambda: eng.stats()["queue_depth"] == 0, "the first request claimed")
+        batch = [c.submit(x, timeout=60) for x in (X + 1, -X - 1, X + 2)]
+        assert np.array_equal(first.result(timeout=60), X * 2 + 1)
+        # the batch killed its batcher; its successor retried each request alone: the
+        # negative one killed it too and failed as poison, the others got their answers
+        assert np.array_equal(batch[0].result(timeout=60), (X + 1) * 2 + 1)
+        with pytest.raises(engine.BackendError, match="failed as poison") as info:
+            batch[1].result(timeout=60)
+        assert info.value.exc_type == "BatcherDied"
+        assert np.array_equal(batch[2].result(timeout=60), (X + 2) * 2 + 1)
+        assert np.array_equal(c.infer(X + 3, timeout=60), (X + 3) * 2 + 1)
+    stats = eng.stats()
+    assert stats["batcher_restarts_total"] == 2 and stats["errors_total"] == 1
+
+
+def test_without_isolation_an_input_that_kills_its_batcher_fails_its_whole_batch(make_engine, gate):
+    eng = make_engine("poison-batch", backend="helpers:gated",
+                      backend_args={"gate": gate.name, "then": "exits_on_negative"},
+                      max_batch_size=8, isolate_failures=False)
     with engine.Client(eng.name) as c:
         first = c.submit(X, timeout=60)
         wait_for(lambda: eng.stats()["queue_depth"] == 0, "the first request claimed")

@@ -113,3 +113,9 @@ def test_a_padded_batch_keeps_the_token_budget_and_the_limit():
 def test_batch_shape_and_tensor_limits_are_checked_before_anything_starts(knobs, says):
     with pytest.raises(ValueError, match=says):
         engine.Engine("limits", backend="helpers:affine", **knobs)
+
+
+def test_a_request_is_in_the_first_bucket_whose_bound_holds_it():
+    shapes = policy.BatchShapes.of(32, None, (16, 64, 128))
+    assert [shapes.bucket_of(n) for n in (1, 16, 17, 64, 65, 128)] == [0, 0, 1, 1, 2, 2]
+    assert policy.BatchShapes.of(32, (8, 32)).bucket_of(5) == 0  # no buckets: one
