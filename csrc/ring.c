@@ -1239,8 +1239,42 @@ static void record_max(uint64_t *word, uint64_t v)
 		;
 }
 
-void sb_finish_batch(void *base, const uint32_t *slots, uint32_t n,
-		     uint64_t claim_ns, uint64_t done_ns, uint32_t zero_copy)
+int sb_fit_add(sb_fit *f, uint32_t n, uint64_t service_ns)
+{
+	if (f->warmup) {
+		f->warmup--;
+		return 0;
+	}
+	double s = (double)service_ns, keep = 1.0 - 1.0 / SB_FIT_MEMORY;
+	if (f->batches) {
+		double cap = SB_FIT_OUTLIER * (f->fixed_ns + n * f->per_item_ns) + 1;
+		if (s > cap)
+			s = cap;
+	}
+	f->w = f->w * keep + 1.0;
+	f->n = f->n * keep + n;
+	f->nn = f->nn * keep + (double)n * n;
+	f->s = f->s * keep + s;
+	f->ns = f->ns * keep + n * s;
+	f->batches++;
+	if (f->batches > SB_FIT_REFIT && f->batches % SB_FIT_REFIT)
+		return 0;
+	/* with one batch size seen so far, all of the time is fixed: no slope */
+	double spread = f->w * f->nn - f->n * f->n, per_item = 0;
+	if (spread > 1e-9 * f->w * f->nn) {
+		per_item = (f->w * f->ns - f->n * f->s) / spread;
+		if (per_item < 0)
+			per_item = 0;
+	}
+	double fixed = (f->s - per_item * f->n) / f->w;
+	f->fixed_ns = fixed > 0 ? (double)(uint64_t)fixed : 0; /* whole ns */
+	f->per_item_ns = per_item;
+	return 1;
+}
+
+int sb_finish_batch(void *base, const uint32_t *slots, uint32_t n,
+		    uint64_t claim_ns, uint64_t done_ns, uint32_t zero_copy,
+		    sb_fit *fit)
 {
 	sb_header *h = hdr(base);
 	uint64_t worst = 0, total_wait = 0;
@@ -1272,6 +1306,12 @@ void sb_finish_batch(void *base, const uint32_t *slots, uint32_t n,
 	sb_add_relaxed(&h->words[SB_W_BATCHES], 1);
 	sb_add_relaxed(&h->words[SB_W_ITEMS], n);
 	bump_done_seq(h);
+	if (!fit || !sb_fit_add(fit, n, service))
+		return 0;
+	/* relaxed: figures for an estimate, each word read on its own */
+	sb_store_relaxed(&h->words[SB_W_FIT_FIXED_NS], (uint64_t)fit->fixed_ns);
+	sb_store_relaxed(&h->words[SB_W_FIT_ITEM_PS], (uint64_t)(fit->per_item_ns * 1000));
+	return 1;
 }
 
 /* ---- reaper ---- */

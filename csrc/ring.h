@@ -386,8 +386,30 @@ uint32_t sb_claim(void *base, uint32_t batcher, uint32_t max_n, uint32_t flush_n
 uint32_t sb_complete(void *base, uint32_t batcher, const uint32_t *slots,
 		     const uint32_t *gens, uint32_t n, uint32_t status,
 		     const char *msg, uint32_t msg_len);
-void sb_finish_batch(void *base, const uint32_t *slots, uint32_t n,
-		     uint64_t claim_ns, uint64_t done_ns, uint32_t zero_copy);
+/* a batcher's running fit of its service time, S(n) ~ fixed + n * per_item,
+ * by least squares with exponential forgetting (each older batch weighs
+ * 1 - 1/SB_FIT_MEMORY times less): admission's figures. It lives in the
+ * batcher's own memory, not in the segment. A batch slower than
+ * SB_FIT_OUTLIER times the fit's prediction counts as that much (a stall or
+ * a recompile cannot lock admission out for the many batches the fit takes
+ * to forget it); the fit is solved after each of the first SB_FIT_REFIT
+ * batches, then every SB_FIT_REFIT. The first `warmup` batches are skipped */
+#define SB_FIT_MEMORY 50
+#define SB_FIT_OUTLIER 4
+#define SB_FIT_REFIT 8
+typedef struct {
+	double w, n, nn, s, ns;   /* the weighted sums */
+	double fixed_ns, per_item_ns; /* as last solved; 0 before any batch */
+	uint64_t batches;         /* batches added */
+	uint32_t warmup;          /* batches still to skip */
+} sb_fit;
+/* adds a batch; 1 when the fit was solved anew */
+int sb_fit_add(sb_fit *fit, uint32_t n, uint64_t service_ns);
+/* the batch's figures; with fit (else NULL), also sb_fit_add, and on a new
+ * solve the fit is published in SB_W_FIT_*: returns 1 then */
+int sb_finish_batch(void *base, const uint32_t *slots, uint32_t n,
+		    uint64_t claim_ns, uint64_t done_ns, uint32_t zero_copy,
+		    sb_fit *fit);
 
 /* reaper (supervisor) */
 uint32_t sb_snapshot(const void *base, uint64_t *ctl, uint64_t *owner_start);

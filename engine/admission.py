@@ -11,11 +11,14 @@ the instances, then its own. If that wait would end after its deadline the
 request is refused at once with Overloaded: computing it would only delay the
 requests behind it, which can still make theirs.
 
-The prediction ignores the batch already in service and is a lower bound in
-that sense: it refuses only what the queue alone already dooms, so at loads
-the engine keeps up with it refuses nothing.
+The prediction counts what is left of the batch in service when every
+batcher is busy, and ignores what comes after the request: more urgent
+requests that will overtake it, and the client's own wake-up. Against the
+waits observed at 1x load (shmbatch bench --overload, observe row) answers
+came a median 2 ms after the prediction, 6 ms at p99.
 """
-import dataclasses
+from engine import ring
+
 
 def refuses(wait_ns: int, left_ns: int) -> bool:
     """The rule (applied in C, in the fused submit): refuse when the predicted
@@ -27,14 +30,10 @@ def refuses(wait_ns: int, left_ns: int) -> bool:
     return wait_ns + wait_ns // 8 > left_ns
 
 
-# How much weight a new batch's service time has against the past ones:
-# about the last 1/FORGET batches count.
-FORGET = 0.02
-KEEP = 1.0 - FORGET  # each older batch's weight, relative to the next one's
-# A batch slower than this many times the fit's prediction counts as this many.
-OUTLIER = 4.0
-# The fit is solved after each of the first REFIT batches, then every REFIT.
-REFIT = 8
+# The fit's constants are the C's (ring.h): about the last FIT_MEMORY batches
+# count; a batch slower than OUTLIER times the prediction counts as that much;
+# solved after each of the first REFIT batches, then every REFIT.
+FIT_MEMORY, OUTLIER, REFIT = ring.FIT_MEMORY, ring.FIT_OUTLIER, ring.FIT_REFIT
 
 
 def predicted_wait_ns(queued_ahead: int, batch_limit: int, instances: int,
@@ -55,53 +54,24 @@ def predicted_wait_ns(queued_ahead: int, batch_limit: int, instances: int,
     return int(in_service_ns + full_rounds * full_batch_ns + fixed_ns + own_batch * per_item_ns)
 
 
-@dataclasses.dataclass(slots=True)
 class ServiceFit:
     """S(n) = fixed + n * per_item by weighted least squares over the batches
-    seen, each older batch weighing (1 - FORGET) times less. The fit is solved
-    after each of the first REFIT batches, then every REFIT batches: it moves
-    slowly, and a batch's Python time is the fast path's."""
-    w: float = 0.0
-    n: float = 0.0
-    nn: float = 0.0
-    s: float = 0.0
-    ns: float = 0.0
-    batches: int = 0
-    fixed_ns: int = 0
-    per_item_ns: float = 0.0
+    seen, each older batch weighing 1 - 1/FIT_MEMORY times less (sb_fit_add).
+    Computed in C: a batcher's finish_batch feeds it each batch, with no
+    Python on the fast path; add() is that same step, for a caller (a test)
+    that has only the figures."""
+
+    def __init__(self, warmup: int = 0):
+        self.c_fit = ring.new_fit(warmup)  # skips the first `warmup` batches
 
     def add(self, batch_size: int, service_ns: int) -> bool:
-        """Adds a batch; True when the fit was solved anew. A batch far slower
-        than the fit predicts (a stall, a recompile) counts as OUTLIER times
-        the prediction, so it cannot lock admission out for the many batches
-        the fit takes to forget it."""
-        # run per batch by the batcher: plain float arithmetic, no builtin calls
-        batches = self.batches
-        if batches:
-            cap = OUTLIER * (self.fixed_ns + batch_size * self.per_item_ns) + 1
-            if service_ns > cap:
-                service_ns = cap
-        self.w = self.w * KEEP + 1.0
-        self.n = self.n * KEEP + batch_size
-        self.nn = self.nn * KEEP + batch_size * batch_size
-        self.s = self.s * KEEP + service_ns
-        self.ns = self.ns * KEEP + batch_size * service_ns
-        self.batches = batches = batches + 1
-        if batches > REFIT and batches % REFIT:
-            return False
-        self.fixed_ns, self.per_item_ns = self._solve()
-        return True
+        """Adds a batch; True when the fit was solved anew."""
+        return bool(ring.fit_add(self.c_fit, batch_size, int(service_ns)))
+
+    @property
+    def batches(self) -> int:
+        return self.c_fit.batches
 
     def estimate(self):
         """(fixed_ns, per_item_ns) as last solved; 0 and 0.0 before any batch."""
-        return self.fixed_ns, self.per_item_ns
-
-    def _solve(self):
-        """With one batch size seen so far, all of its time is taken as fixed
-        (no slope can be told)."""
-        spread = self.w * self.nn - self.n * self.n
-        if spread <= 1e-9 * self.w * self.nn:
-            return int(self.s / self.w), 0.0
-        per_item = max(0.0, (self.w * self.ns - self.n * self.s) / spread)
-        fixed = max(0.0, (self.s - per_item * self.n) / self.w)
-        return int(fixed), per_item
+        return int(self.c_fit.fixed_ns), self.c_fit.per_item_ns

@@ -79,8 +79,9 @@ class Batcher:
         self.batch_start_word = ring.W_BATCH_START + instance
         self.slo_ns = None if cfg.slo_ms is None else int(cfg.slo_ms * 1e6)
         self.isolate = cfg.isolate_failures
-        self.fit = admission.ServiceFit()
-        self.batches = 0
+        # admission's figures, fed by finish_batch in C each batch (the
+        # batcher's first batch warms the model up: not a measure)
+        self.fit = admission.ServiceFit(warmup=1)
         self.expire_lead_ns = 0  # the fit's fixed cost: less time than that left is too little
         self.var_axis = cfg.var_axis
         self.out_shape = tuple(cfg.output_shape)
@@ -191,9 +192,12 @@ class Batcher:
         else:
             r.complete(self.instance, claimed, n, ring.STATUS_OK, b"")
         done_ns = ring.now_ns()
-        r.finish_batch(claimed, n, claim_ns, done_ns, contiguous)
+        if r.finish_batch(claimed, n, claim_ns, done_ns, contiguous, self.fit.c_fit):
+            # the fit was solved anew: less time left than its fixed cost is too little
+            self.expire_lead_ns = self.fit.estimate()[0]
         words[self.batch_start_word] = 0
-        self.learn(n, done_ns - claim_ns)
+        if self.slo_ns is not None:
+            self.adapt(done_ns - claim_ns)
 
     def compute(self, slots: np.ndarray, lengths: np.ndarray, bucket: int) -> bool:
         """Gather, call, check and scatter for these slots (a batch or part of
@@ -216,19 +220,12 @@ class Batcher:
                                rows * self._cut(bucket, int(lengths.max()), self.var_top))
         return contiguous
 
-    def learn(self, n: int, service_ns: int) -> None:
-        """Feeds the batch's service time to the fit that admission reads and,
-        with slo_ms, to the batch limit (a request waits for at most one batch
-        in service and then its own: each must take at most half the objective)."""
-        self.batches += 1
-        # a batcher's first batch warms the model up: not a measure
-        if self.batches > 1 and self.fit.add(n, service_ns):  # solved every REFIT batches
-            fixed_ns, per_item_ns = self.fit.estimate()
-            self.seg.publish_service_fit(fixed_ns, per_item_ns)
-            self.expire_lead_ns = fixed_ns
-        if self.slo_ns is not None:
-            self.limit = aimd.next_limit(self.limit, service_ns, self.slo_ns // 2, self.max_batch)
-            self.seg.set_batch_limit(self.limit)
+    def adapt(self, service_ns: int) -> None:
+        """With slo_ms, the batch limit after a batch (a request waits for at
+        most one batch in service and then its own: each must take at most
+        half the objective)."""
+        self.limit = aimd.next_limit(self.limit, service_ns, self.slo_ns // 2, self.max_batch)
+        self.seg.set_batch_limit(self.limit)
 
     def isolate_failures(self, failed: np.ndarray, message: bytes) -> None:
         """The requests at claimed positions `failed` failed together: retried in

@@ -137,9 +137,11 @@ class EngineConfig:
         # derived, not fields (no part of the JSON or of ==)
         put("input_specs", ins)
         put("output_specs", outs)
-        # for check_input's fast path
+        # for check_input's and check_out's fast paths
         put("_exact_shape", None if (var or self.named) else self.input_shape)
         put("_input_dtype", np.dtype(self.input_dtype))
+        put("_out_shape", None if self.named else tuple(outs[0].shape))
+        put("_out_dtype", np.dtype(outs[0].dtype))
 
     def _check_batch_shapes(self, put, var) -> None:
         """allowed_batch_sizes, length_buckets and max_batch_tokens, validated."""
@@ -243,6 +245,10 @@ class EngineConfig:
 
     def check_out(self, out) -> None:
         """InvalidInput unless out can take an answer in place."""
+        if (type(out) is np.ndarray and out.shape == self._out_shape
+                and out.dtype == self._out_dtype and out.flags.c_contiguous
+                and out.flags.writeable):
+            return  # the common case, without a call
         if self.named:
             return tensors.check_named_out(self.output_specs, out)
         return tensors.check_out(self.output_specs[0], out)

@@ -251,11 +251,6 @@ class Segment:
         none), for the supervisor's watchdog; a plain aligned store, no C call."""
         self._words[ring.W_BATCH_START + instance] = claim_ns
 
-    def publish_service_fit(self, fixed_ns: int, per_item_ns: float) -> None:
-        """The batchers' fit of S(n) = fixed + n * per_item, for admission."""
-        self._words[ring.W_FIT_FIXED_NS] = fixed_ns
-        self._words[ring.W_FIT_ITEM_PS] = int(per_item_ns * 1000)
-
     def set_batch_limit(self, limit: int) -> None:
         self._words[ring.W_BATCH_LIMIT] = limit
 

@@ -50,6 +50,16 @@ def pingpong_floor_ns(rounds: int = 5000, spin_ns: int = 0) -> np.ndarray:
     return out[:done]
 
 
+def new_fit(warmup: int = 0):
+    """A service-time fit (sb_fit), zeroed, skipping its first `warmup` batches."""
+    fit = ffi.new("sb_fit *")
+    fit.warmup = warmup
+    return fit
+
+
+fit_add = lib.sb_fit_add
+
+
 def layout_bytes(capacity: int, inputs: int, slot_bytes, in_place: bool, levels: int = 1) -> int:
     """The segment's size for tensors of slot_bytes each (the first `inputs`
     of them inputs); 0 if the C refuses the layout."""
@@ -309,8 +319,11 @@ class Ring:
         return lib.sb_complete(self.base, batcher, _ptr(slots, "uint32_t *"),
                                _ptr(gens, "uint32_t *"), len(slots), status, message, len(message))
 
-    def finish_batch(self, batch: ClaimBuffers, n, claim_ns, done_ns, zero_copy: bool) -> None:
-        lib.sb_finish_batch(self.base, batch.c_slots, n, claim_ns, done_ns, zero_copy)
+    def finish_batch(self, batch: ClaimBuffers, n, claim_ns, done_ns, zero_copy: bool,
+                     fit=ffi.NULL) -> int:
+        """The batch's figures; with a ServiceFit's c_fit, also the fit (1: solved
+        anew and published for admission)."""
+        return lib.sb_finish_batch(self.base, batch.c_slots, n, claim_ns, done_ns, zero_copy, fit)
 
     # -- reaper -----------------------------------------------------------
     def snapshot(self, ctl: np.ndarray, owner_start: np.ndarray) -> int:

@@ -186,6 +186,12 @@ def test_the_service_fit_recovers_a_linear_cost_model():
     assert per_item_ns == pytest.approx(100_000, rel=1e-6)
 
 
+def test_the_service_fit_skips_its_warm_up_batches():
+    fit = admission.ServiceFit(warmup=1)
+    assert not fit.add(1, 30_000 * MS) and fit.batches == 0  # a first call's compile: ignored
+    assert fit.add(4, 2 * MS) and fit.estimate() == (2 * MS, 0.0)  # one size: all fixed
+
+
 def test_the_predicted_wait_counts_full_rounds_ahead_then_its_own_batch():
     f, c = 2 * MS, 100_000
     assert admission.predicted_wait_ns(0, 32, 1, f, c) == 0  # nothing ahead, a batcher idle
@@ -248,7 +254,8 @@ def test_the_c_admission_estimate_is_the_python_one(seed):
                      instances=instances) as seg:
         r = seg.ring
         r.set_word(ring.W_INSTANCES, instances)
-        seg.publish_service_fit(int(rng.integers(1, 10 * MS)), float(rng.integers(0, 500_000)))
+        r.set_word(ring.W_FIT_FIXED_NS, int(rng.integers(1, 10 * MS)))  # as finish_batch does
+        r.set_word(ring.W_FIT_ITEM_PS, int(rng.integers(0, 500_000)) * 1000)
         seg.set_batch_limit(int(rng.integers(1, 17)))
         for _ in range(int(rng.integers(0, 200))):  # queued, at either priority
             _, slot, gen = r.acquire(os.getpid(), 0)
