@@ -121,6 +121,8 @@ def _bench_parser(sub):
     p.add_argument("--slo-ms", type=float, default=100.0, help="--overload: each request's deadline")
     p.add_argument("--urgent-share", type=float, default=0.0,
                    help="--overload: share of requests sent at priority 0 (the rest at 1)")
+    p.add_argument("--capacity", type=float, default=0.0, metavar="RPS",
+                   help="--overload: the rows' 1x (default: measured first)")
     p.add_argument("--seconds", type=float, default=3.0,
                    help="--overload and --model: seconds per row")
     p.add_argument("--model", choices=("synthetic", "onnx"), default="synthetic",
@@ -162,7 +164,8 @@ def cmd_bench(args) -> int:
     if args.overload:
         from engine.tools import overload
         overload.run(overload.Setup(slo_ms=args.slo_ms, urgent_share=args.urgent_share,
-                                    clients=args.clients, seconds=args.seconds, seed=args.seed),
+                                    clients=args.clients, seconds=args.seconds, seed=args.seed,
+                                    capacity_rps=args.capacity),
                      out_dir=args.out)
         return 0
     backend_args = key_values(args.backend_arg)

@@ -41,6 +41,7 @@ class Setup:
     slo_ms: float = 100.0
     urgent_share: float = 0.0  # requests sent at priority 0 (the rest at 1)
     seed: int = 1
+    capacity_rps: float = 0.0  # the rows' 1x; 0: measured first (measure_capacity)
 
     @property
     def model_rps(self) -> float:
@@ -92,6 +93,7 @@ def _client(cid, setup: Setup, capacity_rps: float, factor, observe: bool, conn)
     outcome = np.full(n, PENDING, np.int8)
     latency_ns, refusal_ns = np.zeros(n, np.int64), np.zeros(n, np.int64)
     would_refuse = np.zeros(n, bool)  # "observe": what admission would have refused
+    predicted_ns = np.zeros(n, np.int64)  # "observe": the wait admission predicted
     scheduled = np.zeros(n, np.int64)
     name = procs.await_target(conn)
     if name is None:
@@ -123,6 +125,7 @@ def _client(cid, setup: Setup, capacity_rps: float, factor, observe: bool, conn)
                 raise RequestTimeout("sent after its deadline")
             if observe:  # admission's own rule on the engine's own estimate, not applied
                 wait_s = client.predicted_wait_s(0 if urgent[k] else 1)
+                predicted_ns[k] = int(wait_s * 1e9) + (ring.now_ns() - scheduled[k])
                 would_refuse[k] = admission.refuses(int(wait_s * 1e9), int(left_s * 1e9))
             pending[k] = f = client.submit(x, timeout=left_s, priority=0 if urgent[k] else 1)
             f.add_done_callback(lambda f, k=k: done(f, k))
@@ -138,7 +141,8 @@ def _client(cid, setup: Setup, capacity_rps: float, factor, observe: bool, conn)
         except Exception:
             pass
     client.close()
-    conn.send((outcome, latency_ns, refusal_ns, urgent, would_refuse, scheduled + latency_ns))
+    conn.send((outcome, latency_ns, refusal_ns, urgent, would_refuse, scheduled + latency_ns,
+               predicted_ns))
     conn.close()
 
 
@@ -171,6 +175,9 @@ def run_row(label: str, factor, setup: Setup, admission: str, capacity_rps: floa
     would_refuse = np.concatenate([r[4] for r in results])
     done_ns = np.concatenate([r[5] for r in results])
     answered = np.isin(outcome, (OK, LATE))
+    # observe: how much later than predicted the answers came (from the scheduled arrival)
+    predicted = np.concatenate([r[6] for r in results])
+    after_ms = (latency - predicted)[answered & (predicted > 0)] / 1e6 if observe else []
     refused = np.isin(outcome, (REFUSED, OVERLOADED))
     count = lambda o: int((outcome == o).sum())  # noqa: E731
     pct = lambda a, q: float(np.percentile(a, q)) if len(a) else None  # noqa: E731
@@ -191,6 +198,7 @@ def run_row(label: str, factor, setup: Setup, admission: str, capacity_rps: floa
         # "observe": requests admission would have refused, and those of them that made it
         "would_refuse": int(would_refuse.sum()),
         "would_refuse_in_time": int((would_refuse & (outcome == OK)).sum()),
+        "answer_after_prediction_ms": {q: pct(after_ms, q) for q in (10, 50, 90, 99)},
     }
 
 
@@ -203,7 +211,9 @@ def line(r: dict) -> str:
             f"{fmt(r['p99_ms'], '6.1f')} ms urgent p99 {fmt(r['urgent_p99_ms'], '6.1f')} ms | "
             f"refusal p50 {fmt(r['refusal_p50_us'], '5.1f')} p99 {fmt(r['refusal_p99_us'], '6.1f')} us"
             + (f" | would refuse {r['would_refuse']}, of them in time {r['would_refuse_in_time']}"
-               f" = {100 * r['would_refuse_in_time'] / max(1, r['requests']):.2f} % of requests"
+               f" = {100 * r['would_refuse_in_time'] / max(1, r['requests']):.2f} % of requests;"
+               f" answers came {fmt(r['answer_after_prediction_ms'][50], '.1f')} ms after the "
+               f"prediction (p99 {fmt(r['answer_after_prediction_ms'][99], '.1f')})"
                if r["admission"] == "observe" else ""))
 
 
@@ -218,11 +228,16 @@ def run(setup: Setup, out_dir=None, log=print) -> List[dict]:
         f"per item, max_batch_size {setup.max_batch_size}: n/S(n) = {setup.model_rps:,.0f} "
         f"req/s; {setup.clients} open-loop Poisson clients, deadline {setup.slo_ms:g} ms, "
         f"{100 * setup.urgent_share:g} % urgent (priority 0)")
-    saturated = measure_capacity(setup)
-    capacity = saturated["steady_rps"]
-    log(f"capacity measured: {capacity:,.0f} answers/s while saturated ({SATURATE:g}x n/S(n) "
-        f"offered, admission 'none') = {100 * capacity / setup.model_rps:.1f} % of n/S(n); "
-        f"the rows below are multiples of it")
+    if setup.capacity_rps:
+        saturated, capacity = None, setup.capacity_rps
+        log(f"capacity given: {capacity:,.0f} req/s = {100 * capacity / setup.model_rps:.1f} % "
+            f"of n/S(n); the rows below are multiples of it")
+    else:
+        saturated = measure_capacity(setup)
+        capacity = saturated["steady_rps"]
+        log(f"capacity measured: {capacity:,.0f} answers/s while saturated ({SATURATE:g}x "
+            f"n/S(n) offered, admission 'none') = {100 * capacity / setup.model_rps:.1f} % of "
+            f"n/S(n); the rows below are multiples of it")
     rows = []
     for label, factor in ROWS:
         # at loads the engine keeps up with, also the rule observed, not applied: did
