@@ -7,7 +7,8 @@
 
 Each measurement runs in a fresh process whose `engine` is imported from one
 tree (PYTHONPATH first); the trees alternate round by round, so both see the
-same machine, and the medians over the rounds are printed with their ratio.
+same machine, and the medians over the rounds are printed with their ratio,
+then the median and range of each round's own ratio.
 
 Measurements (--only picks some):
   rtt        1 client, 1 request at a time (identity backend): round trip p50
@@ -106,10 +107,18 @@ def main() -> int:
     for what in args.only:
         for key in results[what, labels[0]][0]:
             medians = [statistics.median(x[key] for x in results[what, label]) for label in labels]
+            # each round's ratio pairs runs made minutes apart at most: its median
+            # and range say more than the ratio of medians on a drifting machine
+            base = [x[key] for x in results[what, labels[0]]]
+            paired = {label: sorted(x[key] / b for x, b in zip(results[what, label], base))
+                      for label in labels[1:]}
             print(f"{what:>12} {key:>11}: " + "  ".join(
                 f"{label} {m:12,.1f}" for label, m in zip(labels, medians))
                 + "  " + "  ".join(f"{label}/{labels[0]} {m / medians[0]:5.2f}"
                                    for label, m in zip(labels[1:], medians[1:])))
+            print(f"{'':>12} {'':>11}  per round: " + "  ".join(
+                f"{label}/{labels[0]} median {statistics.median(r):.2f} "
+                f"(range {r[0]:.2f}-{r[-1]:.2f})" for label, r in paired.items()))
     return 0
 
 
