@@ -33,7 +33,7 @@ def main() -> int:
     args = p.parse_args()
     x = np.ones(16, np.float32)
     # enough queued work to outlast the refusals (each ~gap + 100 us), within the queue
-    queued = min(200, 4 + int(args.refusals * (args.gap_us + 100.0) / 1e3 / FIXED_MS))
+    queued = min(150, 4 + int(args.refusals * (args.gap_us + 100.0) / 1e3 / FIXED_MS))
     with engine.Engine("refusal-cost", backend="engine.backends:synthetic",
                        backend_args={"fixed_ms": FIXED_MS, "per_item_us": 100.0},
                        max_batch_size=1, queue_capacity=256) as eng, \

@@ -1377,8 +1377,8 @@ uint32_t sb_reap_batcher(void *base, uint32_t batcher, uint32_t retry,
 				break;
 			sb_slot_meta *m = meta_at(base, i);
 			if (st == SB_CLAIMED && retry && m->retry != SB_RETRY_ALONE) {
-				/* the dead batcher's, so ours: plain store; its
-				 * successor starts after this (a process spawn) */
+				/* the dead batcher's, so ours: a plain store, read
+				 * only by a later reap (this supervisor's thread) */
 				m->retry = SB_RETRY_PENDING;
 				(*kept)++;
 				break;
@@ -1406,25 +1406,38 @@ uint32_t sb_reap_batcher(void *base, uint32_t batcher, uint32_t retry,
 	return failed;
 }
 
-uint32_t sb_inherited(const void *base, uint32_t batcher, uint32_t max,
-		      uint32_t *slots, uint32_t *gens, uint32_t *lengths,
-		      uint64_t *deadline_ns)
+uint32_t sb_inherit(void *base, uint32_t batcher, uint64_t expire_ns, uint32_t max,
+		    uint32_t *slots, uint32_t *gens, uint32_t *lengths)
 {
-	uint32_t n = 0;
+	static const char why[] = "deadline passed before its retry (its batcher died) "
+				  "could start it (not computed)";
+	uint32_t n = 0, settled = 0;
+	uint64_t now = sb_now_ns();
 	for (uint32_t i = 0; i < hdr(base)->capacity; i++) {
-		/* acquire: the meta the reaper wrote is read after */
+		/* acquire: pairs with the publish's release, the length and
+		 * deadline read below are the client's (the claim and the
+		 * reaper's keep since changed neither) */
 		uint64_t cur = sb_load_acquire(ctl_at(base, i));
-		if (SB_CTL_STATE(cur) != SB_CLAIMED || SB_CTL_BATCHER(cur) != batcher)
+		uint32_t st = SB_CTL_STATE(cur), gen = SB_CTL_GEN(cur);
+		if ((st != SB_CLAIMED && st != SB_ABANDONED) || SB_CTL_BATCHER(cur) != batcher)
 			continue;
-		if (n < max) {
-			const sb_slot_meta *m = meta_at(base, i);
-			slots[n] = i;
-			gens[n] = SB_CTL_GEN(cur);
-			lengths[n] = m->length;
-			deadline_ns[n] = m->deadline_ns;
+		const sb_slot_meta *m = meta_at(base, i);
+		if (st == SB_ABANDONED) { /* withdrawn while kept: completing frees it */
+			complete_one(base, i, gen, batcher, SB_STATUS_OK, NULL, 0, now);
+		} else if (m->deadline_ns && m->deadline_ns < expire_ns) {
+			settled += complete_one(base, i, gen, batcher, SB_STATUS_EXPIRED,
+						why, sizeof(why) - 1, now) == SB_OK;
+		} else {
+			if (n < max) {
+				slots[n] = i;
+				gens[n] = gen;
+				lengths[n] = m->length;
+			}
+			n++;
 		}
-		n++;
 	}
+	if (settled)
+		bump_done_seq(hdr(base));
 	return n;
 }
 
@@ -1432,12 +1445,14 @@ int sb_retry_alone(void *base, uint32_t batcher, uint32_t slot, uint32_t gen)
 {
 	if (slot >= hdr(base)->capacity)
 		return SB_EBADARG;
-	uint64_t cur = sb_load_acquire(ctl_at(base, slot));
+	uint64_t cur = sb_load_relaxed(ctl_at(base, slot));
 	if (SB_CTL_STATE(cur) != SB_CLAIMED || SB_CTL_GEN(cur) != gen ||
 	    SB_CTL_BATCHER(cur) != batcher)
 		return SB_ESTALE; /* abandoned meanwhile: its completion frees it */
-	/* CLAIMED by us: ours to write; the reaper reads it only once we are dead */
+	/* CLAIMED by us: ours to write; the reaper reads it only once we are
+	 * dead (after waiting for our exit) */
 	meta_at(base, slot)->retry = SB_RETRY_ALONE;
+	sb_add_relaxed(&hdr(base)->words[SB_W_RETRIED], 1);
 	return SB_OK;
 }
 

@@ -132,8 +132,10 @@
  * kernel's wake-up (about half of a short round trip). The caller chooses
  * spin_ns (0: sleep at once); the C never spins on its own.
  *
- * C holds no policy: when to flush, whether a process is dead, and what an
- * error means are decided in Python (engine/).
+ * C holds no policy: when to flush, whether a process is dead, what an error
+ * means and whether a dead batcher's batch is retried are decided in Python
+ * (engine/). It measures (histograms, the service-time fit) and applies the
+ * thresholds it is given.
  */
 #ifndef SB_RING_H
 #define SB_RING_H
@@ -204,6 +206,7 @@
 #define SB_W_EPOCH 4          /* batchers started before the current epoch retire */
 #define SB_W_TOKENS 5         /* variable dim: real lengths served, summed */
 #define SB_W_PADDED_TOKENS 6  /* ... and the padded lengths the backend saw */
+#define SB_W_RETRIED 7        /* requests retried alone after their batcher died */
 #define SB_W_REQUESTS 8
 #define SB_W_REJECTED 9
 #define SB_W_TIMEOUTS 10
@@ -421,14 +424,15 @@ int sb_reap_slot(void *base, uint32_t slot, uint64_t expected_ctl);
  * Returns how many failed. */
 uint32_t sb_reap_batcher(void *base, uint32_t batcher, uint32_t retry,
 			 const char *msg, uint32_t msg_len, uint32_t *kept);
-/* batcher (a dead one's successor, on start): the slots left CLAIMED under
- * its number, up to max, with their real lengths and deadlines; returns how
- * many there are */
-uint32_t sb_inherited(const void *base, uint32_t batcher, uint32_t max,
-		      uint32_t *slots, uint32_t *gens, uint32_t *lengths,
-		      uint64_t *deadline_ns);
-/* batcher: an inherited slot is now retried alone (SB_RETRY_ALONE); SB_ESTALE
- * if it is no longer CLAIMED(gen) by this batcher */
+/* batcher (a dead one's successor, on start, under its number): takes over
+ * what the dead one left: frees the slots withdrawn meanwhile (ABANDONED),
+ * fails unstarted (SB_STATUS_EXPIRED) the CLAIMED ones whose deadline is
+ * before expire_ns, and lists the other CLAIMED ones, up to max, with their
+ * real lengths; returns how many there are */
+uint32_t sb_inherit(void *base, uint32_t batcher, uint64_t expire_ns, uint32_t max,
+		    uint32_t *slots, uint32_t *gens, uint32_t *lengths);
+/* batcher: an inherited slot is now retried alone (SB_RETRY_ALONE), counted
+ * in SB_W_RETRIED; SB_ESTALE if it is no longer CLAIMED(gen) by this batcher */
 int sb_retry_alone(void *base, uint32_t batcher, uint32_t slot, uint32_t gen);
 void sb_histogram(const void *base, int which, uint64_t *buckets);
 /* the queue wait of one priority level: histogram, sum and max (ns) */
@@ -506,8 +510,9 @@ typedef struct {
 	uint32_t retry;       /* SB_RETRY_*: its batch lost its batcher (0 at publish) */
 } sb_slot_meta;
 
-/* sb_slot_meta.retry, written only while the slot is CLAIMED, by the reaper
- * (its batcher proven dead) or by that batcher's successor: a request whose
+/* sb_slot_meta.retry: reset by publish (WRITING, the owner's), then written
+ * only while the slot is CLAIMED, by the reaper (its batcher proven dead) or
+ * by that batcher's successor; read by the reaper alone. A request whose
  * batch killed its batcher is retried once, alone; killing one again then,
  * it fails as poison */
 #define SB_RETRY_NONE 0

@@ -15,7 +15,7 @@ The prediction counts what is left of the batch in service when every
 batcher is busy, and ignores what comes after the request: more urgent
 requests that will overtake it, and the client's own wake-up. Against the
 waits observed at 1x load (shmbatch bench --overload, observe row) answers
-came a median 2 ms after the prediction, 6 ms at p99.
+came a median of about 2 ms after the prediction (p99 5-6 ms).
 """
 from engine import ring
 
@@ -30,10 +30,9 @@ def refuses(wait_ns: int, left_ns: int) -> bool:
     return wait_ns + wait_ns // 8 > left_ns
 
 
-# The fit's constants are the C's (ring.h): about the last FIT_MEMORY batches
-# count; a batch slower than OUTLIER times the prediction counts as that much;
-# solved after each of the first REFIT batches, then every REFIT.
-FIT_MEMORY, OUTLIER, REFIT = ring.FIT_MEMORY, ring.FIT_OUTLIER, ring.FIT_REFIT
+# The fit is solved after each of its first REFIT batches, then every REFIT
+# (its constants are the C's: ring.h, sb_fit).
+REFIT = ring.FIT_REFIT
 
 
 def predicted_wait_ns(queued_ahead: int, batch_limit: int, instances: int,

@@ -17,7 +17,9 @@ place: then a backend that returns its contiguous batch needs no copy back).
 
 Several batchers may serve one ring: each claims slots by CAS, so no request
 is taken twice. A batcher holds no state that outlives a batch: when one is
-killed the supervisor fails its claimed slots and starts another.
+killed the supervisor starts another under its number, which first retries
+the dead one's batch, each request alone (isolate_failures; else the
+supervisor fails that batch).
 """
 import os
 import pickle
@@ -50,9 +52,6 @@ SPIN_NS = ring.SPIN_NS  # read at import, before any pinning
 def _message(e: Exception) -> bytes:
     """A backend's exception as a failed request's error text."""
     return f"{type(e).__name__}: {e}".encode("utf-8", "replace")[:ring.ERRMSG_BYTES]
-
-
-_EXPIRED = b"deadline passed before its retry (its batch lost a batcher) could start (not computed)"
 
 
 class BadResult(Exception):
@@ -160,18 +159,16 @@ class Batcher:
         """The batch a dead predecessor left under this batcher number (kept
         by the supervisor with isolate_failures), each request retried alone:
         one that kills this batcher too then fails alone, as poison, and the
-        others are answered. One whose deadline has passed fails unstarted."""
+        others are answered. Those past their deadline fail unstarted."""
         r, claimed = self.ring, self.claimed
-        for slot, gen, length, deadline_ns in zip(*r.inherited(self.instance)):
+        for slot, gen, length in zip(*r.inherit(self.instance, ring.now_ns(),
+                                                 self.seg.capacity)):
             claimed.slots[0], claimed.gens[0], claimed.lengths[0] = slot, gen, length
             claimed.bucket = self.shapes.bucket_of(int(length)) if self.shapes else 0
-            now_ns = ring.now_ns()
-            if deadline_ns and deadline_ns < now_ns + self.expire_lead_ns:  # counted expired
-                r.complete(self.instance, claimed, 1, ring.STATUS_EXPIRED, _EXPIRED)
-            elif r.retry_alone(self.instance, int(slot), int(gen)) == ring.OK:
-                self.serve(1, now_ns)
+            if r.retry_alone(self.instance, int(slot), int(gen)) == ring.OK:
+                self.serve(1, ring.now_ns())
             else:  # withdrawn by its client meanwhile: completing it frees it
-                r.complete(self.instance, claimed, 1, ring.STATUS_EXPIRED, _EXPIRED)
+                r.complete(self.instance, claimed, 1)
 
     def serve(self, n: int, claim_ns: int) -> None:
         """Runs one claimed batch, claimed.slots[:n] (ascending): gather, call,

@@ -162,6 +162,8 @@ def cmd_bench(args) -> int:
     if args.model == "onnx":
         return _bench_model(args)
     if args.overload:
+        if args.capacity < 0:
+            raise SystemExit(f"shmbatch: --capacity: expected requests/s > 0, got {args.capacity:g}")
         from engine.tools import overload
         overload.run(overload.Setup(slo_ms=args.slo_ms, urgent_share=args.urgent_share,
                                     clients=args.clients, seconds=args.seconds, seed=args.seed,

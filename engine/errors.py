@@ -42,6 +42,9 @@ class Overloaded(QueueFull):
         return (f"predicted wait {self.predicted_wait_ms} ms exceeds the request's deadline "
                 f"of {max(0.0, self.deadline_left_ms):.1f} ms")
 
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self)!r})"
+
     def __reduce__(self):
         if self.predicted_wait_ms is None:
             return super().__reduce__()

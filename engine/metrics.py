@@ -31,6 +31,7 @@ COUNTERS = (
     ("expired_total", ring.W_EXPIRED, "expired"),
     ("isolated_failures_total", ring.W_ISOLATED, None),
     ("isolation_calls_total", ring.W_RETRY_CALLS, None),
+    ("retried_alone_total", ring.W_RETRIED, None),  # after their batcher died
     ("tokens_total", ring.W_TOKENS, None),
     ("padded_tokens_total", ring.W_PADDED_TOKENS, None),
 )

@@ -339,16 +339,14 @@ class Ring:
         failed = lib.sb_reap_batcher(self.base, batcher, retry, message, len(message), kept)
         return failed, kept[0]
 
-    def inherited(self, batcher: int):
-        """(slots, gens, lengths, deadline_ns) left CLAIMED under this batcher
-        number by a dead predecessor, ascending."""
-        n = lib.sb_inherited(self.base, batcher, 0, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL)
-        slots, gens, lengths = (np.zeros(n, np.uint32) for _ in range(3))
-        deadline_ns = np.zeros(n, np.uint64)
-        n = min(n, lib.sb_inherited(self.base, batcher, n, _ptr(slots, "uint32_t *"),
-                                    _ptr(gens, "uint32_t *"), _ptr(lengths, "uint32_t *"),
-                                    _ptr(deadline_ns, "uint64_t *")))
-        return slots[:n], gens[:n], lengths[:n], deadline_ns[:n]
+    def inherit(self, batcher: int, expire_ns: int, capacity: int):
+        """What a dead predecessor left under this batcher number (sb_inherit):
+        withdrawn slots freed, expired ones failed, the rest as (slots, gens,
+        lengths), ascending."""
+        slots, gens, lengths = (np.zeros(capacity, np.uint32) for _ in range(3))
+        n = lib.sb_inherit(self.base, batcher, expire_ns, capacity, _ptr(slots, "uint32_t *"),
+                           _ptr(gens, "uint32_t *"), _ptr(lengths, "uint32_t *"))
+        return slots[:n], gens[:n], lengths[:n]
 
     def retry_alone(self, batcher: int, slot: int, gen: int) -> int:
         return lib.sb_retry_alone(self.base, batcher, slot, gen)

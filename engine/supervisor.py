@@ -450,14 +450,9 @@ class Engine:
                 why = f"hung: its batch ran over batch_timeout_s={self.options.batch_timeout_s:g}"
                 b.hung = False
             self._seg.mark_batch(i, 0)
-            # with isolate_failures its batch is kept for the successor to retry,
-            # each request alone; one that was being retried alone fails (poison)
-            retry = self.config.isolate_failures
-            failed, kept = r.reap_batcher(
-                i, (f"batcher {i} (pid {proc.pid}) died ({why}) while "
-                    + ("retrying this request alone, after its batch had lost a batcher: "
-                       "failed as poison" if retry else "serving this request")).encode(),
-                retry)
+            failed, kept = r.reap_batcher(i, *batchers.reap_terms(
+                b, proc.pid, why, r.word(ring.W_RETRIED), self.config.isolate_failures))
+            b.kept, b.retried_at_keep = kept, r.word(ring.W_RETRIED)
             r.set_word(ring.W_BATCHER_PID + i, 0)
             r.add_word(ring.W_RESTARTS)
             log.warning("engine %s: batcher %d (pid %d) died (%s); failed %d claimed "
@@ -470,12 +465,15 @@ class Engine:
         try:
             b.proc = self._spawn(b)
             b.backoff_s = 0.0
-        except BackendError as e:
-            backoff = b.backoff_s = min(_RESTART_BACKOFF_MAX_S, 2 * b.backoff_s or 0.5)
-            b.restart_at_ns = ring.now_ns() + int(backoff * 1e9)
+        except Exception as e:
             # no successor to retry what the dead one kept: those fail now
             failed, _ = r.reap_batcher(i, f"batcher {i} died while serving this request, and "
                                           f"no batcher could restart to retry it ({e})".encode())
+            b.kept = 0
+            if not isinstance(e, BackendError):
+                raise
+            backoff = b.backoff_s = min(_RESTART_BACKOFF_MAX_S, 2 * b.backoff_s or 0.5)
+            b.restart_at_ns = ring.now_ns() + int(backoff * 1e9)
             log.error("engine %s: batcher %d did not restart (%s); failed %d kept request(s); "
                       "next try in %.1f s", self.name, i, e, failed, backoff)
 

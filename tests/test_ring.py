@@ -314,10 +314,10 @@ def test_a_dead_batchers_claims_are_kept_for_its_successor_to_retry_alone(segmen
     mine = queue(r, 3)
     claim_all(r, max_n=3, batcher=5)
     assert r.reap_batcher(5, b"gone", retry=True) == (0, 3)  # kept CLAIMED, none failed
-    slots, gens, lengths, deadlines = r.inherited(5)
-    assert sorted(zip(slots.tolist(), gens.tolist())) == sorted(mine)
-    assert len(r.inherited(4)[0]) == 0  # another batcher number inherits nothing
     assert all(r.wait_slot(s, g, 0) == ring.ETIMEOUT for s, g in mine)  # still pending
+    assert len(r.inherit(4, 0, segment.capacity)[0]) == 0  # another number inherits nothing
+    slots, gens, lengths = r.inherit(5, 0, segment.capacity)
+    assert sorted(zip(slots.tolist(), gens.tolist())) == sorted(mine)
     # the successor retries the first alone and dies in it: that one fails (poison),
     # the two not yet retried are kept again
     assert r.retry_alone(5, int(slots[0]), int(gens[0])) == ring.OK
@@ -325,7 +325,26 @@ def test_a_dead_batchers_claims_are_kept_for_its_successor_to_retry_alone(segmen
     assert r.wait_slot(int(slots[0]), int(gens[0]), 0) == ring.EFAILED
     assert r.slot_error(int(slots[0])) == (ring.STATUS_BATCHER_DIED, "poison")
     assert r.retry_alone(5, int(slots[0]), int(gens[0])) == ring.ESTALE  # failed: not ours
+    assert r.word(ring.W_RETRIED) == 1
     assert r.reap_batcher(5, b"no successor") == (2, 0)  # without retry: all fail
+
+
+def test_a_successor_frees_what_was_withdrawn_while_kept_and_fails_what_expired(segment):
+    r = segment.ring
+    tickets = [r.acquire(os.getpid(), 0)[1:] for _ in range(3)]
+    deadline_ns = ring.now_ns() + 1_000_000
+    for k, (slot, gen) in enumerate(tickets):  # the second with a deadline that will pass
+        r.publish(slot, gen, 0, deadline_ns if k == 1 else 0)
+    claim_all(r, max_n=3, batcher=2)
+    assert r.reap_batcher(2, b"gone", retry=True) == (0, 3)
+    (s0, g0), (s1, g1), (s2, g2) = tickets
+    assert r.abandon(s0, g0) == ring.OK  # its client gave up while no batcher held it
+    abandoned = reaper.Census(r, segment.capacity).count(ring.ABANDONED)
+    slots, gens, _ = r.inherit(2, deadline_ns + 1, segment.capacity)
+    assert slots.tolist() == [s2]  # the only one left to retry
+    assert reaper.Census(r, segment.capacity).count(ring.ABANDONED) == abandoned - 1  # freed
+    assert r.wait_slot(s1, g1, 0) == ring.EFAILED
+    assert r.slot_error(s1)[0] == ring.STATUS_EXPIRED and r.word(ring.W_EXPIRED) == 1
 
 
 def _ring_client(name, client_id, n, results):

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import engine
-from engine import admission, aimd, ring
+from engine import admission, aimd, batchers, ring
+from engine.batchers import Instance
 from conftest import raw_segment, wait_for
 
 X = np.arange(16, dtype=np.float32)
@@ -226,6 +227,21 @@ def test_an_input_that_kills_its_batcher_fails_alone_as_poison_and_its_batch_mat
         assert np.array_equal(c.infer(X + 3, timeout=60), (X + 3) * 2 + 1)
     stats = eng.stats()
     assert stats["batcher_restarts_total"] == 2 and stats["errors_total"] == 1
+    assert stats["retried_alone_total"] == 3  # the batch of three, each alone once
+
+
+def test_a_dead_batchers_batch_is_kept_unless_two_successors_died_before_retrying_it():
+    b = Instance(0, 0)
+    message, retry = batchers.reap_terms(b, 11, "exit code 70", 0, True)
+    assert retry and b"failed as poison" in message  # the words for one retried alone
+    b.kept, b.retried_at_keep = 3, 0  # kept 3; the engine had retried none then
+    assert batchers.reap_terms(b, 12, "exit code 1", 0, True)[1]  # its successor retried none
+    b.kept = 3
+    message, retry = batchers.reap_terms(b, 13, "exit code 1", 0, True)  # nor did the next
+    assert not retry and b"2 successors died before retrying it" in message
+    b.kept = 3
+    assert batchers.reap_terms(b, 14, "exit code 70", 1, True)[1] and b.futile_restarts == 0
+    assert batchers.reap_terms(Instance(0, 0), 15, "exit code 70", 0, False)[1] is False
 
 
 def test_without_isolation_an_input_that_kills_its_batcher_fails_its_whole_batch(make_engine, gate):

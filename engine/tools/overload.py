@@ -235,6 +235,9 @@ def run(setup: Setup, out_dir=None, log=print) -> List[dict]:
     else:
         saturated = measure_capacity(setup)
         capacity = saturated["steady_rps"]
+        if not capacity > 0:
+            raise RuntimeError(f"could not measure the capacity in {setup.seconds:g} s (no "
+                               f"steady answers): give --seconds >= 1 or --capacity RPS")
         log(f"capacity measured: {capacity:,.0f} answers/s while saturated ({SATURATE:g}x "
             f"n/S(n) offered, admission 'none') = {100 * capacity / setup.model_rps:.1f} % of "
             f"n/S(n); the rows below are multiples of it")
