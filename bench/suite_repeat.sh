@@ -6,7 +6,8 @@
 #   bash bench/suite_repeat.sh [N=20] [MODES="plain onecpu loaded"]
 #
 #   plain   as it comes
-#   onecpu  taskset -c 0: the tests, engines and clients all on one CPU
+#   onecpu  taskset -c $ONECPU (default 0): the tests, engines and clients all
+#           on one CPU (two such runs side by side: ONECPU=0 ... & ONECPU=1 ...)
 #   loaded  beside two busy loops that keep both (or the first two) cores busy
 set -uo pipefail
 N=${1:-20}
@@ -23,7 +24,7 @@ failed=0
 for mode in $MODES; do
     for i in $(seq 1 "$N"); do
         prefix=()
-        if [ "$mode" = onecpu ]; then prefix=(taskset -c 0); fi
+        if [ "$mode" = onecpu ]; then prefix=(taskset -c "${ONECPU:-0}"); fi
         if [ "$mode" = loaded ]; then
             for c in 0 1; do taskset -c "$c" sh -c 'while :; do :; done' & busy+=($!); done
         fi
