@@ -42,7 +42,8 @@ class Instance:
 
 def reap_terms(b: Instance, pid: int, why: str, retried_total: int, isolate: bool):
     """(message, retry) for reaping b's dead batcher (ring.reap_batcher).
-    With isolate_failures its batch is kept for the successor to retry, each
+    With isolate (isolate_failures, on an engine whose answers do not
+    overwrite its inputs) its batch is kept for the successor to retry, each
     request alone (one then being retried alone fails, as poison), unless the
     last two successors died before they retried anything (retried_total,
     the engine's count, did not move: a batcher that dies on start); then the

@@ -450,8 +450,11 @@ class Engine:
                 why = f"hung: its batch ran over batch_timeout_s={self.options.batch_timeout_s:g}"
                 b.hung = False
             self._seg.mark_batch(i, 0)
+            # an engine that answers in place may have written answers over the
+            # batch's inputs before its batcher died: never retried
+            retry = self.config.isolate_failures and not self._seg.in_place
             failed, kept = r.reap_batcher(i, *batchers.reap_terms(
-                b, proc.pid, why, r.word(ring.W_RETRIED), self.config.isolate_failures))
+                b, proc.pid, why, r.word(ring.W_RETRIED), retry))
             b.kept, b.retried_at_keep = kept, r.word(ring.W_RETRIED)
             r.set_word(ring.W_BATCHER_PID + i, 0)
             r.add_word(ring.W_RESTARTS)

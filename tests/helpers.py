@@ -47,10 +47,11 @@ def hangs_on_negative():
     return run
 
 
-def slow_affine(fixed_ms=50.0):
+def slow_affine(fixed_ms=50.0, dtype=None):
     def run(batch, lengths=None):
         ring.spin_ns(int(fixed_ms * 1e6))
-        return batch * 2 + 1
+        out = batch * 2 + 1
+        return out if dtype is None else out.astype(dtype)
     return run
 
 
@@ -89,13 +90,14 @@ def masked_sum():
     return run
 
 
-def exits_on_negative():
-    """2x + 1, but a batch holding a negative value kills its batcher (a model
-    that segfaults on one input)."""
+def exits_on_negative(dtype=None):
+    """2x + 1 (as dtype, if given), but a batch holding a negative value kills
+    its batcher (a model that segfaults on one input)."""
     def run(batch, lengths=None):
         if (batch < 0).any():
             os._exit(70)
-        return batch * 2 + 1
+        out = batch * 2 + 1
+        return out if dtype is None else out.astype(dtype)
     return run
 
 

@@ -207,15 +207,17 @@ def test_the_predicted_wait_counts_full_rounds_ahead_then_its_own_batch():
 
 def test_an_input_that_kills_its_batcher_fails_alone_as_poison_and_its_batch_mates_are_answered(
         make_engine, gate):
+    # float64 answers: not in place, so the inputs stay intact for a retry
     eng = make_engine("poison", backend="helpers:gated",
-                      backend_args={"gate": gate.name, "then": "exits_on_negative"},
-                      max_batch_size=8)
-    for _ in range(3):  # each batcher's first batch waits at the gate: the first and two successors
-        gate.open()
+                      backend_args={"gate": gate.name, "then": "exits_on_negative",
+                                    "dtype": "float64"},
+                      max_batch_size=8, output_dtype="float64")
     with engine.Client(eng.name) as c:
         first = c.submit(X, timeout=60)
         wait_for(lambda: eng.stats()["queue_depth"] == 0, "the first request claimed")
-        batch = [c.submit(x, timeout=60) for x in (X + 1, -X - 1, X + 2)]
+        batch = [c.submit(x, timeout=60) for x in (X + 1, -X - 1, X + 2)]  # queued behind it
+        for _ in range(3):  # each batcher's first batch waits at the gate: this one, 2 successors
+            gate.open()
         assert np.array_equal(first.result(timeout=60), X * 2 + 1)
         # the batch killed its batcher; its successor retried each request alone: the
         # negative one killed it too and failed as poison, the others got their answers
@@ -244,10 +246,15 @@ def test_a_dead_batchers_batch_is_kept_unless_two_successors_died_before_retryin
     assert batchers.reap_terms(Instance(0, 0), 15, "exit code 70", 0, False)[1] is False
 
 
-def test_without_isolation_an_input_that_kills_its_batcher_fails_its_whole_batch(make_engine, gate):
+@pytest.mark.parametrize("knobs", [{"isolate_failures": False, "output_dtype": "float64"},
+                                   {}],  # answers in place: its inputs may be overwritten
+                         ids=["without isolation", "answering in place"])
+def test_an_input_that_kills_its_batcher_fails_its_whole_batch_when_not_retried(
+        make_engine, gate, knobs):
+    then_args = {"dtype": knobs["output_dtype"]} if "output_dtype" in knobs else {}
     eng = make_engine("poison-batch", backend="helpers:gated",
-                      backend_args={"gate": gate.name, "then": "exits_on_negative"},
-                      max_batch_size=8, isolate_failures=False)
+                      backend_args={"gate": gate.name, "then": "exits_on_negative", **then_args},
+                      max_batch_size=8, **knobs)
     with engine.Client(eng.name) as c:
         first = c.submit(X, timeout=60)
         wait_for(lambda: eng.stats()["queue_depth"] == 0, "the first request claimed")
