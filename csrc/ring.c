@@ -1023,13 +1023,53 @@ uint32_t sb_claim_slots(void *base, uint32_t batcher, const uint32_t *want,
 	return claimed;
 }
 
-static int by_level_arrival(const void *a, const void *b)
+/* Entries {level, arrival_ns, slot, bucket}: x before y when more urgent,
+ * then older, then lower (slots are unique: a total order) */
+static inline int before(const uint64_t *x, const uint64_t *y)
 {
-	const uint64_t *x = a, *y = b; /* {level, arrival_ns, slot, bucket} */
-	for (int f = 0; f < 3; f++)
-		if (x[f] != y[f])
-			return x[f] < y[f] ? -1 : 1;
-	return 0;
+	if (x[0] != y[0])
+		return x[0] < y[0];
+	if (x[1] != y[1])
+		return x[1] < y[1];
+	return x[2] < y[2];
+}
+
+static inline void swap_entries(uint64_t *x, uint64_t *y)
+{
+	for (int f = 0; f < 4; f++) {
+		uint64_t t = x[f];
+		x[f] = y[f];
+		y[f] = t;
+	}
+}
+
+/* Moves the n entries that come first (before()) to the front of the k in
+ * e, in no order among themselves (a claim keeps its slots in slot order
+ * anyway): Hoare's selection, O(k) expected, where sorting all k would be
+ * O(k log k) on every claim from a deep queue. */
+static void select_first(uint64_t *e, uint32_t k, uint32_t n)
+{
+	int64_t lo = 0, hi = (int64_t)k - 1, want = (int64_t)n - 1;
+	while (lo < hi) {
+		uint64_t pivot[4];
+		memcpy(pivot, e + 4 * (lo + (hi - lo) / 2), sizeof(pivot));
+		int64_t i = lo, j = hi;
+		while (i <= j) {
+			while (before(e + 4 * i, pivot))
+				i++;
+			while (before(pivot, e + 4 * j))
+				j--;
+			if (i <= j)
+				swap_entries(e + 4 * i++, e + 4 * j--);
+		}
+		/* now e[lo..j] come before or tie the pivot, e[i..hi] after */
+		if (want <= j)
+			hi = j;
+		else if (want >= i)
+			lo = i;
+		else
+			return;
+	}
 }
 
 static uint32_t length_bucket(const sb_shape *shape, uint32_t length)
@@ -1124,7 +1164,7 @@ uint32_t sb_claim(void *base, uint32_t batcher, uint32_t max_n, uint32_t flush_n
 			n = shape->take[n]; /* never more than eligible: slots holds max_n */
 	}
 	if (n < k) /* more eligible than taken: the most urgent, then the oldest */
-		qsort(scratch, k, 4 * sizeof(uint64_t), by_level_arrival);
+		select_first(scratch, k, n);
 	for (uint32_t j = 0; j < n; j++)
 		claimed = claim_one(base, batcher, (uint32_t)scratch[4 * j + 2], now, slots,
 				    gens, lengths, claimed);
