@@ -192,6 +192,11 @@ class Collector:
                                        labels=["engine"])
         isolated.add_metric([labels["engine"]], w(ring.W_ISOLATED))
         yield isolated
+        retried = CounterMetricFamily("shmbatch_retried_alone",
+                                      "Requests retried alone after their batcher died.",
+                                      labels=["engine"])
+        retried.add_metric([labels["engine"]], w(ring.W_RETRIED))
+        yield retried
         tokens = CounterMetricFamily("shmbatch_tokens", "Lengths along the variable dim: "
                                      "real, and padded as the backend saw them.",
                                      labels=["engine", "kind"])

@@ -98,6 +98,7 @@ def test_serve_from_flags_answers_status_and_metrics_then_exits_clean(serves):
     for name in ("shmbatch_batches_total", "shmbatch_batch_size_bucket",
                  "shmbatch_queue_wait_seconds_bucket", "shmbatch_service_seconds_bucket",
                  "shmbatch_queue_depth", "shmbatch_batch_limit", "shmbatch_isolated_failures_total",
+                 "shmbatch_retried_alone_total",
                  'shmbatch_queue_wait_by_priority_seconds_bucket{engine="%s",le="0.001",priority="0"}'
                  % s.name, 'outcome="overloaded"', 'outcome="expired"'):
         assert name in text
