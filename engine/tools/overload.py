@@ -198,7 +198,7 @@ def run_row(label: str, factor, setup: Setup, admission: str, capacity_rps: floa
         # "observe": requests admission would have refused, and those of them that made it
         "would_refuse": int(would_refuse.sum()),
         "would_refuse_in_time": int((would_refuse & (outcome == OK)).sum()),
-        "answer_after_prediction_ms": {q: pct(after_ms, q) for q in (10, 50, 90, 99)},
+        "answer_after_prediction_ms": {f"p{q}": pct(after_ms, q) for q in (10, 50, 90, 99)},
     }
 
 
@@ -212,8 +212,8 @@ def line(r: dict) -> str:
             f"refusal p50 {fmt(r['refusal_p50_us'], '5.1f')} p99 {fmt(r['refusal_p99_us'], '6.1f')} us"
             + (f" | would refuse {r['would_refuse']}, of them in time {r['would_refuse_in_time']}"
                f" = {100 * r['would_refuse_in_time'] / max(1, r['requests']):.2f} % of requests;"
-               f" answers came {fmt(r['answer_after_prediction_ms'][50], '.1f')} ms after the "
-               f"prediction (p99 {fmt(r['answer_after_prediction_ms'][99], '.1f')})"
+               f" answers came {fmt(r['answer_after_prediction_ms']['p50'], '.1f')} ms after the "
+               f"prediction (p99 {fmt(r['answer_after_prediction_ms']['p99'], '.1f')})"
                if r["admission"] == "observe" else ""))
 
 
