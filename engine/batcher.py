@@ -113,10 +113,10 @@ class Batcher:
         the ring over without overlap: a batcher serves while the engine's
         epoch is its own, waits while it is older (started by a reload, not
         yet let in) and exits, between batches, once it is newer (retired)."""
+        self.retry_inherited()  # a dead predecessor's batch first
         # with one request a batch, each turn's Python is a round trip's: what
         # the loop uses every turn is bound to locals once (self.limit and
         # self.expire_lead_ns change with each batch: read each turn)
-        self.retry_inherited()
         r, words, rule, claimed = self.ring, self.words, self.rule, self.claimed
         instance, serve, now, allowed = self.instance, self.serve, ring.now_ns, self.allowed
         work_seq, claim, thresholds = r.work_seq, r.claim, rule.thresholds

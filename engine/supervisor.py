@@ -8,7 +8,8 @@ then wakes on any batcher's exit or every REAP_INTERVAL_S:
 - a new batcher takes a dead one's instance number. With isolate_failures
   (the default) it first retries the dead one's batch, each request alone:
   one that kills a batcher again then fails as poison (BackendError
-  "BatcherDied"), its batch mates are answered. Without, the batch fails.
+  "BatcherDied"), its batch mates are answered. Without, or on an engine
+  that answers in place (its inputs may hold answers already), it fails.
   The requests still queued are served by it or by the other instances;
 - the slots of dead clients are reclaimed: their owner is named in each
   slot's control word, and death is judged by pid + start time.
