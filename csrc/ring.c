@@ -1415,11 +1415,11 @@ uint32_t sb_reap_batcher(void *base, uint32_t batcher, uint32_t retry,
 			if ((st != SB_CLAIMED && st != SB_ABANDONED) ||
 			    SB_CTL_BATCHER(cur) != batcher)
 				break;
-			sb_slot_meta *m = meta_at(base, i);
-			if (st == SB_CLAIMED && retry && m->retry != SB_RETRY_ALONE) {
-				/* the dead batcher's, so ours: a plain store, read
-				 * only by a later reap (this supervisor's thread) */
-				m->retry = SB_RETRY_PENDING;
+			/* kept as it is, CLAIMED(g, b), for b's successor: unless
+			 * b died retrying it alone (the successor's mark, written
+			 * before b died, which the caller saw: its exit) */
+			if (st == SB_CLAIMED && retry &&
+			    meta_at(base, i)->retry != SB_RETRY_ALONE) {
 				(*kept)++;
 				break;
 			}

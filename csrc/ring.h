@@ -418,9 +418,9 @@ int sb_finish_batch(void *base, const uint32_t *slots, uint32_t n,
 uint32_t sb_snapshot(const void *base, uint64_t *ctl, uint64_t *owner_start);
 int sb_reap_slot(void *base, uint32_t slot, uint64_t expected_ctl);
 /* a dead batcher's CLAIMED slots: with retry, those not being retried alone
- * stay CLAIMED under its number, marked SB_RETRY_PENDING, for its successor
- * (counted in *kept), and one being retried alone (SB_RETRY_ALONE) fails with
- * msg; without retry all fail with msg. Its ABANDONED slots are freed.
+ * stay CLAIMED under its number for its successor (counted in *kept), and
+ * one being retried alone (SB_RETRY_ALONE) fails with msg; without retry all
+ * fail with msg. Its ABANDONED slots are freed.
  * Returns how many failed. */
 uint32_t sb_reap_batcher(void *base, uint32_t batcher, uint32_t retry,
 			 const char *msg, uint32_t msg_len, uint32_t *kept);
@@ -507,16 +507,14 @@ typedef struct {
 	uint64_t done_ns;     /* when its batch finished, set before DONE/FAILED */
 	uint64_t deadline_ns; /* CLOCK_MONOTONIC; 0: none */
 	uint32_t priority;    /* its level: 0 is the most urgent */
-	uint32_t retry;       /* SB_RETRY_*: its batch lost its batcher (0 at publish) */
+	uint32_t retry;       /* SB_RETRY_*: retried alone since its batcher died */
 } sb_slot_meta;
 
-/* sb_slot_meta.retry: reset by publish (WRITING, the owner's), then written
- * only while the slot is CLAIMED, by the reaper (its batcher proven dead) or
- * by that batcher's successor; read by the reaper alone. A request whose
- * batch killed its batcher is retried once, alone; killing one again then,
- * it fails as poison */
+/* sb_slot_meta.retry: reset by publish (WRITING, the owner's), set only by
+ * a dead batcher's successor while the slot is CLAIMED by it, read by the
+ * reaper alone. A request whose batch killed its batcher is retried once,
+ * alone; killing one again then, it fails as poison */
 #define SB_RETRY_NONE 0
-#define SB_RETRY_PENDING 1 /* its batcher died: its successor retries it alone */
-#define SB_RETRY_ALONE 2   /* being retried alone */
+#define SB_RETRY_ALONE 1 /* being retried alone */
 
 #endif

@@ -55,7 +55,7 @@ def predicted_wait_ns(queued_ahead: int, batch_limit: int, instances: int,
 
 class ServiceFit:
     """S(n) = fixed + n * per_item by weighted least squares over the batches
-    seen, each older batch weighing 1 - 1/FIT_MEMORY times less (sb_fit_add).
+    seen, each older batch weighing 1 - 1/SB_FIT_MEMORY times less (sb_fit_add).
     Computed in C: a batcher's finish_batch feeds it each batch, with no
     Python on the fast path; add() is that same step, for a caller (a test)
     that has only the figures."""

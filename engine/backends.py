@@ -92,9 +92,8 @@ def onnx(path: str, providers=None, intra_op_threads: int = None):
     input_names, output_names = [a.name for a in model_inputs], [a.name for a in model_outputs]
 
     def run(batch, lengths=None):
-        if isinstance(batch, dict):
-            feed = {name: batch[name] for name in input_names}
-            return dict(zip(output_names, session.run(None, feed)))
+        if isinstance(batch, dict):  # its names are the model's (check_tensors, at start)
+            return dict(zip(output_names, session.run(None, batch)))
         if len(input_names) != 1 or len(output_names) != 1:
             raise ValueError(f"a single-array batch needs a model with one input and one output; "
                              f"{path} has {len(input_names)} and {len(output_names)}")

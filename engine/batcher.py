@@ -70,7 +70,11 @@ class Batcher:
         self.fn = fn
         self.rule = policy.FlushRule(cfg.max_batch_size, int(cfg.max_delay_ms * 1e6))
         self.max_batch = cfg.max_batch_size
+        self.allowed = cfg.allowed_batch_sizes
         self.limit = segment.batch_limit() or cfg.max_batch_size  # AIMD's, with slo_ms
+        # what a claim may take under the limit: padded up to an allowed size,
+        # a batch stays within it (changes only with the limit)
+        self.claim_limit = policy.fit_allowed(self.limit, self.allowed)
         # the header's words the loop reads (epoch, state) and stamps (the
         # watchdog's batch start) each batch, without a call (Segment.epoch(),
         # engine_state() and mark_batch() are these loads and stores)
@@ -94,16 +98,16 @@ class Batcher:
         self.var_top = top or 0  # the largest variable bound (0: none)
         self.shapes = policy.BatchShapes.of(cfg.max_batch_size, cfg.allowed_batch_sizes,
                                             cfg.length_buckets, cfg.max_batch_tokens, top)
-        self.allowed = cfg.allowed_batch_sizes
         # preallocated once: the claim buffers and the gather buffers
         self.claimed = ring.ClaimBuffers(segment.capacity, cfg.max_batch_size)
         if self.shapes is not None:
             self.claimed.set_shape(self.shapes.bounds, self.shapes.most,
                                    self.shapes.take(cfg.max_batch_size))
-        rows = max((cfg.max_batch_size, *(self.allowed or ())))
+        rows = cfg.max_batch_size  # allowed sizes are at most it (config checks)
         # the result shape check's want, per batch size: no tuple built per batch
         self.out_shapes = [(k, *self.out_shape) for k in range(rows + 1)]
-        self.gather_buffer = np.zeros((rows, *cfg.padded_shape), cfg.input_dtype)
+        self.gather_buffer = (None if self.named else
+                              np.zeros((rows, *cfg.padded_shape), cfg.input_dtype))
         self.gather_buffers = {s.name: np.zeros((rows, *s.max_shape), s.dtype)
                                for s in cfg.input_specs} if self.named else {}
 
@@ -115,10 +119,10 @@ class Batcher:
         yet let in) and exits, between batches, once it is newer (retired)."""
         self.retry_inherited()  # a dead predecessor's batch first
         # with one request a batch, each turn's Python is a round trip's: what
-        # the loop uses every turn is bound to locals once (self.limit and
+        # the loop uses every turn is bound to locals once (self.claim_limit and
         # self.expire_lead_ns change with each batch: read each turn)
         r, words, rule, claimed = self.ring, self.words, self.rule, self.claimed
-        instance, serve, now, allowed = self.instance, self.serve, ring.now_ns, self.allowed
+        instance, serve, now = self.instance, self.serve, ring.now_ns
         work_seq, claim, thresholds = r.work_seq, r.claim, rule.thresholds
         own_epoch, spin_ns = self.epoch, 0
         while True:
@@ -138,10 +142,7 @@ class Batcher:
             # request that cannot finish even alone in a batch starting now is
             # failed unstarted (expired): computing it helps nobody
             max_n, flush_n, cutoff_ns = thresholds(now_ns, state != ring.ENGINE_RUNNING,
-                                                   self.limit)
-            if allowed:  # padded up to an allowed size, a batch stays within the limit
-                max_n = policy.fit_allowed(max_n, allowed)
-                flush_n = min(flush_n, max_n)
+                                                   self.claim_limit)
             n, claim_ns, ready, oldest_ns, _ = claim(instance, max_n, flush_n, cutoff_ns, claimed,
                                                      now_ns + self.expire_lead_ns)
             if n:
@@ -222,6 +223,7 @@ class Batcher:
         most one batch in service and then its own: each must take at most
         half the objective)."""
         self.limit = aimd.next_limit(self.limit, service_ns, self.slo_ns // 2, self.max_batch)
+        self.claim_limit = policy.fit_allowed(self.limit, self.allowed)
         self.seg.set_batch_limit(self.limit)
 
     def isolate_failures(self, failed: np.ndarray, message: bytes) -> None:

@@ -87,7 +87,8 @@ class BatcherProcess(subprocess.Popen):
             self.sentinel = None
 
 
-def _kill(proc: BatcherProcess) -> None:
+def kill(proc: BatcherProcess) -> None:
+    """SIGKILL, reaped (within 10 s) and its handle closed."""
     proc.kill()
     proc.join(10)
     proc.close()
@@ -122,7 +123,7 @@ def launch(engine: str, b: Instance, backend, backend_args: dict, cpus, gpu, epo
     except BaseException:
         reader.close()
         if proc is not None:
-            _kill(proc)
+            kill(proc)
         raise
     finally:
         if write_fd is not None:
@@ -156,7 +157,7 @@ def start(engine: str, b: Instance, backend, backend_args: dict, cpus, gpu, epoc
         await_ready(engine, b, proc, reader)
         return proc
     except BaseException:
-        _kill(proc)
+        kill(proc)
         raise
     finally:
         reader.close()

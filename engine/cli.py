@@ -139,7 +139,6 @@ def _rows(args):
 
 
 def _bench_model(args) -> int:
-    import json
 
     from engine.tools import model_bench
     setup = model_bench.Setup(seconds=args.seconds, seed=args.seed, clients=args.clients,

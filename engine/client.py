@@ -438,8 +438,8 @@ class Client:
                 if waiting.give_up(seg, slot, gen, error) is not None:
                     raise error
                 code = wait_slice(0)  # answered at the last instant: take it
-        if take_named and code == ring.OK:
-            code, out = waiting.take_named(seg, slot, gen, out)
+        if take_named and code == ring.OK:  # answered: the wait above saw it
+            out = waiting.read_named(seg, slot, gen, out)
         if code == ring.OK:
             return out
         raise waiting.failed(seg, slot, gen, code)

@@ -122,9 +122,7 @@ class Reload:
             if reader is not None:
                 reader.close()
             if b.proc is not None:
-                b.proc.kill()
-                b.proc.join(10)
-                b.proc.close()
+                batchers.kill(b.proc)
                 b.proc = None
             seg.ring.set_word(ring.W_BATCHER_PID + b.index, 0)
         if isinstance(error, EngineUnavailable):

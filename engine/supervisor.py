@@ -204,8 +204,8 @@ class Engine:
                 return
             # a reload's new batchers count: they serve once the old ones have left
             reload = self._reload
-            batchers = self._instances + (reload.new if reload is not None else [])
-            alive = any(b.proc is not None and b.proc.is_alive() for b in batchers)
+            serving = self._instances + (reload.new if reload is not None else [])
+            alive = any(b.proc is not None and b.proc.is_alive() for b in serving)
             if not alive:
                 log.error("engine %s: no batcher left to drain the queue", self.name)
                 return
@@ -232,9 +232,9 @@ class Engine:
             proc.join(timeout=10)
             if proc.is_alive():
                 log.warning("engine %s: batcher pid %d did not stop; killing it", self.name, proc.pid)
-                proc.kill()
-                proc.join(timeout=10)
-            proc.close()
+                batchers.kill(proc)
+            else:
+                proc.close()
         for fd in (self._wake_r, self._wake_w):
             if fd is not None:
                 os.close(fd)
@@ -454,9 +454,10 @@ class Engine:
             # an engine that answers in place may have written answers over the
             # batch's inputs before its batcher died: never retried
             retry = self.config.isolate_failures and not self._seg.in_place
-            failed, kept = r.reap_batcher(i, *batchers.reap_terms(
-                b, proc.pid, why, r.word(ring.W_RETRIED), retry))
-            b.kept, b.retried_at_keep = kept, r.word(ring.W_RETRIED)
+            retried = r.word(ring.W_RETRIED)
+            failed, kept = r.reap_batcher(i, *batchers.reap_terms(b, proc.pid, why, retried,
+                                                                  retry))
+            b.kept, b.retried_at_keep = kept, retried
             r.set_word(ring.W_BATCHER_PID + i, 0)
             r.add_word(ring.W_RESTARTS)
             log.warning("engine %s: batcher %d (pid %d) died (%s); failed %d claimed "

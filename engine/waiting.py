@@ -136,11 +136,15 @@ def _take(seg, slot: int, gen: int, out):
 
 def take_named(seg, slot: int, gen: int, out: Optional[dict]):
     """(code, answer) of a named-tensor ticket, without waiting: answered, a
-    dict of its outputs (copied into out's arrays, or new ones), the slot freed;
-    else the code (ETIMEOUT: not yet; EFAILED: the slot is left to failed())."""
+    dict of its outputs (read_named); else the code (ETIMEOUT: not yet;
+    EFAILED: the slot is left to failed())."""
     code = seg.ring.wait_slot(slot, gen, 0, 0)
-    if code != ring.OK:
-        return code, None
+    return code, read_named(seg, slot, gen, out) if code == ring.OK else None
+
+
+def read_named(seg, slot: int, gen: int, out: Optional[dict]) -> dict:
+    """An answered named-tensor ticket's outputs, copied into out's arrays (or
+    new ones); the slot freed."""
     answer = {}
     for name, region in seg.output_regions.items():
         if out is None:
@@ -149,4 +153,4 @@ def take_named(seg, slot: int, gen: int, out: Optional[dict]):
             answer[name] = out[name]
             np.copyto(answer[name], region[slot])
     seg.ring.release_slot(slot, gen)
-    return ring.OK, answer
+    return answer

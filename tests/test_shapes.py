@@ -75,8 +75,12 @@ def test_a_token_budget_caps_each_batch_by_its_padded_size(make_engine, gate, tm
         gate.open()
         for x, f in zip(xs, futures):
             assert f.result(timeout=60) == x.sum()
-    for rows, padded, real in logged(log):
+    batches = logged(log)
+    for rows, padded, real in batches:
         assert rows * padded <= 64 and padded in (8, 32, 64)
+    # 17 short requests were queued behind the held batch: the budget, not their
+    # number, is what stopped a batch of them at 8
+    assert any(rows == 8 and padded == 8 for rows, padded, _ in batches)
 
 
 def test_allowed_sizes_round_down_when_that_leaves_fewer_waiting_than_padding_adds():

@@ -38,8 +38,7 @@ def _client(cid, load: Load, seconds: float, mode: str, depth: int, conn, server
     start_ns = procs.ready_for_start(conn)
     if start_ns is None:
         return
-    while ring.now_ns() < start_ns:
-        time.sleep(max(0.0, (start_ns - ring.now_ns()) / 1e9))
+    procs.sleep_until(start_ns)
     end_ns = start_ns + int(seconds * 1e9)
     round_trips, wrong, count = [], 0, 0
     if mode == "bulk":

@@ -15,7 +15,6 @@ checked against the model run on each request alone.
 import dataclasses
 import os
 import tempfile
-import time
 from typing import List, Optional
 
 import numpy as np
@@ -65,8 +64,7 @@ def _client(cid, setup: Setup, conn) -> None:
     start_ns = procs.ready_for_start(conn)
     if start_ns is None:
         return
-    while ring.now_ns() < start_ns:
-        time.sleep(max(0.0, (start_ns - ring.now_ns()) / 1e9))
+    procs.sleep_until(start_ns)
     end_ns = start_ns + int(setup.seconds * 1e9)
     round_trips, errors, checked, inflight, k = [], 0, [], [], 0
     with Client(name) as client:

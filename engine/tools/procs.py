@@ -29,6 +29,12 @@ def ready_for_start(conn):
     return conn.recv() if conn.poll(60) else None
 
 
+def sleep_until(t_ns: int) -> None:
+    """Sleeps until the monotonic clock reaches t_ns (a closed loop's start)."""
+    while ring.now_ns() < t_ns:
+        time.sleep(max(0.0, (t_ns - ring.now_ns()) / 1e9))
+
+
 def forked(target):
     """Runs target in a forked child, first moving the inherited heap out of
     the collector's reach: a full collection would walk (and copy-on-write
