@@ -4,6 +4,7 @@ The cdef is the part of ring.h between its "cdef" markers, so the header is
 the one contract: cffi reads the same prototypes and constants that ring.c
 is compiled against.
 """
+import os
 import pathlib
 
 from cffi import FFI
@@ -18,14 +19,20 @@ def _cdef_section(header: pathlib.Path) -> str:
     return text[text.index("\n", begin) + 1:end]
 
 
+# SHMBATCH_SANITIZE=1 builds with AddressSanitizer and UndefinedBehaviorSanitizer
+# (README, Development: how to run the tests under it)
+SANITIZE = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer",
+            "-fno-sanitize-recover=undefined"] if os.environ.get("SHMBATCH_SANITIZE") else []
+
 ffibuilder = FFI()
 ffibuilder.cdef(_cdef_section(CSRC / "ring.h"))
 ffibuilder.set_source(
     "engine._ringc",
     '#include "ring.h"',
-    sources=["csrc/ring.c"],  # relative: setuptools builds from the project root
+    sources=sorted(str(p.relative_to(CSRC.parent)) for p in CSRC.glob("*.c")),
     include_dirs=["csrc"],
-    extra_compile_args=["-std=gnu11", "-O2", "-Wall"],
+    extra_compile_args=["-std=gnu11", "-O2", "-Wall", *SANITIZE],
+    extra_link_args=SANITIZE,
 )
 
 if __name__ == "__main__":

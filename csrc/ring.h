@@ -3,7 +3,10 @@
  *
  * One POSIX shared-memory object "/shmbatch-NAME" (mode 0600) holds everything.
  * Every process maps it at its own address, so the segment holds offsets and
- * indices only, never pointers; every function takes the mapping's base.
+ * indices only, never pointers. Every process of the user can write into it,
+ * so each keeps its own copy of the geometry (sb_ring: capacity, levels,
+ * tensors, offsets, row sizes), filled and checked once at init or attach;
+ * every function takes that copy and never reads the segment's again.
  *
  * SEGMENT LAYOUT (byte offsets from base; C = capacity, the number of slots)
  *
@@ -28,6 +31,7 @@
  *          | 6528 evict_seq u32 (futex) 6532 evictors u32              |
  *          | 6592 level_wait_sum[8] u64  6656 level_wait_max[8] u64    |
  *          | 6720 off_tensor[16] u64   6848 tensor_slot_bytes[16] u64  |
+ *          | 6976 corrupt_total u64: values that failed a check, summed |
  *          | 8192 level_hist[8][128] u64: queue wait per priority      |
  *  16384   +-----------------------------------------------------------+
  *          | ctl[C]      u64 per slot: each slot's one control word    |
@@ -132,6 +136,16 @@
  * kernel's wake-up (about half of a short round trip). The caller chooses
  * spin_ns (0: sleep at once); the C never spins on its own.
  *
+ * WHAT COMES FROM THE SEGMENT IS DATA
+ *   Every per-slot field (ctl, meta, ready[], lengths, errmsg) and every
+ *   word of the header may hold anything. A field that becomes an index, a
+ *   length, a shift or a divisor is loaded once (relaxed atomic: no re-fetch
+ *   after the check) and checked against the process's own sb_ring; one
+ *   that fails is counted (corrupt_total, and the process's own count) and
+ *   nothing is derived from it: a slot with a priority out of range is
+ *   failed (SB_STATUS_CORRUPT), a stray bitmap bit cleared, a count beyond a
+ *   caller's buffer cut to it. Caller buffers carry their capacity.
+ *
  * C holds no policy: when to flush, whether a process is dead, what an error
  * means and whether a dead batcher's batch is retried are decided in Python
  * (engine/). It measures (histograms, the service-time fit) and applies the
@@ -143,9 +157,11 @@
 #include <stdint.h>
 
 /* --- cdef: everything from here to "cdef end" is read by cffi --------- */
-#define SB_LAYOUT_VERSION 7 /* 4: ready[]; 5: levels, deadlines; 6: tensors, control; 7: retry */
+#define SB_LAYOUT_VERSION 8 /* 6: tensors, control; 7: retry; 8: corrupt_total */
 #define SB_HEADER_BYTES 16384
 #define SB_CONFIG_BYTES 2048
+#define SB_OFF_CONFIG 128
+#define SB_OFF_WORDS 2368
 #define SB_ERRMSG_BYTES 256
 #define SB_MAX_CAPACITY 65536
 #define SB_MAX_INSTANCES 32
@@ -175,28 +191,11 @@
 #define SB_ESTALE 2
 #define SB_ETIMEOUT 3
 #define SB_EBADARG 4
-#define SB_ECORRUPT 5
+#define SB_ECORRUPT 5   /* the segment holds a value no engine process writes */
 #define SB_EVERSION 6
 #define SB_EBUSY 7
 #define SB_EFAILED 8
 #define SB_EOVERLOADED 9
-
-/* header fields for sb_header_field() */
-#define SB_F_CAPACITY 0
-#define SB_F_MAX_BATCH 1
-#define SB_F_TENSORS 2
-#define SB_F_INPUTS 3
-#define SB_F_TOTAL_BYTES 4
-#define SB_F_INCARNATION 5
-#define SB_F_OFF_CONFIG 6
-#define SB_F_OFF_LENGTHS 7
-#define SB_F_SLOT_BYTES 8
-#define SB_F_OFF_WORDS 9
-#define SB_F_IN_PLACE 10
-#define SB_F_OFF_READY 11
-#define SB_F_LEVELS 12
-#define SB_F_OFF_TENSOR 32       /* + t: where tensor t's region starts */
-#define SB_F_TENSOR_BYTES 48     /* + t: one slot's row of tensor t */
 
 /* words[]: identities and counters, all u64 */
 #define SB_W_ENGINE_STATE 0
@@ -251,37 +250,58 @@
 #define SB_STATUS_BACKEND 1
 #define SB_STATUS_BATCHER_DIED 2
 #define SB_STATUS_EXPIRED 3
+#define SB_STATUS_CORRUPT 4   /* its fields in the segment failed a check */
 
-/* setup (supervisor): tensors regions, the first `inputs` of them inputs,
+/* One process's view of one segment: the geometry, copied out of the header
+ * once and checked (sb_init, sb_attach), and from then on the only source of
+ * every bound and offset. It lives in the process's own memory. */
+typedef struct {
+	char *base;               /* this process's mapping */
+	uint64_t mapped_bytes;
+	uint64_t total_bytes, slot_bytes, incarnation;
+	uint32_t capacity, max_batch, tensors, inputs, in_place, levels;
+	uint32_t ready_words;     /* u64 words of one level's bitmap */
+	uint64_t off_ctl, off_ready, off_meta, off_errmsg, off_lengths;
+	uint64_t off_tensor[SB_MAX_TENSORS];
+	uint64_t tensor_slot_bytes[SB_MAX_TENSORS];
+	uint64_t corrupt;         /* values this process found failing a check */
+} sb_ring;
+
+/* setup (setup.c). tensors regions, the first `inputs` of them inputs,
  * slot_bytes[t] bytes per slot each; in_place needs one input and one
- * output of equal size */
+ * output of equal size. sb_init fills the creator's r; sb_attach another
+ * process's, from single reads of the header, checked on the copy
+ * (SB_ECORRUPT, SB_EVERSION: r untouched). sb_attach_header checks only the
+ * magic and version and fills base alone (capacity 0): for the header
+ * figures and lock of a dead engine, whose data regions are never mapped. */
 uint64_t sb_layout_bytes(uint32_t capacity, uint32_t tensors, uint32_t inputs,
 			 const uint64_t *slot_bytes, uint32_t in_place, uint32_t levels);
-int sb_init(void *base, uint64_t total_bytes, uint32_t capacity,
+int sb_init(sb_ring *r, void *base, uint64_t total_bytes, uint32_t capacity,
 	    uint32_t max_batch, uint32_t tensors, uint32_t inputs,
 	    const uint64_t *slot_bytes, uint32_t in_place, uint32_t levels,
 	    uint64_t incarnation);
-int sb_validate(const void *base, uint64_t mapped_bytes);
-/* the header alone (magic, version): for cleanup and the status of a dead
- * engine, which map the header page only and never touch the data regions */
-int sb_validate_header(const void *base, uint64_t mapped_bytes);
-uint64_t sb_header_field(const void *base, int field);
-uint64_t sb_word_get(const void *base, int word);
-void sb_word_set(void *base, int word, uint64_t value);
-void sb_word_add(void *base, int word, uint64_t delta);
+int sb_attach(sb_ring *r, void *base, uint64_t mapped_bytes);
+int sb_attach_header(sb_ring *r, void *base, uint64_t mapped_bytes);
+uint64_t sb_word_get(const sb_ring *r, int word);
+void sb_word_set(sb_ring *r, int word, uint64_t value);
+void sb_word_add(sb_ring *r, int word, uint64_t delta);
+uint64_t sb_corrupt_total(const sb_ring *r);
 
-/* client (an EFULL is not counted here: the caller decides whether it is a
- * rejection, after it has tried to make room) */
-int sb_acquire(void *base, uint32_t pid, uint64_t start_ticks,
+/* client (client.c). An EFULL is not counted here: the caller decides
+ * whether it is a rejection, after it has tried to make room. */
+int sb_acquire(sb_ring *r, uint32_t pid, uint64_t start_ticks,
 	       uint32_t *slot, uint32_t *gen);
 /* a request's attributes, set at publish: its real length (0: fixed shape),
  * its deadline (CLOCK_MONOTONIC ns, 0: none) and its priority level */
-int sb_publish(void *base, uint32_t slot, uint32_t gen, uint32_t length,
+int sb_publish(sb_ring *r, uint32_t slot, uint32_t gen, uint32_t length,
 	       uint64_t deadline_ns, uint32_t priority);
-int sb_cancel(void *base, uint32_t slot, uint32_t gen);
-int sb_wait_slot(void *base, uint32_t slot, uint32_t gen, int64_t timeout_ns,
+int sb_cancel(sb_ring *r, uint32_t slot, uint32_t gen);
+/* SB_OK answered, SB_EFAILED failed (see sb_slot_error), SB_ETIMEOUT, SB_ESTALE
+ * no longer the ticket's slot, SB_ECORRUPT its control word holds no state */
+int sb_wait_slot(sb_ring *r, uint32_t slot, uint32_t gen, int64_t timeout_ns,
 		 uint64_t spin_ns);
-int sb_release(void *base, uint32_t slot, uint32_t gen);
+int sb_release(sb_ring *r, uint32_t slot, uint32_t gen);
+int sb_abandon(sb_ring *r, uint32_t slot, uint32_t gen);
 /* fused, one call each way for a contiguous input: acquire + copy src into
  * tensor 0's row + publish (ticket = [slot, gen]); and wait + copy tensor I's
  * row to dst + release (on SB_OK only; a FAILED slot is left to the caller);
@@ -293,102 +313,64 @@ int sb_release(void *base, uint32_t slot, uint32_t gen);
  * wait in ms in ticket[0], counted in SB_W_OVERLOADED) when the predicted
  * wait would end after the deadline: the caller's admission by deadline,
  * decided before a slot is taken */
-int sb_submit(void *base, uint32_t pid, uint64_t start_ticks, const void *src,
+int sb_submit(sb_ring *r, uint32_t pid, uint64_t start_ticks, const void *src,
 	      uint64_t nbytes, uint32_t length, uint64_t deadline_ns,
 	      uint32_t priority, uint32_t admit, uint32_t *ticket);
-int sb_take(void *base, uint32_t slot, uint32_t gen, int64_t timeout_ns,
+int sb_take(sb_ring *r, uint32_t slot, uint32_t gen, int64_t timeout_ns,
 	    uint64_t spin_ns, void *dst, uint64_t nbytes, uint64_t *times);
-int sb_abandon(void *base, uint32_t slot, uint32_t gen);
 /* bulk: n requests in one call each (same real length), for Client.infer_many */
-uint32_t sb_acquire_many(void *base, uint32_t pid, uint64_t start_ticks,
+uint32_t sb_acquire_many(sb_ring *r, uint32_t pid, uint64_t start_ticks,
 			 uint32_t n, uint32_t *slots, uint32_t *gens);
-uint32_t sb_publish_many(void *base, const uint32_t *slots, const uint32_t *gens,
+uint32_t sb_publish_many(sb_ring *r, const uint32_t *slots, const uint32_t *gens,
 			 uint32_t n, uint32_t length, uint64_t deadline_ns,
 			 uint32_t priority);
+int sb_wait_all(sb_ring *r, const uint32_t *slots, const uint32_t *gens,
+		uint32_t n, int64_t timeout_ns, uint64_t spin_ns);
+uint32_t sb_release_many(sb_ring *r, const uint32_t *slots, const uint32_t *gens,
+			 uint32_t n);
+int sb_poll(sb_ring *r, const uint32_t *slots, const uint32_t *gens,
+	    uint32_t n, int32_t *states);
+uint32_t sb_slot_error(sb_ring *r, uint32_t slot, char *msg,
+		       uint32_t msg_cap, uint32_t *msg_len);
+/* making room in a full ring: acquire, sleeping until a slot is freed, at
+ * most timeout_ns (SB_EFULL then); ask every client process's evictor to move
+ * its answered slots out (bumps evict_seq); the evictor's wait for that */
+int sb_acquire_wait(sb_ring *r, uint32_t pid, uint64_t start_ticks,
+		    int64_t timeout_ns, uint32_t *slot, uint32_t *gen);
+
+/* waits and wakes (wait.c) */
+uint32_t sb_done_seq(const sb_ring *r);
+int sb_wait_done_seq(sb_ring *r, uint32_t seen, int64_t timeout_ns);
+void sb_request_evict(sb_ring *r);
+uint32_t sb_evict_seq(const sb_ring *r);
+int sb_wait_evict(sb_ring *r, uint32_t seen, int64_t timeout_ns);
+uint32_t sb_work_seq(const sb_ring *r);
+int sb_wait_work(sb_ring *r, uint32_t seen, int64_t timeout_ns, uint64_t spin_ns);
+void sb_wake_work(sb_ring *r);
+/* time; and the floor a cross-process request cannot beat: a futex
+ * ping-pong on word[0] of a shared mapping (role 0 pings, role 1 answers),
+ * each side spinning up to spin_ns before it sleeps, as the ring's waits do */
+uint64_t sb_now_ns(void);
+void sb_spin_ns(uint64_t ns);
+uint32_t sb_pingpong(void *word, uint32_t role, uint32_t rounds, uint64_t spin_ns,
+		     uint64_t *round_trip_ns);
+
+/* admission (admission.c) */
 /* how many requests are READY at priority max_priority or more urgent (a
  * popcount of their bitmaps: a hint, for the admission estimate) */
-uint32_t sb_queued(const void *base, uint32_t max_priority);
+uint32_t sb_queued(const sb_ring *r, uint32_t max_priority);
 /* the figures admission reads, in one call: out[SB_A_*] */
 #define SB_A_QUEUED 0      /* sb_queued(max_priority), if count */
 #define SB_A_FIXED_NS 1    /* SB_W_FIT_FIXED_NS */
 #define SB_A_ITEM_PS 2     /* SB_W_FIT_ITEM_PS */
-#define SB_A_LIMIT 3       /* SB_W_BATCH_LIMIT */
+#define SB_A_LIMIT 3       /* SB_W_BATCH_LIMIT, within [1, max_batch] */
 #define SB_A_BUSY_SINCE 4  /* 0 if a batcher is idle, else the latest batch start */
-void sb_admission_figures(const void *base, uint32_t max_priority, uint32_t count,
+void sb_admission_figures(const sb_ring *r, uint32_t max_priority, uint32_t count,
 			  uint64_t *out);
-/* engine/admission.py's predicted_wait_ns on those figures, in integers:
- * how long a request of this priority, enqueued at now_ns, would wait for
- * its answer (0 before any batch is measured) */
-uint64_t sb_predicted_wait_ns(const void *base, uint32_t priority, uint64_t now_ns);
-int sb_wait_all(void *base, const uint32_t *slots, const uint32_t *gens,
-		uint32_t n, int64_t timeout_ns, uint64_t spin_ns);
-uint32_t sb_release_many(void *base, const uint32_t *slots, const uint32_t *gens,
-			 uint32_t n);
-int sb_poll(const void *base, const uint32_t *slots, const uint32_t *gens,
-	    uint32_t n, int32_t *states);
-uint32_t sb_slot_error(const void *base, uint32_t slot, char *msg,
-		       uint32_t msg_cap, uint32_t *msg_len);
-uint32_t sb_done_seq(const void *base);
-int sb_wait_done_seq(void *base, uint32_t seen, int64_t timeout_ns);
-/* making room in a full ring: acquire, sleeping until a slot is freed, at
- * most timeout_ns (SB_EFULL then); ask every client process's evictor to move
- * its answered slots out (bumps evict_seq); the evictor's wait for that */
-int sb_acquire_wait(void *base, uint32_t pid, uint64_t start_ticks,
-		    int64_t timeout_ns, uint32_t *slot, uint32_t *gen);
-void sb_request_evict(void *base);
-uint32_t sb_evict_seq(const void *base);
-int sb_wait_evict(void *base, uint32_t seen, int64_t timeout_ns);
-
-/* batcher */
-uint32_t sb_work_seq(const void *base);
-int sb_wait_work(void *base, uint32_t seen, int64_t timeout_ns, uint64_t spin_ns);
-void sb_wake_work(void *base);
-/* The two steps of a claim, for a policy of the caller's: sb_scan lists the
- * READY slots (one pass over ready[], most urgent level first, ascending
- * within a level: up to max_out of them, with arrival, length and priority;
- * returns how many are READY in all), and
- * sb_claim_slots claims exactly the n slots it is handed for `batcher` (those
- * no longer READY are skipped) into slots/gens/lengths in ascending order,
- * stamping claim_ns; returns how many it claimed. */
-uint32_t sb_scan(const void *base, uint32_t max_out, uint32_t *slots,
-		 uint64_t *arrival_ns, uint32_t *lengths, uint32_t *priorities);
-uint32_t sb_claim_slots(void *base, uint32_t batcher, const uint32_t *want,
-			uint32_t n, uint64_t claim_ns, uint32_t *slots,
-			uint32_t *gens, uint32_t *lengths);
-/* The shapes a batch may take, as the caller's policy hands them to the
- * claim: length buckets (a request of length L is in the first bucket b
- * with L <= bound[b]; a batch holds one bucket, at most most[b] requests)
- * and a take table (of r eligible requests, r <= max_n <= takes - 1, claim
- * the take[r] most urgent, oldest first: the allowed batch sizes' rule). */
-typedef struct {
-	uint32_t buckets;               /* 0: no buckets (one, unbounded) */
-	uint32_t bound[SB_MAX_BUCKETS];
-	uint32_t most[SB_MAX_BUCKETS];
-	uint32_t takes;                 /* 0: no table (take all r) */
-	uint32_t take[SB_MAX_TAKE + 1];
-} sb_shape;
-/* Both steps in one call for the flush rule's thresholds (the fast path):
- * first fails, unstarted, every READY request whose deadline is before
- * expire_ns (SB_STATUS_EXPIRED); then, if at least flush_n are READY or the
- * oldest of any level arrived at or before cutoff_ns, claims up to max_n of
- * them, most urgent level first, oldest first within it (scratch: 4 *
- * capacity u64), else none. With a shape (NULL: none), the test and the
- * count are per bucket: of the buckets that hold min(flush_n, most[b]) or
- * one due request, the one holding the most urgent, oldest request is
- * claimed, at most min(max_n, most[b]) of it, as the take table says.
- * Returns how many it claimed; report[SB_R_*] says when and what it saw. */
-#define SB_R_CLAIM_NS 0
-#define SB_R_READY 1
-#define SB_R_OLDEST_NS 2
-#define SB_R_EXPIRED 3
-#define SB_R_BUCKET 4
-uint32_t sb_claim(void *base, uint32_t batcher, uint32_t max_n, uint32_t flush_n,
-		  uint64_t cutoff_ns, uint64_t expire_ns, const sb_shape *shape,
-		  uint64_t *scratch, uint32_t *slots, uint32_t *gens, uint32_t *lengths,
-		  uint64_t *report);
-uint32_t sb_complete(void *base, uint32_t batcher, const uint32_t *slots,
-		     const uint32_t *gens, uint32_t n, uint32_t status,
-		     const char *msg, uint32_t msg_len);
+/* engine/admission.py's predicted_wait_ns on those figures, in integers
+ * that saturate: how long a request of this priority, enqueued at now_ns,
+ * would wait for its answer (0 before any batch is measured) */
+uint64_t sb_predicted_wait_ns(sb_ring *r, uint32_t priority, uint64_t now_ns);
 /* a batcher's running fit of its service time, S(n) ~ fixed + n * per_item,
  * by least squares with exponential forgetting (each older batch weighs
  * 1 - 1/SB_FIT_MEMORY times less): admission's figures. It lives in the
@@ -408,113 +390,87 @@ typedef struct {
 } sb_fit;
 /* adds a batch; 1 when the fit was solved anew */
 int sb_fit_add(sb_fit *fit, uint32_t n, uint64_t service_ns);
+
+/* batcher: the claim (claim.c) */
+/* sb_scan lists the READY slots for a policy of the caller's (one pass over
+ * ready[], most urgent level first, ascending within a level: up to max_out
+ * of them, with arrival, length and priority); returns how many are READY */
+uint32_t sb_scan(sb_ring *r, uint32_t max_out, uint32_t *slots,
+		 uint64_t *arrival_ns, uint32_t *lengths, uint32_t *priorities);
+/* The shapes a batch may take, as the caller's policy hands them to the
+ * claim: length buckets (a request of length L is in the first bucket b
+ * with L <= bound[b]; a batch holds one bucket, at most most[b] requests)
+ * and a take table (of r eligible requests, r <= max_n <= takes - 1, claim
+ * the take[r] most urgent, oldest first: the allowed batch sizes' rule). */
+typedef struct {
+	uint32_t buckets;               /* 0: no buckets (one, unbounded) */
+	uint32_t bound[SB_MAX_BUCKETS];
+	uint32_t most[SB_MAX_BUCKETS];
+	uint32_t takes;                 /* 0: no table (take all r) */
+	uint32_t take[SB_MAX_TAKE + 1];
+} sb_shape;
+/* One call for the flush rule's thresholds (the fast path): first fails,
+ * unstarted, every READY request whose deadline is before expire_ns
+ * (SB_STATUS_EXPIRED) and every one whose priority is out of range
+ * (SB_STATUS_CORRUPT); then, if at least flush_n are READY or the oldest of
+ * any level arrived at or before cutoff_ns, claims up to max_n of them, most
+ * urgent level first, oldest first within it, else none. scratch holds
+ * scratch_n entries (4 u64 each; capacity of them sees every READY slot):
+ * the claim chooses among the first scratch_n it finds. With a shape (NULL:
+ * none), the test and the count are per bucket: of the buckets that hold
+ * min(flush_n, most[b]) or one due request, the one holding the most urgent,
+ * oldest request is claimed, at most min(max_n, most[b]) of it, as the take
+ * table says. slots/gens/lengths hold max_n. Returns how many it claimed;
+ * report[SB_R_*] says when and what it saw. */
+#define SB_R_CLAIM_NS 0
+#define SB_R_READY 1
+#define SB_R_OLDEST_NS 2
+#define SB_R_EXPIRED 3
+#define SB_R_BUCKET 4
+uint32_t sb_claim(sb_ring *r, uint32_t batcher, uint32_t max_n, uint32_t flush_n,
+		  uint64_t cutoff_ns, uint64_t expire_ns, const sb_shape *shape,
+		  uint64_t *scratch, uint32_t scratch_n, uint32_t *slots, uint32_t *gens,
+		  uint32_t *lengths, uint64_t *report);
+
+/* batcher: answers (complete.c) */
+uint32_t sb_complete(sb_ring *r, uint32_t batcher, const uint32_t *slots,
+		     const uint32_t *gens, uint32_t n, uint32_t status,
+		     const char *msg, uint32_t msg_len);
+/* a dead batcher's successor, on start, under its number: takes over what
+ * the dead one left: frees the slots withdrawn meanwhile (ABANDONED), fails
+ * unstarted (SB_STATUS_EXPIRED) the CLAIMED ones whose deadline is before
+ * expire_ns, and lists the other CLAIMED ones, up to max, with their real
+ * lengths; returns how many there are */
+uint32_t sb_inherit(sb_ring *r, uint32_t batcher, uint64_t expire_ns, uint32_t max,
+		    uint32_t *slots, uint32_t *gens, uint32_t *lengths);
+/* an inherited slot is now retried alone (SB_RETRY_ALONE), counted in
+ * SB_W_RETRIED; SB_ESTALE if it is no longer CLAIMED(gen) by this batcher */
+int sb_retry_alone(sb_ring *r, uint32_t batcher, uint32_t slot, uint32_t gen);
+
+/* figures (stats.c) */
 /* the batch's figures; with fit (else NULL), also sb_fit_add, and on a new
  * solve the fit is published in SB_W_FIT_*: returns 1 then */
-int sb_finish_batch(void *base, const uint32_t *slots, uint32_t n,
+int sb_finish_batch(sb_ring *r, const uint32_t *slots, uint32_t n,
 		    uint64_t claim_ns, uint64_t done_ns, uint32_t zero_copy,
 		    sb_fit *fit);
-
-/* reaper (supervisor) */
-uint32_t sb_snapshot(const void *base, uint64_t *ctl, uint64_t *owner_start);
-int sb_reap_slot(void *base, uint32_t slot, uint64_t expected_ctl);
-/* a dead batcher's CLAIMED slots: with retry, those not being retried alone
- * stay CLAIMED under its number for its successor (counted in *kept), and
- * one being retried alone (SB_RETRY_ALONE) fails with msg; without retry all
- * fail with msg. Its ABANDONED slots are freed.
- * Returns how many failed. */
-uint32_t sb_reap_batcher(void *base, uint32_t batcher, uint32_t retry,
-			 const char *msg, uint32_t msg_len, uint32_t *kept);
-/* batcher (a dead one's successor, on start, under its number): takes over
- * what the dead one left: frees the slots withdrawn meanwhile (ABANDONED),
- * fails unstarted (SB_STATUS_EXPIRED) the CLAIMED ones whose deadline is
- * before expire_ns, and lists the other CLAIMED ones, up to max, with their
- * real lengths; returns how many there are */
-uint32_t sb_inherit(void *base, uint32_t batcher, uint64_t expire_ns, uint32_t max,
-		    uint32_t *slots, uint32_t *gens, uint32_t *lengths);
-/* batcher: an inherited slot is now retried alone (SB_RETRY_ALONE), counted
- * in SB_W_RETRIED; SB_ESTALE if it is no longer CLAIMED(gen) by this batcher */
-int sb_retry_alone(void *base, uint32_t batcher, uint32_t slot, uint32_t gen);
-void sb_histogram(const void *base, int which, uint64_t *buckets);
+void sb_histogram(const sb_ring *r, int which, uint64_t *buckets);
 /* the queue wait of one priority level: histogram, sum and max (ns) */
-void sb_level_wait(const void *base, uint32_t level, uint64_t *buckets,
+void sb_level_wait(const sb_ring *r, uint32_t level, uint64_t *buckets,
 		   uint64_t *sum_ns, uint64_t *max_ns);
 /* the lowest value (ns) that lands in a time histogram's bucket */
 uint64_t sb_bucket_lower_ns(uint32_t bucket);
 
-/* time; and the floor a cross-process request cannot beat: a futex
- * ping-pong on word[0] of a shared mapping (role 0 pings, role 1 answers),
- * each side spinning up to spin_ns before it sleeps, as the ring's waits do */
-uint64_t sb_now_ns(void);
-void sb_spin_ns(uint64_t ns);
-uint32_t sb_pingpong(void *word, uint32_t role, uint32_t rounds, uint64_t spin_ns,
-		     uint64_t *round_trip_ns);
+/* reaper (reap.c): the supervisor, and a client making room */
+/* every slot's ctl and (if its owner has written it) owner start, up to n
+ * of them; returns how many it wrote */
+uint32_t sb_snapshot(const sb_ring *r, uint64_t *ctl, uint64_t *owner_start, uint32_t n);
+int sb_reap_slot(sb_ring *r, uint32_t slot, uint64_t expected_ctl);
+/* a dead batcher's CLAIMED slots: with retry, those not being retried alone
+ * stay CLAIMED under its number for its successor (counted in *kept), and
+ * one being retried alone (SB_RETRY_ALONE) fails with msg; without retry all
+ * fail with msg. Its ABANDONED slots are freed. Returns how many failed. */
+uint32_t sb_reap_batcher(sb_ring *r, uint32_t batcher, uint32_t retry,
+			 const char *msg, uint32_t msg_len, uint32_t *kept);
 /* --- cdef end --------------------------------------------------------- */
-
-#define SB_MAGIC 0x48435441424d4853ull /* "SHMBATCH" as little-endian bytes */
-
-#define SB_WAITING_BIT 0x10ull
-#define SB_BATCHER_SHIFT 5
-#define SB_BATCHER_MASK 0x1Full
-#define SB_CTL(gen, pid, batcher, state)                                       \
-	(((uint64_t)(gen) << 32) | ((uint64_t)(pid) << SB_PID_SHIFT) |         \
-	 ((uint64_t)(batcher) << SB_BATCHER_SHIFT) | (uint64_t)(state))
-#define SB_CTL_STATE(c) ((uint32_t)((c) & SB_STATE_MASK))
-#define SB_CTL_BATCHER(c) ((uint32_t)(((c) >> SB_BATCHER_SHIFT) & SB_BATCHER_MASK))
-#define SB_CTL_PID(c) ((uint32_t)(((c) >> SB_PID_SHIFT) & SB_PID_MASK))
-#define SB_CTL_GEN(c) ((uint32_t)((c) >> 32))
-
-typedef struct {
-	uint64_t magic;
-	uint32_t layout_version;
-	uint32_t header_bytes;
-	uint64_t incarnation;
-	uint32_t capacity;
-	uint32_t max_batch;
-	uint32_t tensors;     /* regions of rows: the inputs, then the outputs */
-	uint32_t inputs;
-	uint64_t slot_bytes;  /* one slot's rows of every tensor, summed */
-	uint64_t total_bytes;
-	uint32_t in_place;    /* 1: the output region is the input's */
-	uint32_t levels;      /* priority levels: ready[] has one bitmap each */
-	uint64_t off_ctl, off_meta, off_errmsg, off_lengths, _pad0, off_ready;
-	uint64_t _pad1[2];
-	char config[SB_CONFIG_BYTES];
-	/* each futex word on its own cache line: clients and batchers both
-	 * write them, and they must not false-share with the counters */
-	uint32_t work_seq, batchers_sleeping, _pad2[14];
-	uint32_t done_seq, done_waiters, _pad3[14];
-	uint32_t alloc_hint, _pad4[15];
-	uint64_t words[SB_WORDS];
-	uint64_t hist[3][SB_HIST_BUCKETS];
-	uint32_t free_seq, free_waiters, _pad5[14];
-	uint32_t evict_seq, evictors, _pad6[14];
-	uint64_t level_wait_sum[SB_MAX_PRIORITIES];
-	uint64_t level_wait_max[SB_MAX_PRIORITIES];
-	uint64_t off_tensor[SB_MAX_TENSORS];
-	uint64_t tensor_slot_bytes[SB_MAX_TENSORS];
-	uint64_t _pad7[(8192 - 6976) / 8];
-	uint64_t level_hist[SB_MAX_PRIORITIES][SB_HIST_BUCKETS];
-} sb_header;
-
-typedef struct {
-	uint64_t arrival_ns;  /* CLOCK_MONOTONIC, stamped at publish */
-	uint64_t owner_start; /* owner's start time (/proc ticks), vs pid reuse */
-	uint64_t claim_ns;    /* when a batcher claimed it */
-	uint32_t owner_pid;
-	uint32_t length;      /* real length of the variable dim, else 0 */
-	uint32_t status;      /* SB_STATUS_* of a FAILED slot */
-	uint32_t errmsg_len;
-	uint64_t done_ns;     /* when its batch finished, set before DONE/FAILED */
-	uint64_t deadline_ns; /* CLOCK_MONOTONIC; 0: none */
-	uint32_t priority;    /* its level: 0 is the most urgent */
-	uint32_t retry;       /* SB_RETRY_*: retried alone since its batcher died */
-} sb_slot_meta;
-
-/* sb_slot_meta.retry: reset by publish (WRITING, the owner's), set only by
- * a dead batcher's successor while the slot is CLAIMED by it, read by the
- * reaper alone. A request whose batch killed its batcher is retried once,
- * alone; killing one again then, it fails as poison */
-#define SB_RETRY_NONE 0
-#define SB_RETRY_ALONE 1 /* being retried alone */
 
 #endif

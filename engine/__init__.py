@@ -8,6 +8,7 @@
 from engine.client import Client as Client
 from engine.errors import BackendError as BackendError
 from engine.errors import EngineAlreadyRunning as EngineAlreadyRunning
+from engine.errors import EngineCorrupt as EngineCorrupt
 from engine.errors import EngineError as EngineError
 from engine.errors import EngineUnavailable as EngineUnavailable
 from engine.errors import InvalidInput as InvalidInput
@@ -18,4 +19,4 @@ from engine.errors import SegmentTooLarge as SegmentTooLarge
 from engine.supervisor import Engine as Engine
 
 __all__ = ["Engine", "Client", "EngineError", "InvalidInput", "QueueFull", "Overloaded", "RequestTimeout",
-           "BackendError", "EngineUnavailable", "EngineAlreadyRunning", "SegmentTooLarge"]
+           "BackendError", "EngineUnavailable", "EngineCorrupt", "EngineAlreadyRunning", "SegmentTooLarge"]

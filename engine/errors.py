@@ -72,6 +72,11 @@ class EngineUnavailable(EngineError):
     """No running engine of that name, or it is stopping or gone."""
 
 
+class EngineCorrupt(EngineUnavailable):
+    """The segment holds a value no engine process writes: another process
+    of the user wrote into it. Raised instead of acting on that value."""
+
+
 class EngineAlreadyRunning(EngineError):
     """start() found a live engine of the same name."""
 

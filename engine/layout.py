@@ -17,7 +17,7 @@ import psutil
 
 from engine import ring
 from engine.config import NAME_RE, EngineConfig
-from engine.errors import EngineAlreadyRunning, EngineUnavailable, SegmentTooLarge
+from engine.errors import EngineAlreadyRunning, EngineCorrupt, EngineUnavailable, SegmentTooLarge
 
 def segment_name(name: str) -> str:
     return f"/shmbatch-{name}"
@@ -83,6 +83,32 @@ def check_fits(config: "EngineConfig", size: int) -> None:
         f"or {remedy}")
 
 
+def settings(mapping, where: str) -> EngineConfig:
+    """The engine's settings, as its creator wrote them into the header;
+    EngineCorrupt if they no longer parse."""
+    blob = bytes(mapping[ring.OFF_CONFIG:ring.OFF_CONFIG + ring.CONFIG_BYTES]).rstrip(b"\0")
+    try:
+        return EngineConfig.from_json(blob)
+    except Exception as e:  # any way bytes fail to be settings: JSON, UTF-8, a knob's check
+        raise EngineCorrupt(f"{where}: expected the engine's settings as JSON in its header, "
+                            f"got {len(blob)} B that do not parse ({type(e).__name__}: "
+                            f"{str(e)[:120]})") from None
+
+
+def check_geometry(cfg: EngineConfig, geo, where: str) -> None:
+    """EngineCorrupt unless the settings and the checked geometry agree:
+    the views made from one must fit the rows the C addresses by the other."""
+    n_in = len(cfg.input_specs)
+    expected = {"capacity": cfg.queue_capacity, "levels": cfg.priority_levels,
+                "max_batch": cfg.max_batch_size, "inputs": n_in,
+                "tensors": n_in + len(cfg.output_specs), "in_place": int(cfg.in_place)}
+    got = {k: getattr(geo, k) for k in expected}
+    rows = [int(geo.tensor_slot_bytes[t]) for t in range(geo.tensors)]
+    if got != expected or rows != [int(b) for b in cfg.slot_bytes]:
+        raise EngineCorrupt(f"{where}: expected a geometry of {expected}, rows {list(cfg.slot_bytes)} "
+                            f"B (its settings), got {got}, rows {rows} B")
+
+
 class Segment:
     """One mapping of an engine's segment: ring, settings, region views.
 
@@ -91,50 +117,61 @@ class Segment:
     A live lock is how anyone tells a running engine from a crashed one.
     """
 
-    def __init__(self, shm, mapping, owner: bool, header_only: bool = False):
+    def __init__(self, shm, mapping, owner: bool, header_only: bool = False, created=None):
         self._shm = shm
         self._mapping = mapping
         self.owner = owner
         self.header_only = header_only  # the header page alone: figures and lock, no slots
-        self.ring = ring.Ring(mapping)
-        size = mapping.size()
-        code = (self.ring.validate_header if header_only else self.ring.validate)(size)
-        if code != ring.OK:
-            what = "layout version" if code == ring.EVERSION else "header"
+        if created is not None:  # the creator's own geometry, from its sb_init
+            self.ring = created
+        else:
+            self.ring = ring.Ring(mapping)
+            size = mapping.size()
+            code = (self.ring.attach_header if header_only else self.ring.attach)(size)
+            if code != ring.OK:
+                self._close_mapping()
+                if code == ring.EVERSION:
+                    raise EngineUnavailable(f"{shm.name} is not a shmbatch segment of layout "
+                                            f"version {ring.LAYOUT_VERSION}")
+                raise EngineCorrupt(f"{shm.name}: expected a shmbatch header whose geometry "
+                                    f"fits its {size:,} B, got one that does not")
+        geo = self.ring.geometry
+        try:
+            self.config = settings(mapping, shm.name)
+            if not header_only:
+                check_geometry(self.config, geo, shm.name)
+        except EngineCorrupt:
             self._close_mapping()
-            raise EngineUnavailable(f"{shm.name} is not a shmbatch segment of layout "
-                                    f"version {ring.LAYOUT_VERSION} (bad {what})")
-        off = self.ring.field(ring.F_OFF_CONFIG)
-        self.config = EngineConfig.from_json(bytes(mapping[off:off + ring.CONFIG_BYTES]).rstrip(b"\0"))
-        self.capacity = self.ring.field(ring.F_CAPACITY)
-        self.incarnation = self.ring.field(ring.F_INCARNATION)
-        self.total_bytes = self.ring.field(ring.F_TOTAL_BYTES)
+            raise
+        self.capacity = geo.capacity
+        self.incarnation = geo.incarnation
+        self.total_bytes = geo.total_bytes
         # the header's words, to read the engine's state per request without a C
         # call (one would let another thread take the GIL); an aligned u64 load
-        self._words = np.ndarray((ring.WORDS,), np.uint64, buffer=mapping,
-                                 offset=self.ring.field(ring.F_OFF_WORDS))
+        self._words = np.ndarray((ring.WORDS,), np.uint64, buffer=mapping, offset=ring.OFF_WORDS)
         if header_only:
             return
         cfg = self.config
         # one region per tensor, inputs first: [capacity, *max_shape] of its dtype
         regions = [np.ndarray((self.capacity, *t.max_shape), t.dtype, buffer=mapping,
-                              offset=self.ring.field(ring.F_OFF_TENSOR + k))
+                              offset=geo.off_tensor[k])
                    for k, t in enumerate(cfg.input_specs + cfg.output_specs)]
         n_in = len(cfg.input_specs)
         self.input_regions = dict(zip((t.name for t in cfg.input_specs), regions[:n_in]))
         self.output_regions = dict(zip((t.name for t in cfg.output_specs), regions[n_in:]))
-        # each input's real length along its variable dim, per slot (named tensors)
+        # each input's real length along its variable dim, per slot (named tensors);
+        # data written by clients: the batcher bounds what it reads
         self.lengths = np.ndarray((self.capacity, n_in), np.uint32, buffer=mapping,
-                                  offset=self.ring.field(ring.F_OFF_LENGTHS))
+                                  offset=geo.off_lengths)
         self.inputs, self.outputs = regions[0], regions[n_in]  # the single-array form's
         self.output_shape, self.output_dtype = tuple(cfg.output_shape), np.dtype(cfg.output_dtype)
         # the READY bitmaps (a hint for the batcher's scan; the C owns them: for reading)
-        self.ready_words = np.ndarray((cfg.priority_levels, -(-self.capacity // 64)), np.uint64,
-                                      buffer=mapping, offset=self.ring.field(ring.F_OFF_READY))
+        self.ready_words = np.ndarray((cfg.priority_levels, geo.ready_words), np.uint64,
+                                      buffer=mapping, offset=geo.off_ready)
         self.named = cfg.named  # requests and answers are dicts of arrays
         self.fixed_shape = cfg.var_axis is None and not cfg.named  # one row, as it is
         self.admit_by_deadline = cfg.admission == "deadline"  # read per request
-        self.in_place = bool(self.ring.field(ring.F_IN_PLACE))  # outputs is inputs
+        self.in_place = bool(geo.in_place)  # outputs is inputs
 
     @classmethod
     def create(cls, config: EngineConfig) -> "Segment":
@@ -178,13 +215,11 @@ class Segment:
             code = raw.init(size, config.queue_capacity, config.max_batch_size, n_in,
                             config.slot_bytes, config.in_place, config.priority_levels,
                             secrets.randbits(64))
-            off = raw.field(ring.F_OFF_CONFIG)
             blob = config.to_json()
             if code != ring.OK or len(blob) > ring.CONFIG_BYTES:
                 raise ValueError(f"cannot lay out engine {config.name!r} (code {code})")
-            mapping[off:off + len(blob)] = blob
-            raw.release()
-            return cls(shm, mapping, owner=True)
+            mapping[ring.OFF_CONFIG:ring.OFF_CONFIG + len(blob)] = blob
+            return cls(shm, mapping, owner=True, created=raw)
         except BaseException:
             if raw is not None:
                 raw.release()

@@ -1,9 +1,11 @@
 """The one module that calls the C ring (engine._ringc) through cffi.
 
-It turns the mapping of a segment into a base pointer and wraps each C
-function in a method that returns plain ints, so that no other module sees
-cffi objects. Codes are returned, not raised: what an outcome means for a
-request is decided by the client and batcher modules.
+It turns the mapping of a segment into this process's own view of it (an
+sb_ring: the geometry, copied from the header once and checked, from then on
+the only source of every bound and offset) and wraps each C function in a
+method that returns plain ints, so that no other module sees cffi objects.
+Codes are returned, not raised: what an outcome means for a request is
+decided by the client and batcher modules.
 
 The SB_* constants of csrc/ring.h are re-exported without their prefix
 (``ring.READY``, ``ring.ETIMEOUT``, ``ring.W_REQUESTS`` ...).
@@ -80,10 +82,11 @@ class ClaimBuffers:
         self.slots = np.zeros(max_batch, np.uint32)
         self.gens = np.zeros(max_batch, np.uint32)
         self.lengths = np.zeros(max_batch, np.uint32)
-        self.scratch = np.zeros(4 * capacity, np.uint64)
+        self.scratch = np.zeros(4 * capacity, np.uint64)  # 4 u64 an entry: one per slot
         self.c_slots, self.c_gens = _ptr(self.slots, "uint32_t *"), _ptr(self.gens, "uint32_t *")
         self.c_lengths = _ptr(self.lengths, "uint32_t *")
         self.c_scratch = _ptr(self.scratch, "uint64_t *")
+        self.scratch_n = capacity
         self.c_report = ffi.new("uint64_t[5]")
         self.c_shape = ffi.NULL  # no batch shapes: the flush rule's count alone
         self.bucket = 0  # the length bucket of the last claim (with a shape)
@@ -102,51 +105,67 @@ class ClaimBuffers:
 
 
 class Ring:
-    """The C ring over one mapping (an mmap of the segment)."""
+    """The C ring over one mapping (an mmap of the segment), through this
+    process's own sb_ring (filled by init, attach or attach_header)."""
 
     def __init__(self, mapping):
         self._mapping = mapping
         self._base_buf = ffi.from_buffer(mapping)
-        self.base = ffi.cast("void *", self._base_buf)
+        self.r = ffi.new("sb_ring *")
         self._tls = threading.local()
 
     def release(self) -> None:
         """Drops the buffer export, so that the mmap can be closed."""
-        self.base = ffi.NULL
-        ffi.release(self._base_buf)
+        if self._base_buf is not None:
+            self.r.base = ffi.NULL
+            ffi.release(self._base_buf)
+            self._base_buf = None
 
     # -- setup ------------------------------------------------------------
     def init(self, total_bytes, capacity, max_batch, inputs, slot_bytes, in_place, levels,
              incarnation):
         table = ffi.new("uint64_t[]", [int(b) for b in slot_bytes])
-        return lib.sb_init(self.base, total_bytes, capacity, max_batch, len(slot_bytes),
-                           inputs, table, in_place, levels, incarnation)
+        return lib.sb_init(self.r, self._base_buf, total_bytes, capacity, max_batch,
+                           len(slot_bytes), inputs, table, in_place, levels, incarnation)
 
-    def validate(self, mapped_bytes: int) -> int:
-        return lib.sb_validate(self.base, mapped_bytes)
+    def attach(self, mapped_bytes: int) -> int:
+        """Fills this process's geometry from the header, checked (OK,
+        ECORRUPT or EVERSION)."""
+        return lib.sb_attach(self.r, self._base_buf, mapped_bytes)
 
-    def validate_header(self, mapped_bytes: int) -> int:
-        return lib.sb_validate_header(self.base, mapped_bytes)
+    def attach_header(self, mapped_bytes: int) -> int:
+        """The header alone (magic, version): no slots, capacity 0."""
+        return lib.sb_attach_header(self.r, self._base_buf, mapped_bytes)
 
-    def field(self, field: int) -> int:
-        return lib.sb_header_field(self.base, field)
+    @property
+    def geometry(self):
+        """This process's sb_ring (read its fields: capacity, levels,
+        off_tensor[t], ...): what every bound comes from."""
+        return self.r
+
+    def corrupt_seen(self) -> int:
+        """How many values from the segment this process found failing a check."""
+        return self.r.corrupt
+
+    def corrupt_total(self) -> int:
+        """... and every process of the engine, summed (in the segment)."""
+        return lib.sb_corrupt_total(self.r)
 
     def word(self, word: int) -> int:
-        return lib.sb_word_get(self.base, word)
+        return lib.sb_word_get(self.r, word)
 
     def set_word(self, word: int, value: int) -> None:
-        lib.sb_word_set(self.base, word, value)
+        lib.sb_word_set(self.r, word, value)
 
     def add_word(self, word: int, delta: int = 1) -> None:
-        lib.sb_word_add(self.base, word, delta)
+        lib.sb_word_add(self.r, word, delta)
 
     def header_words(self) -> memoryview:
         """The header's words (W_*) as u64s, for a loop that reads or stamps
         some each turn: an index is one aligned load or store, with no C call
         and no numpy scalar (~50 ns, where int(array[i]) costs ~180). It holds
         the mapping: a segment closed while it lives stays mapped."""
-        off = self.field(F_OFF_WORDS)
-        return memoryview(self._mapping)[off:off + WORDS * 8].cast("Q")
+        return memoryview(self._mapping)[OFF_WORDS:OFF_WORDS + WORDS * 8].cast("Q")
 
     # -- client -----------------------------------------------------------
     def _buffer(self, name: str, ctype: str):
@@ -159,7 +178,7 @@ class Ring:
     def acquire(self, pid: int, start_ticks: int):
         """(code, slot, generation)."""
         out = self._buffer("ticket", "uint32_t[2]")
-        code = lib.sb_acquire(self.base, pid, start_ticks, out, out + 1)
+        code = lib.sb_acquire(self.r, pid, start_ticks, out, out + 1)
         return code, out[0], out[1]
 
     def submit(self, pid: int, start_ticks: int, row: np.ndarray, length: int,
@@ -167,115 +186,115 @@ class Ring:
         """acquire + copy the C-contiguous row into the slot + publish, in
         one call: (code, slot, generation)."""
         out = self._buffer("ticket", "uint32_t[2]")
-        code = lib.sb_submit(self.base, pid, start_ticks, ffi.from_buffer(row), row.nbytes,
+        code = lib.sb_submit(self.r, pid, start_ticks, ffi.from_buffer(row), row.nbytes,
                              length, deadline_ns, priority, admit, out)
         return code, out[0], out[1]
 
     def take(self, slot: int, gen: int, timeout_ns: int, spin_ns: int, out: np.ndarray) -> int:
         """wait_slot, then on OK copy the output row into out and release."""
-        return lib.sb_take(self.base, slot, gen, timeout_ns, spin_ns, ffi.from_buffer(out),
+        return lib.sb_take(self.r, slot, gen, timeout_ns, spin_ns, ffi.from_buffer(out),
                            out.nbytes, ffi.NULL)
 
     def take_timed(self, slot: int, gen: int, out: np.ndarray):
         """take() with no wait; (code, (arrival_ns, claim_ns, done_ns)) of the
         request, the stamps valid when code is OK."""
         times = self._buffer("times", "uint64_t[3]")
-        code = lib.sb_take(self.base, slot, gen, 0, 0, ffi.from_buffer(out), out.nbytes, times)
+        code = lib.sb_take(self.r, slot, gen, 0, 0, ffi.from_buffer(out), out.nbytes, times)
         return code, tuple(ffi.unpack(times, 3))  # [T_ARRIVAL, T_CLAIM, T_DONE]
 
     def acquire_many(self, pid, start_ticks, n, slots, gens) -> int:
         """Takes up to n free slots into the uint32 arrays; returns how many."""
-        return lib.sb_acquire_many(self.base, pid, start_ticks, n, _ptr(slots, "uint32_t *"),
+        return lib.sb_acquire_many(self.r, pid, start_ticks, n, _ptr(slots, "uint32_t *"),
                                    _ptr(gens, "uint32_t *"))
 
     def publish_many(self, slots, gens, n, length, deadline_ns: int = 0, priority: int = 0) -> int:
-        return lib.sb_publish_many(self.base, _ptr(slots, "uint32_t *"), _ptr(gens, "uint32_t *"),
+        return lib.sb_publish_many(self.r, _ptr(slots, "uint32_t *"), _ptr(gens, "uint32_t *"),
                                    n, length, deadline_ns, priority)
 
     def wait_all(self, slots, gens, n, timeout_ns, spin_ns=0) -> int:
-        return lib.sb_wait_all(self.base, _ptr(slots, "uint32_t *"), _ptr(gens, "uint32_t *"),
+        return lib.sb_wait_all(self.r, _ptr(slots, "uint32_t *"), _ptr(gens, "uint32_t *"),
                                n, timeout_ns, spin_ns)
 
     def release_many(self, slots, gens, n) -> int:
-        return lib.sb_release_many(self.base, _ptr(slots, "uint32_t *"), _ptr(gens, "uint32_t *"), n)
+        return lib.sb_release_many(self.r, _ptr(slots, "uint32_t *"), _ptr(gens, "uint32_t *"), n)
 
     def publish(self, slot: int, gen: int, length: int, deadline_ns: int = 0,
                 priority: int = 0) -> int:
         """READY, with its attributes: real length, deadline (0: none), priority."""
-        return lib.sb_publish(self.base, slot, gen, length, deadline_ns, priority)
+        return lib.sb_publish(self.r, slot, gen, length, deadline_ns, priority)
 
     def admission_figures(self, max_priority: int):
         """(queued at <= max_priority, fit fixed_ns, fit per-item ps, batch
         limit, busy_since_ns: 0 if a batcher is idle), in one call."""
         out = self._buffer("figures", "uint64_t[5]")
-        lib.sb_admission_figures(self.base, max_priority, 1, out)
+        lib.sb_admission_figures(self.r, max_priority, 1, out)
         return ffi.unpack(out, 5)
 
     def predicted_wait_ns(self, priority: int, now_ns: int) -> int:
-        return lib.sb_predicted_wait_ns(self.base, priority, now_ns)
+        return lib.sb_predicted_wait_ns(self.r, priority, now_ns)
 
     def queued(self, max_priority: int) -> int:
         """How many requests are READY at priority max_priority or more urgent."""
-        return lib.sb_queued(self.base, max_priority)
+        return lib.sb_queued(self.r, max_priority)
 
     def cancel(self, slot: int, gen: int) -> int:
-        return lib.sb_cancel(self.base, slot, gen)
+        return lib.sb_cancel(self.r, slot, gen)
 
     def wait_slot(self, slot: int, gen: int, timeout_ns: int, spin_ns: int = 0) -> int:
         """Waits for the ticket's answer: spins up to spin_ns, then sleeps."""
-        return lib.sb_wait_slot(self.base, slot, gen, timeout_ns, spin_ns)
+        return lib.sb_wait_slot(self.r, slot, gen, timeout_ns, spin_ns)
 
     def release_slot(self, slot: int, gen: int) -> int:
-        return lib.sb_release(self.base, slot, gen)
+        return lib.sb_release(self.r, slot, gen)
 
     def abandon(self, slot: int, gen: int) -> int:
-        return lib.sb_abandon(self.base, slot, gen)
+        return lib.sb_abandon(self.r, slot, gen)
 
     def poll(self, slots: np.ndarray, gens: np.ndarray, states: np.ndarray) -> int:
         """Fills states (int32) with each ticket's answer code; returns how many pend."""
-        return lib.sb_poll(self.base, _ptr(slots, "uint32_t *"), _ptr(gens, "uint32_t *"),
+        return lib.sb_poll(self.r, _ptr(slots, "uint32_t *"), _ptr(gens, "uint32_t *"),
                            len(slots), _ptr(states, "int32_t *"))
 
     def slot_error(self, slot: int):
         """(status, message) of a FAILED slot."""
         buf = ffi.new("char[]", ERRMSG_BYTES)
         length = ffi.new("uint32_t *")
-        status = lib.sb_slot_error(self.base, slot, buf, ERRMSG_BYTES, length)
+        status = lib.sb_slot_error(self.r, slot, buf, ERRMSG_BYTES, length)
         return status, ffi.unpack(buf, length[0]).decode("utf-8", "replace")
 
     def acquire_wait(self, pid: int, start_ticks: int, timeout_ns: int):
         """acquire(), sleeping up to timeout_ns until a slot is freed:
         (code, slot, generation), code EFULL if none was."""
         out = self._buffer("ticket", "uint32_t[2]")
-        code = lib.sb_acquire_wait(self.base, pid, start_ticks, timeout_ns, out, out + 1)
+        code = lib.sb_acquire_wait(self.r, pid, start_ticks, timeout_ns, out, out + 1)
         return code, out[0], out[1]
 
     def request_evict(self) -> None:
         """Asks every client process to move its answered slots out of the ring."""
-        lib.sb_request_evict(self.base)
+        lib.sb_request_evict(self.r)
 
     def evict_seq(self) -> int:
-        return lib.sb_evict_seq(self.base)
+        return lib.sb_evict_seq(self.r)
 
     def wait_evict(self, seen: int, timeout_ns: int) -> int:
-        return lib.sb_wait_evict(self.base, seen, timeout_ns)
+        return lib.sb_wait_evict(self.r, seen, timeout_ns)
 
     def done_seq(self) -> int:
-        return lib.sb_done_seq(self.base)
+        return lib.sb_done_seq(self.r)
 
     def wait_done_seq(self, seen: int, timeout_ns: int) -> int:
-        return lib.sb_wait_done_seq(self.base, seen, timeout_ns)
+        return lib.sb_wait_done_seq(self.r, seen, timeout_ns)
 
     # -- batcher ----------------------------------------------------------
     def work_seq(self) -> int:
-        return lib.sb_work_seq(self.base)
+        return lib.sb_work_seq(self.r)
 
     def wait_work(self, seen: int, timeout_ns: int, spin_ns: int = 0) -> int:
         """Waits for work_seq to leave seen: spins up to spin_ns, then sleeps."""
-        return lib.sb_wait_work(self.base, seen, timeout_ns, spin_ns)
+        return lib.sb_wait_work(self.r, seen, timeout_ns, spin_ns)
 
     def wake_work(self) -> None:
-        lib.sb_wake_work(self.base)
+        lib.sb_wake_work(self.r)
 
     def claim(self, batcher: int, max_n: int, flush_n: int, cutoff_ns: int, batch: ClaimBuffers,
               expire_ns: int = 0):
@@ -284,9 +303,9 @@ class Ring:
         first) into batch.slots/gens/lengths (ascending slot order) if flush_n
         are READY or the oldest arrived by cutoff_ns; returns (claimed,
         claim_ns, ready, oldest_ns, expired)."""
-        n = lib.sb_claim(self.base, batcher, max_n, flush_n, cutoff_ns, expire_ns,
-                         batch.c_shape, batch.c_scratch, batch.c_slots, batch.c_gens,
-                         batch.c_lengths, batch.c_report)
+        n = lib.sb_claim(self.r, batcher, max_n, flush_n, cutoff_ns, expire_ns,
+                         batch.c_shape, batch.c_scratch, batch.scratch_n, batch.c_slots,
+                         batch.c_gens, batch.c_lengths, batch.c_report)
         report = batch.c_report
         batch.bucket = report[R_BUCKET]
         return n, report[R_CLAIM_NS], report[R_READY], report[R_OLDEST_NS], report[R_EXPIRED]
@@ -295,48 +314,45 @@ class Ring:
              priorities: np.ndarray) -> int:
         """Lists the READY slots (most urgent level first, ascending within one)
         into the arrays, as many as fit; returns how many are READY in all."""
-        return lib.sb_scan(self.base, len(slots), _ptr(slots, "uint32_t *"),
+        return lib.sb_scan(self.r, len(slots), _ptr(slots, "uint32_t *"),
                            _ptr(arrival_ns, "uint64_t *"), _ptr(lengths, "uint32_t *"),
                            _ptr(priorities, "uint32_t *"))
-
-    def claim_slots(self, batcher: int, want: np.ndarray, claim_ns: int, batch: ClaimBuffers) -> int:
-        """Claims exactly the slots in want (uint32) that are still READY into
-        batch.slots/gens/lengths (ascending); returns how many."""
-        return lib.sb_claim_slots(self.base, batcher, _ptr(want, "uint32_t *"), len(want),
-                                  claim_ns, batch.c_slots, batch.c_gens, batch.c_lengths)
 
     def complete(self, batcher: int, batch: ClaimBuffers, n: int, status=0,
                  message: bytes = b"") -> int:
         """Answers batch.slots[:n] (DONE, or FAILED with message); returns how
         many reached a waiting client (the others were abandoned or stale)."""
-        return lib.sb_complete(self.base, batcher, batch.c_slots, batch.c_gens, n, status,
+        return lib.sb_complete(self.r, batcher, batch.c_slots, batch.c_gens, n, status,
                                message, len(message))
 
     def complete_some(self, batcher: int, slots: np.ndarray, gens: np.ndarray, status: int,
                       message: bytes) -> int:
         """complete() for some of a batch's slots (uint32 arrays of one length)."""
         slots, gens = np.ascontiguousarray(slots), np.ascontiguousarray(gens)
-        return lib.sb_complete(self.base, batcher, _ptr(slots, "uint32_t *"),
+        return lib.sb_complete(self.r, batcher, _ptr(slots, "uint32_t *"),
                                _ptr(gens, "uint32_t *"), len(slots), status, message, len(message))
 
     def finish_batch(self, batch: ClaimBuffers, n, claim_ns, done_ns, zero_copy: bool,
                      fit=ffi.NULL) -> int:
         """The batch's figures; with a ServiceFit's c_fit, also the fit (1: solved
         anew and published for admission)."""
-        return lib.sb_finish_batch(self.base, batch.c_slots, n, claim_ns, done_ns, zero_copy, fit)
+        return lib.sb_finish_batch(self.r, batch.c_slots, n, claim_ns, done_ns, zero_copy, fit)
 
     # -- reaper -----------------------------------------------------------
     def snapshot(self, ctl: np.ndarray, owner_start: np.ndarray) -> int:
-        return lib.sb_snapshot(self.base, _ptr(ctl, "uint64_t *"), _ptr(owner_start, "uint64_t *"))
+        """Every slot's ctl and owner start, as many as the arrays hold;
+        returns how many were written."""
+        return lib.sb_snapshot(self.r, _ptr(ctl, "uint64_t *"), _ptr(owner_start, "uint64_t *"),
+                               min(len(ctl), len(owner_start)))
 
     def reap_slot(self, slot: int, expected_ctl: int) -> int:
-        return lib.sb_reap_slot(self.base, slot, expected_ctl)
+        return lib.sb_reap_slot(self.r, slot, expected_ctl)
 
     def reap_batcher(self, batcher: int, message: bytes, retry: bool = False):
         """A dead batcher's claimed slots: (failed, kept). With retry, each not
         already being retried alone is kept CLAIMED for its successor."""
         kept = ffi.new("uint32_t *")
-        failed = lib.sb_reap_batcher(self.base, batcher, retry, message, len(message), kept)
+        failed = lib.sb_reap_batcher(self.r, batcher, retry, message, len(message), kept)
         return failed, kept[0]
 
     def inherit(self, batcher: int, expire_ns: int, capacity: int):
@@ -344,23 +360,23 @@ class Ring:
         withdrawn slots freed, expired ones failed, the rest as (slots, gens,
         lengths), ascending."""
         slots, gens, lengths = (np.zeros(capacity, np.uint32) for _ in range(3))
-        n = lib.sb_inherit(self.base, batcher, expire_ns, capacity, _ptr(slots, "uint32_t *"),
+        n = lib.sb_inherit(self.r, batcher, expire_ns, capacity, _ptr(slots, "uint32_t *"),
                            _ptr(gens, "uint32_t *"), _ptr(lengths, "uint32_t *"))
         return slots[:n], gens[:n], lengths[:n]
 
     def retry_alone(self, batcher: int, slot: int, gen: int) -> int:
-        return lib.sb_retry_alone(self.base, batcher, slot, gen)
+        return lib.sb_retry_alone(self.r, batcher, slot, gen)
 
     def level_wait(self, level: int):
         """(histogram, max_ns, sum_ns) of the queue wait of one priority level."""
         out = np.zeros(HIST_BUCKETS, dtype=np.uint64)
         sums = ffi.new("uint64_t[2]")
-        lib.sb_level_wait(self.base, level, _ptr(out, "uint64_t *"), sums, sums + 1)
+        lib.sb_level_wait(self.r, level, _ptr(out, "uint64_t *"), sums, sums + 1)
         return out, sums[1], sums[0]
 
     def histogram(self, which: int) -> np.ndarray:
         out = np.zeros(HIST_BUCKETS, dtype=np.uint64)
-        lib.sb_histogram(self.base, which, _ptr(out, "uint64_t *"))
+        lib.sb_histogram(self.r, which, _ptr(out, "uint64_t *"))
         return out
 
 

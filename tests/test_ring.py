@@ -23,6 +23,15 @@ def segment():
     seg.close()
 
 
+def attach(seg, mapped_bytes):
+    """What another process's attach says of the segment, mapped_bytes long."""
+    fresh = ring.Ring(seg._mapping)
+    try:
+        return fresh.attach(mapped_bytes)
+    finally:
+        fresh.release()
+
+
 def claim_all(r, max_n=64, batcher=0, capacity=64):
     b = ring.ClaimBuffers(capacity, max_n)
     n, *_ = r.claim(batcher, max_n, 1, ring.MAX_NS, b)
@@ -49,25 +58,25 @@ def test_segment_is_owner_only_and_named_for_the_engine(segment):
 
 
 def test_an_output_of_the_input_spec_overwrites_its_input_row(segment):
-    r = segment.ring  # float32[4] in and out
-    assert r.field(ring.F_IN_PLACE) == 1 and segment.in_place
-    assert r.field(ring.F_OFF_TENSOR + 1) == r.field(ring.F_OFF_TENSOR)
-    assert r.field(ring.F_TOTAL_BYTES) >= r.field(ring.F_OFF_TENSOR) + 64 * 16
+    geo = segment.ring.geometry  # float32[4] in and out
+    assert geo.in_place == 1 and segment.in_place
+    assert geo.off_tensor[1] == geo.off_tensor[0]
+    assert geo.total_bytes >= geo.off_tensor[0] + 64 * 16
     assert np.shares_memory(segment.inputs[3], segment.outputs[3])
-    assert r.validate(r.field(ring.F_TOTAL_BYTES) - 1) == ring.ECORRUPT
+    assert attach(segment, geo.total_bytes - 1) == ring.ECORRUPT
 
 
 def test_an_output_of_another_spec_gets_its_own_aligned_region():
     seg = Segment.create(EngineConfig(name=unique_name("ring-out"), input_shape=(4,),
                                       output_shape=(3,), queue_capacity=64))
     try:
-        r = seg.ring
-        assert r.field(ring.F_IN_PLACE) == 0 and not seg.in_place
-        off_in, off_out = r.field(ring.F_OFF_TENSOR), r.field(ring.F_OFF_TENSOR + 1)
+        geo = seg.ring.geometry
+        assert geo.in_place == 0 and not seg.in_place
+        off_in, off_out = geo.off_tensor[0], geo.off_tensor[1]
         assert off_in % 4096 == 0 and off_out % 4096 == 0
         assert off_out >= off_in + 64 * 16
-        assert r.field(ring.F_TOTAL_BYTES) >= off_out + 64 * 12
-        assert r.validate(r.field(ring.F_TOTAL_BYTES) - 1) == ring.ECORRUPT
+        assert geo.total_bytes >= off_out + 64 * 12
+        assert attach(seg, geo.total_bytes - 1) == ring.ECORRUPT
     finally:
         seg.unlink()
         seg.close()
@@ -81,18 +90,18 @@ def test_named_tensors_get_one_aligned_region_each_inputs_first():
                           queue_capacity=64)
     seg = Segment.create(config)
     try:
-        r = seg.ring
-        assert (r.field(ring.F_TENSORS), r.field(ring.F_INPUTS)) == (4, 2)
-        offsets = [r.field(ring.F_OFF_TENSOR + t) for t in range(4)]
+        geo = seg.ring.geometry
+        assert (geo.tensors, geo.inputs) == (4, 2)
+        offsets = [geo.off_tensor[t] for t in range(4)]
         rows = [7 * 8, 15, 2 * 4, 9 * 2]
-        assert [r.field(ring.F_TENSOR_BYTES + t) for t in range(4)] == rows
+        assert [geo.tensor_slot_bytes[t] for t in range(4)] == rows
         for t in range(3):  # each region aligned, after the whole of the one before it
             assert offsets[t] % 4096 == 0 and offsets[t + 1] >= offsets[t] + 64 * rows[t]
-        assert r.field(ring.F_TOTAL_BYTES) >= offsets[3] + 64 * rows[3]
+        assert geo.total_bytes >= offsets[3] + 64 * rows[3]
         assert seg.input_regions["ids"].shape == (64, 7) and seg.input_regions["ids"].dtype == np.int64
         assert seg.output_regions["emb"].shape == (64, 9)
         assert seg.lengths.shape == (64, 2)
-        assert r.validate(r.field(ring.F_TOTAL_BYTES)) == ring.OK
+        assert attach(seg, geo.total_bytes) == ring.OK
     finally:
         seg.unlink()
         seg.close()

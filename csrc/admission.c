@@ -1,0 +1,106 @@
+/*
+ * admission.c - the figures admission by deadline reads, its prediction of
+ * a request's wait, and the batcher's fit of its service time that feeds it.
+ * Every figure comes from the segment: bounded before it divides, and the
+ * arithmetic saturates instead of wrapping.
+ */
+#include "segment.h"
+
+uint32_t sb_queued(const sb_ring *r, uint32_t max_priority)
+{
+	uint32_t n = 0;
+	for (uint32_t level = 0; level <= max_priority && level < r->levels; level++)
+		for (uint32_t w = 0; w < r->ready_words; w++) /* relaxed: a hint */
+			n += (uint32_t)__builtin_popcountll(sb_load_relaxed(ready_word(r, level, w)));
+	return n;
+}
+
+void sb_admission_figures(const sb_ring *r, uint32_t max_priority, uint32_t count,
+			  uint64_t *out)
+{
+	const sb_header *h = hdr(r);
+	uint64_t instances = sb_word_get(r, SB_W_INSTANCES), busy_since = 0;
+	uint64_t limit = sb_word_get(r, SB_W_BATCH_LIMIT);
+	out[SB_A_QUEUED] = count ? sb_queued(r, max_priority) : 0;
+	out[SB_A_FIXED_NS] = sb_word_get(r, SB_W_FIT_FIXED_NS);
+	out[SB_A_ITEM_PS] = sb_word_get(r, SB_W_FIT_ITEM_PS);
+	out[SB_A_LIMIT] = limit == 0 ? 1 : limit > r->max_batch ? r->max_batch : limit;
+	for (uint64_t i = 0; i < instances && i < SB_MAX_INSTANCES; i++) {
+		/* relaxed: a figure, written by each batcher as its batch starts */
+		uint64_t started = sb_load_relaxed(&h->words[SB_W_BATCH_START + i]);
+		if (!started) {
+			busy_since = 0; /* one is idle */
+			break;
+		}
+		if (started > busy_since)
+			busy_since = started;
+	}
+	out[SB_A_BUSY_SINCE] = busy_since;
+}
+
+uint64_t wait_behind(sb_ring *r, uint32_t priority, uint64_t now_ns, uint64_t queued)
+{
+	uint64_t f[5];
+	sb_admission_figures(r, priority, queued == UINT64_MAX, f);
+	if (queued == UINT64_MAX)
+		queued = f[SB_A_QUEUED];
+	uint64_t fixed = f[SB_A_FIXED_NS], item_ps = f[SB_A_ITEM_PS];
+	if (!fixed && !item_ps)
+		return 0; /* no batch measured yet */
+	if (!queued && !f[SB_A_BUSY_SINCE])
+		return 0; /* an idle engine takes it at once (its figures may be stale) */
+	uint64_t limit = f[SB_A_LIMIT] ? f[SB_A_LIMIT] : 1; /* within [1, max_batch] */
+	uint64_t instances = sb_word_get(r, SB_W_INSTANCES);
+	if (instances == 0 || instances > SB_MAX_INSTANCES)
+		instances = instances ? SB_MAX_INSTANCES : 1;
+	uint64_t batch_ns = sat_add(fixed, sat_mul(limit, item_ps) / 1000), in_service = 0;
+	if (f[SB_A_BUSY_SINCE]) {
+		uint64_t ran = now_ns > f[SB_A_BUSY_SINCE] ? now_ns - f[SB_A_BUSY_SINCE] : 0;
+		in_service = batch_ns > ran ? batch_ns - ran : 0;
+	}
+	uint64_t per_round = limit * instances; /* <= 2^32 * 32: no wrap, never 0 */
+	uint64_t rounds = queued / per_round;
+	uint64_t own = queued - rounds * per_round + 1;
+	if (own > limit)
+		own = limit;
+	return sat_add(sat_add(in_service, sat_mul(rounds, batch_ns)),
+		       sat_add(fixed, sat_mul(own, item_ps) / 1000));
+}
+
+uint64_t sb_predicted_wait_ns(sb_ring *r, uint32_t priority, uint64_t now_ns)
+{
+	return wait_behind(r, priority, now_ns, UINT64_MAX);
+}
+
+int sb_fit_add(sb_fit *f, uint32_t n, uint64_t service_ns)
+{
+	if (f->warmup) {
+		f->warmup--;
+		return 0;
+	}
+	double s = (double)service_ns, keep = 1.0 - 1.0 / SB_FIT_MEMORY;
+	if (f->batches) {
+		double cap = SB_FIT_OUTLIER * (f->fixed_ns + n * f->per_item_ns) + 1;
+		if (s > cap)
+			s = cap;
+	}
+	f->w = f->w * keep + 1.0;
+	f->n = f->n * keep + n;
+	f->nn = f->nn * keep + (double)n * n;
+	f->s = f->s * keep + s;
+	f->ns = f->ns * keep + n * s;
+	f->batches++;
+	if (f->batches > SB_FIT_REFIT && f->batches % SB_FIT_REFIT)
+		return 0;
+	/* with one batch size seen so far, all of the time is fixed: no slope */
+	double spread = f->w * f->nn - f->n * f->n, per_item = 0;
+	if (spread > 1e-9 * f->w * f->nn) {
+		per_item = (f->w * f->ns - f->n * f->s) / spread;
+		if (per_item < 0)
+			per_item = 0;
+	}
+	double fixed = (f->s - per_item * f->n) / f->w;
+	f->fixed_ns = fixed > 0 ? (double)(uint64_t)fixed : 0; /* whole ns */
+	f->per_item_ns = per_item;
+	return 1;
+}

@@ -1,0 +1,102 @@
+/*
+ * stats.c - the figures of finished batches: time histograms (queue wait,
+ * service, per priority level), sums and maxima, and the service-time fit's
+ * publication. All relaxed: statistics, ordered with nothing.
+ */
+#include "segment.h"
+
+static uint32_t bucket_of(uint64_t v)
+{
+	/* 4 linear steps per power of two from 256 ns: <= 25 % error, up to
+	 * about 15 minutes in 128 buckets */
+	if (v < 256)
+		return 0;
+	uint32_t msb = 63 - (uint32_t)__builtin_clzll(v);
+	uint32_t b = 4 * (msb - 8) + (uint32_t)((v >> (msb - 2)) & 3);
+	return b < SB_HIST_BUCKETS ? b : SB_HIST_BUCKETS - 1;
+}
+
+uint64_t sb_bucket_lower_ns(uint32_t b)
+{
+	/* bucket_of inverted: bucket 4k + s starts at (4 + s) << (k + 6) */
+	if (b == 0)
+		return 0;
+	if (b >= SB_HIST_BUCKETS)
+		b = SB_HIST_BUCKETS - 1;
+	return (uint64_t)(4 + b % 4) << (b / 4 + 6);
+}
+
+static void record_max(uint64_t *word, uint64_t v)
+{
+	uint64_t cur = sb_load_relaxed(word);
+	/* relaxed: a statistic; the CAS only keeps the maximum monotonic */
+	while (v > cur && !__atomic_compare_exchange_n(word, &cur, v, 0,
+						       __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+		;
+}
+
+void sb_histogram(const sb_ring *r, int which, uint64_t *buckets)
+{
+	if (which < 0 || which > SB_H_BATCH_SIZE)
+		return;
+	for (uint32_t b = 0; b < SB_HIST_BUCKETS; b++)
+		buckets[b] = sb_load_relaxed(&hdr(r)->hist[which][b]);
+}
+
+void sb_level_wait(const sb_ring *r, uint32_t level, uint64_t *buckets,
+		   uint64_t *sum_ns, uint64_t *max_ns)
+{
+	const sb_header *h = hdr(r);
+	if (level >= SB_MAX_PRIORITIES)
+		return;
+	for (uint32_t b = 0; b < SB_HIST_BUCKETS; b++)
+		buckets[b] = sb_load_relaxed(&h->level_hist[level][b]);
+	*sum_ns = sb_load_relaxed(&h->level_wait_sum[level]);
+	*max_ns = sb_load_relaxed(&h->level_wait_max[level]);
+}
+
+int sb_finish_batch(sb_ring *r, const uint32_t *slots, uint32_t n,
+		    uint64_t claim_ns, uint64_t done_ns, uint32_t zero_copy,
+		    sb_fit *fit)
+{
+	sb_header *h = hdr(r);
+	uint64_t worst = 0, total_wait = 0;
+	for (uint32_t k = 0; k < n; k++) {
+		if (slots[k] >= r->capacity)
+			continue;
+		/* the batcher's own copy of claim_ns; arrival_ns was set before
+		 * the publish that our claim acquired */
+		const sb_slot_meta *m = meta_at(r, slots[k]);
+		uint64_t arrival = sb_load_relaxed(&m->arrival_ns);
+		uint64_t wait = claim_ns > arrival ? claim_ns - arrival : 0;
+		uint32_t level = sb_load_relaxed(&m->priority); /* once: checked, then used */
+		if (level >= r->levels) {
+			corrupt(r);
+			level = r->levels - 1; /* r->levels <= SB_MAX_PRIORITIES */
+		}
+		sb_add_relaxed(&h->hist[SB_H_QUEUE_WAIT][bucket_of(wait)], 1);
+		sb_add_relaxed(&h->level_hist[level][bucket_of(wait)], 1);
+		sb_add_relaxed(&h->level_wait_sum[level], wait);
+		record_max(&h->level_wait_max[level], wait);
+		total_wait += wait;
+		if (wait > worst)
+			worst = wait;
+	}
+	uint64_t service = done_ns > claim_ns ? done_ns - claim_ns : 0;
+	sb_add_relaxed(&h->hist[SB_H_SERVICE][bucket_of(service)], 1);
+	sb_add_relaxed(&h->hist[SB_H_BATCH_SIZE][n < SB_HIST_BUCKETS ? n : SB_HIST_BUCKETS - 1], 1);
+	record_max(&h->words[SB_W_QUEUE_WAIT_MAX_NS], worst);
+	record_max(&h->words[SB_W_SERVICE_MAX_NS], service);
+	sb_add_relaxed(&h->words[SB_W_QUEUE_WAIT_SUM_NS], total_wait);
+	sb_add_relaxed(&h->words[SB_W_SERVICE_SUM_NS], service);
+	sb_add_relaxed(&h->words[zero_copy ? SB_W_ZERO_COPY : SB_W_GATHERED], 1);
+	sb_add_relaxed(&h->words[SB_W_BATCHES], 1);
+	sb_add_relaxed(&h->words[SB_W_ITEMS], n);
+	bump_done_seq(r);
+	if (!fit || !sb_fit_add(fit, n, service))
+		return 0;
+	/* relaxed: figures for an estimate, each word read on its own */
+	sb_store_relaxed(&h->words[SB_W_FIT_FIXED_NS], (uint64_t)fit->fixed_ns);
+	sb_store_relaxed(&h->words[SB_W_FIT_ITEM_PS], (uint64_t)(fit->per_item_ns * 1000));
+	return 1;
+}
