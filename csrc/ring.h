@@ -286,6 +286,10 @@ uint64_t sb_word_get(const sb_ring *r, int word);
 void sb_word_set(sb_ring *r, int word, uint64_t value);
 void sb_word_add(sb_ring *r, int word, uint64_t delta);
 uint64_t sb_corrupt_total(const sb_ring *r);
+/* the creator: writes its own geometry back over the header's copy (and
+ * the magic), for processes that attach later; returns how many fields had
+ * changed (counted in corrupt_total) */
+int sb_restore_header(sb_ring *r);
 
 /* client (client.c). An EFULL is not counted here: the caller decides
  * whether it is a rejection, after it has tried to make room. */

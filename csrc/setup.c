@@ -217,3 +217,45 @@ uint64_t sb_corrupt_total(const sb_ring *r)
 {
 	return sb_load_relaxed(&hdr(r)->corrupt_total); /* relaxed: a count */
 }
+
+/* one field of the header back to the creator's value: 1 if it had changed.
+ * relaxed: the magic's release store below orders them for new attachers */
+#define RESTORE(field, value)                                                  \
+	((sb_load_relaxed(&(field)) != (value))                                 \
+		 ? (sb_store_relaxed(&(field), (value)), 1) : 0)
+
+int sb_restore_header(sb_ring *r)
+{
+	sb_header *h = hdr(r);
+	int changed = 0;
+	if (r->capacity == 0)
+		return 0; /* a header-only view owns no geometry */
+	changed += RESTORE(h->layout_version, (uint32_t)SB_LAYOUT_VERSION);
+	changed += RESTORE(h->header_bytes, (uint32_t)SB_HEADER_BYTES);
+	changed += RESTORE(h->incarnation, r->incarnation);
+	changed += RESTORE(h->capacity, r->capacity);
+	changed += RESTORE(h->max_batch, r->max_batch);
+	changed += RESTORE(h->tensors, r->tensors);
+	changed += RESTORE(h->inputs, r->inputs);
+	changed += RESTORE(h->slot_bytes, r->slot_bytes);
+	changed += RESTORE(h->total_bytes, r->total_bytes);
+	changed += RESTORE(h->in_place, r->in_place);
+	changed += RESTORE(h->levels, r->levels);
+	changed += RESTORE(h->off_ctl, r->off_ctl);
+	changed += RESTORE(h->off_ready, r->off_ready);
+	changed += RESTORE(h->off_meta, r->off_meta);
+	changed += RESTORE(h->off_errmsg, r->off_errmsg);
+	changed += RESTORE(h->off_lengths, r->off_lengths);
+	for (uint32_t t = 0; t < SB_MAX_TENSORS; t++) {
+		changed += RESTORE(h->off_tensor[t], t < r->tensors ? r->off_tensor[t] : 0);
+		changed += RESTORE(h->tensor_slot_bytes[t],
+				   t < r->tensors ? r->tensor_slot_bytes[t] : 0);
+	}
+	if (sb_load_relaxed(&h->magic) != SB_MAGIC)
+		changed++;
+	/* release: an attacher that acquires the magic sees the fields above */
+	sb_store_release(&h->magic, SB_MAGIC);
+	if (changed)
+		sb_add_relaxed(&h->corrupt_total, (uint64_t)changed);
+	return changed;
+}

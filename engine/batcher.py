@@ -202,6 +202,8 @@ class Batcher:
         one); returns whether the batch was a view of the rows (zero copy)."""
         n = len(slots)
         rows = policy.pad_size(n, self.allowed) if self.allowed else n
+        if lengths is not None:  # written by clients: within the padding bound before any use
+            lengths = np.minimum(lengths, self.var_top)
         if self.named:
             batch, contiguous = self.gather_named(slots, rows)
             out = self.check_named(self.call_named(batch, slots, rows, bucket), rows)
@@ -263,7 +265,7 @@ class Batcher:
         """The backend on a batch with a variable dim (compute() calls a fixed
         shape's itself): cut to the bucket's bound or the longest request, with
         the real lengths, 0 for padding rows."""
-        real = _padded_lengths(lengths, rows)
+        real = _padded_lengths(lengths, rows, self.var_top)
         return self.fn(self._cut_batch(batch, self.var_axis, real, bucket, self.var_top), real)
 
     def _cut(self, bucket: int, longest: int, bound: int) -> int:
@@ -312,7 +314,8 @@ class Batcher:
         lengths = {}
         per_slot = self.seg.lengths[slots]  # (n, inputs): copied, the rows may be reused
         for t, spec in self.var_inputs:
-            real = lengths[spec.name] = _padded_lengths(per_slot[:, t], rows)
+            real = lengths[spec.name] = _padded_lengths(per_slot[:, t], rows,
+                                                        spec.max_shape[spec.var_axis])
             batch[spec.name] = self._cut_batch(batch[spec.name], spec.var_axis, real, bucket,
                                                spec.max_shape[spec.var_axis])
         return self.fn(batch, lengths)
@@ -359,10 +362,11 @@ def _rows(region: np.ndarray, buffer: np.ndarray, slots: np.ndarray, rows: int,
     return buffer[:rows]
 
 
-def _padded_lengths(lengths: np.ndarray, rows: int) -> np.ndarray:
-    """The real lengths as int64, 0 for the padding rows up to `rows`."""
+def _padded_lengths(lengths: np.ndarray, rows: int, bound: int) -> np.ndarray:
+    """The real lengths as int64, 0 for the padding rows up to `rows`; none
+    beyond bound (each comes from the segment: a backend may index by it)."""
     real = np.zeros(rows, np.int64)
-    real[:len(lengths)] = lengths
+    np.minimum(lengths, bound, out=real[:len(lengths)])
     return real
 
 

@@ -325,8 +325,10 @@ def cmd_status(args) -> int:
     try:
         stats = metrics.read_stats(seg)
         alive = seg.holder_alive()
+        code = seg.engine_state()
         state = {ring.ENGINE_STARTING: "starting", ring.ENGINE_RUNNING: "running",
-                 ring.ENGINE_STOPPING: "stopping", ring.ENGINE_STOPPED: "stopped"}[seg.engine_state()]
+                 ring.ENGINE_STOPPING: "stopping", ring.ENGINE_STOPPED: "stopped"}.get(
+                     code, f"state word {code}: written by another process")
         stats["state"] = state if alive else "dead (run: shmbatch cleanup NAME)"
         stats["supervisor_pid"] = seg.ring.word(ring.W_SUPERVISOR_PID)
     finally:
@@ -362,6 +364,9 @@ def status_table(s: dict) -> str:
         ("faults", f"{s['batcher_restarts_total']} batcher restarts, "
                    f"{s['reclaimed_slots_total']} slots reclaimed from dead clients"),
     ]
+    if s["corrupt_total"]:  # any at all: no engine process writes such a value
+        rows.append(("CORRUPT", f"{s['corrupt_total']} values in the segment failed their "
+                                f"checks: another process writes into it"))
     return "\n".join(f"{k:>11}  {v}" for k, v in rows)
 
 

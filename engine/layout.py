@@ -10,6 +10,7 @@ import fcntl
 import mmap
 import os
 import secrets
+import threading
 
 import numpy as np
 import posix_ipc
@@ -122,6 +123,8 @@ class Segment:
         self._mapping = mapping
         self.owner = owner
         self.header_only = header_only  # the header page alone: figures and lock, no slots
+        self._owned = {}  # the words only the creator writes, as it last wrote them (own_word)
+        self._owned_lock = threading.Lock()  # a restore never writes back a value just replaced
         if created is not None:  # the creator's own geometry, from its sb_init
             self.ring = created
         else:
@@ -295,6 +298,31 @@ class Segment:
 
     def batch_started_ns(self, instance: int) -> int:
         return int(self._words[ring.W_BATCH_START + instance])
+
+    def own_word(self, word: int, value: int) -> None:
+        """Sets a header word that only the creator writes, and remembers it
+        for restore()."""
+        with self._owned_lock:
+            self._owned[word] = value
+            self.ring.set_word(word, value)
+
+    def restore(self) -> int:
+        """The creator puts back what it alone writes, wherever another process
+        wrote over it: the header's geometry, the settings and its own words
+        (the engine's state, epoch, instances, its pid). Returns how many
+        values had changed. Slot fields are not restored: each is checked
+        where it is used, and rewritten at the slot's next use."""
+        changed = self.ring.restore_header()
+        blob = self.config.to_json().ljust(ring.CONFIG_BYTES, b"\0")
+        if self._mapping[ring.OFF_CONFIG:ring.OFF_CONFIG + ring.CONFIG_BYTES] != blob:
+            self._mapping[ring.OFF_CONFIG:ring.OFF_CONFIG + ring.CONFIG_BYTES] = blob
+            changed += 1
+        with self._owned_lock:
+            for word, value in self._owned.items():
+                if int(self._words[word]) != value:
+                    self.ring.set_word(word, value)
+                    changed += 1
+        return changed
 
     def holder_alive(self) -> bool:
         """True while the engine that created the segment holds its lock."""

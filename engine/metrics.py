@@ -118,6 +118,8 @@ def read_stats(segment) -> dict:
         "segment_bytes": segment.total_bytes,  # all of it committed in /dev/shm
         "batch_limit": segment.batch_limit(),
         "priority": [_summary_ms(*r.level_wait(level)) for level in range(levels)],
+        # values in the segment that failed their checks: another process writes into it
+        "corrupt_total": r.corrupt_total(),
     }
 
 
@@ -197,6 +199,11 @@ class Collector:
                                       labels=["engine"])
         retried.add_metric([labels["engine"]], w(ring.W_RETRIED))
         yield retried
+        corrupt = CounterMetricFamily("shmbatch_corrupt", "Values in the segment that failed "
+                                      "their checks (another process wrote into it).",
+                                      labels=["engine"])
+        corrupt.add_metric([labels["engine"]], r.corrupt_total())
+        yield corrupt
         tokens = CounterMetricFamily("shmbatch_tokens", "Lengths along the variable dim: "
                                      "real, and padded as the backend saw them.",
                                      labels=["engine", "kind"])

@@ -14,9 +14,9 @@ class Census:
     """One snapshot of every slot's control word and owner."""
 
     def __init__(self, r: ring.Ring, capacity: int):
-        self.ctl = np.zeros(capacity, dtype=np.uint64)
-        self.owner_start = np.zeros(capacity, dtype=np.uint64)
-        r.snapshot(self.ctl, self.owner_start)
+        ctl, owner_start = np.zeros(capacity, np.uint64), np.zeros(capacity, np.uint64)
+        n = r.snapshot(ctl, owner_start)
+        self.ctl, self.owner_start = ctl[:n], owner_start[:n]
         self.states = ring.ctl_state(self.ctl)
         self.pids = ring.ctl_pid(self.ctl)
 

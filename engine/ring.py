@@ -151,6 +151,11 @@ class Ring:
         """... and every process of the engine, summed (in the segment)."""
         return lib.sb_corrupt_total(self.r)
 
+    def restore_header(self) -> int:
+        """The creator's geometry written back over the header's; returns how
+        many fields had changed."""
+        return lib.sb_restore_header(self.r)
+
     def word(self, word: int) -> int:
         return lib.sb_word_get(self.r, word)
 

@@ -44,6 +44,7 @@ from engine.reloading import Reload
 log = logging.getLogger("shmbatch")
 
 REAP_INTERVAL_S = 0.1
+CORRUPT_LOG_INTERVAL_S = 10.0  # a writer into the segment is logged at most this often
 _RESTART_BACKOFF_MAX_S = 10.0
 _live_engines = weakref.WeakSet()
 
@@ -148,13 +149,16 @@ class Engine:
             raise
 
     def _start(self) -> "Engine":
-        r = self._seg.ring
+        seg = self._seg
         pid = os.getpid()
-        r.set_word(ring.W_SUPERVISOR_START, liveness.start_ticks(pid) or 0)
-        r.set_word(ring.W_SUPERVISOR_PID, pid)
-        r.set_word(ring.W_INSTANCES, self.config.instances)
+        seg.own_word(ring.W_ENGINE_STATE, ring.ENGINE_STARTING)
+        seg.own_word(ring.W_SUPERVISOR_START, liveness.start_ticks(pid) or 0)
+        seg.own_word(ring.W_SUPERVISOR_PID, pid)
+        seg.own_word(ring.W_INSTANCES, self.config.instances)
         self._epoch = 0
-        r.set_word(ring.W_EPOCH, 0)
+        seg.own_word(ring.W_EPOCH, 0)
+        self._started_ns = ring.now_ns()  # no batch the watchdog sees starts before it
+        self._corrupt_logged, self._corrupt_log_at_ns = 0, 0
         self._instances = [Instance(i, i) for i in range(self.config.instances)]
         self._seg.set_batch_limit(self.config.max_batch_size)  # AIMD moves it, with slo_ms
         self._wake_r, self._wake_w = os.pipe()
@@ -170,7 +174,7 @@ class Engine:
             self._start_error = BackendError("StartTimeout", "batchers did not start in time")
         if self._start_error is not None:
             raise self._start_error
-        r.set_word(ring.W_ENGINE_STATE, ring.ENGINE_RUNNING)
+        seg.own_word(ring.W_ENGINE_STATE, ring.ENGINE_RUNNING)
         try:
             self._control = control.Server(self.name, self._control_request)
         except OSError as e:  # the engine serves; only `shmbatch reload` cannot reach it
@@ -188,7 +192,7 @@ class Engine:
             return
         _live_engines.discard(self)
         r = seg.ring
-        r.set_word(ring.W_ENGINE_STATE, ring.ENGINE_STOPPING)
+        seg.own_word(ring.W_ENGINE_STATE, ring.ENGINE_STOPPING)
         r.wake_work()  # a batcher waiting for a deadline flushes now
         self._drain(self.options.drain_timeout_s)
         self._teardown()
@@ -216,7 +220,7 @@ class Engine:
         self._stopping.set()
         if self._control is not None:
             self._control.close()  # no new request; one in progress is answered
-        self._seg.ring.set_word(ring.W_ENGINE_STATE, ring.ENGINE_STOPPED)
+        self._seg.own_word(ring.W_ENGINE_STATE, ring.ENGINE_STOPPED)
         self._seg.ring.wake_work()  # batchers see STOPPED and exit once idle
         if self._wake_w is not None:
             os.write(self._wake_w, b"x")
@@ -370,7 +374,7 @@ class Engine:
 
     def _set_epoch(self, epoch: int) -> None:
         self._epoch = epoch
-        self._seg.ring.set_word(ring.W_EPOCH, epoch)
+        self._seg.own_word(ring.W_EPOCH, epoch)
         self._seg.ring.wake_work()  # sleeping batchers look at the word now
 
     # -- the monitor thread --------------------------------------------------
@@ -431,10 +435,13 @@ class Engine:
                 elif self.options.batch_timeout_s is not None:
                     self._kill_if_hung(b)
             self._reap_clients()
+            self._guard_segment()
 
     def _kill_if_hung(self, b: Instance) -> None:
-        started_ns = self._seg.batch_started_ns(b.index)
-        if started_ns and ring.now_ns() - started_ns > self.options.batch_timeout_s * 1e9:
+        started_ns, now_ns = self._seg.batch_started_ns(b.index), ring.now_ns()
+        if not self._started_ns <= started_ns <= now_ns:
+            return  # idle (0), or no batch's start: a stray write, not a hung model
+        if now_ns - started_ns > self.options.batch_timeout_s * 1e9:
             log.error("engine %s: batcher %d (pid %d) ran one batch over batch_timeout_s=%g; "
                       "killing it", self.name, b.index, b.proc.pid,
                       self.options.batch_timeout_s)
@@ -481,6 +488,21 @@ class Engine:
             b.restart_at_ns = ring.now_ns() + int(backoff * 1e9)
             log.error("engine %s: batcher %d did not restart (%s); failed %d kept request(s); "
                       "next try in %.1f s", self.name, i, e, failed, backoff)
+
+    def _guard_segment(self) -> None:
+        """Puts back what this process alone writes in the segment, and says
+        (at most every CORRUPT_LOG_INTERVAL_S) when values in it failed their
+        checks: another process of the user writes into it. The engine goes
+        on: each such value was refused where it was read."""
+        self._seg.restore()
+        total, now_ns = self._seg.ring.corrupt_total(), ring.now_ns()
+        if total > self._corrupt_logged and now_ns >= self._corrupt_log_at_ns:
+            log.warning("engine %s: %d value(s) in its segment failed their checks (%d in "
+                        "all): another process writes into /dev/shm/shmbatch-%s; the engine "
+                        "restored what it owns and failed the requests it could not trust",
+                        self.name, total - self._corrupt_logged, total, self.name)
+            self._corrupt_logged = total
+            self._corrupt_log_at_ns = now_ns + int(CORRUPT_LOG_INTERVAL_S * 1e9)
 
     def _reap_clients(self) -> None:
         """Frees the slots of clients that died (pid gone, or reused by another)."""

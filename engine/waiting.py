@@ -14,7 +14,8 @@ from typing import Callable, Optional
 import numpy as np
 
 from engine import ring
-from engine.errors import BackendError, EngineError, EngineUnavailable, RequestTimeout
+from engine.errors import (BackendError, EngineCorrupt, EngineError, EngineUnavailable,
+                           RequestTimeout)
 
 # How often a waiting client checks that the engine still lives (its lock).
 LIVENESS_SLICE_NS = 100_000_000
@@ -74,11 +75,16 @@ def client_closed(name: str) -> EngineUnavailable:
     return EngineUnavailable(f"client of {name!r} is closed")
 
 
-def backend_error(status: int, text: str) -> BackendError:
+def backend_error(status: int, text: str) -> EngineError:
     if status == ring.STATUS_BATCHER_DIED:
         return BackendError("BatcherDied", text)
-    exc_type, _, message = text.partition(": ")
-    return BackendError(exc_type, message)
+    if status == ring.STATUS_BACKEND:
+        exc_type, _, message = text.partition(": ")
+        return BackendError(exc_type, message)
+    if status == ring.STATUS_CORRUPT:
+        return EngineCorrupt(f"the request failed unstarted: {text}")
+    return EngineCorrupt(f"expected a failed request's status in 1..{ring.STATUS_CORRUPT}, "
+                         f"got {status} (its slot was written by another process)")
 
 
 def failed(seg, slot: int, gen: int, code: int) -> EngineError:
@@ -91,6 +97,9 @@ def failed(seg, slot: int, gen: int, code: int) -> EngineError:
             return RequestTimeout(f"expected an answer before the request's deadline, got "
                                   f"none: {text}")
         return backend_error(status, text)
+    if code == ring.ECORRUPT:
+        return EngineCorrupt(f"engine {seg.name!r}: expected the request's slot in a state of "
+                             f"the ring, got a control word no engine process writes")
     return EngineUnavailable(f"engine {seg.name!r} reclaimed the request (code {code})")
 
 
