@@ -6,7 +6,7 @@ from typing import Optional
 import numpy as np
 
 from engine import ring, waiting
-from engine.errors import EngineUnavailable
+from engine.errors import EngineUnavailable, InvalidInput
 
 
 class SlotRequest:
@@ -24,6 +24,9 @@ class SlotRequest:
         read-only view of the slot's output row (valid until the slot is freed)."""
         if self._sent:
             raise RuntimeError("a SlotRequest sends once: use client.request() again")
+        levels = self.seg.config.priority_levels
+        if priority and not (type(priority) is int and 0 <= priority < levels):
+            raise InvalidInput(f"priority: expected an int in [0, {levels}), got {priority!r}")
         deadline = waiting.deadline_ns(timeout)
         self._sent = True
         if self.seg.ring.publish(self.slot, self.gen, 0, deadline or 0, priority) != ring.OK:
