@@ -316,24 +316,16 @@ int sb_abandon(sb_ring *r, uint32_t slot, uint32_t gen)
 	uint64_t *c = ctl_at(r, slot);
 	uint64_t cur = sb_load_acquire(c);
 	for (;;) {
-		uint64_t want;
 		if (SB_CTL_GEN(cur) != gen)
 			return SB_ESTALE;
-		switch (SB_CTL_STATE(cur)) {
-		case SB_READY:
-			want = freed(cur); /* no batcher has it: take it back now */
-			unmark_ready(r, slot); /* before the CAS: see ring.h */
-			break;
-		case SB_CLAIMED:
-			/* a batcher may still write the output row: it frees it */
-			want = with_state(cur & ~SB_WAITING_BIT, SB_ABANDONED);
-			break;
-		case SB_DONE:
-		case SB_FAILED:
+		uint32_t st = SB_CTL_STATE(cur);
+		if (st == SB_DONE || st == SB_FAILED)
 			return SB_EBUSY; /* answered after all: read and release */
-		default:
+		uint64_t want = withdrawn(cur, 0);
+		if (!want)
 			return SB_ESTALE;
-		}
+		if (st == SB_READY)
+			unmark_ready(r, slot); /* before the CAS: see ring.h */
 		if (sb_cas_acq_rel(c, &cur, want)) {
 			if (SB_CTL_STATE(want) == SB_FREE)
 				slot_freed(r, slot);

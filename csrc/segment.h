@@ -159,6 +159,25 @@ static inline uint64_t with_state(uint64_t cur, uint32_t state)
 	return (cur & ~SB_STATE_MASK) | state;
 }
 
+/* What withdrawing a request makes of its slot's control word: a queued one
+ * (READY) is freed, and so is one written or answered (WRITING, DONE,
+ * FAILED) when its owner is dead; a CLAIMED one becomes ABANDONED, which its
+ * batcher frees. 0: none of these, nothing to withdraw. */
+static inline uint64_t withdrawn(uint64_t cur, int owner_dead)
+{
+	switch (SB_CTL_STATE(cur)) {
+	case SB_READY:
+		return freed(cur);
+	case SB_WRITING:
+	case SB_DONE:
+	case SB_FAILED:
+		return owner_dead ? freed(cur) : 0;
+	case SB_CLAIMED: /* a batcher may still write the output row */
+		return with_state(cur & ~SB_WAITING_BIT, SB_ABANDONED);
+	}
+	return 0;
+}
+
 /* A value read from the segment failed its check: counted here, in this
  * process (r->corrupt) and for everyone (the header's corrupt_total).
  * relaxed: counts, ordered with nothing */
