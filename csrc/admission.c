@@ -38,7 +38,8 @@ void sb_admission_figures(const sb_ring *r, uint32_t max_priority, uint32_t coun
 	out[SB_A_BUSY_SINCE] = busy_since;
 }
 
-uint64_t wait_behind(sb_ring *r, uint32_t priority, uint64_t now_ns, uint64_t queued)
+/* the predicted wait with `queued` requests ahead (UINT64_MAX: count them) */
+static uint64_t wait_behind(sb_ring *r, uint32_t priority, uint64_t now_ns, uint64_t queued)
 {
 	uint64_t f[5];
 	sb_admission_figures(r, priority, queued == UINT64_MAX, f);
@@ -70,6 +71,34 @@ uint64_t wait_behind(sb_ring *r, uint32_t priority, uint64_t now_ns, uint64_t qu
 uint64_t sb_predicted_wait_ns(sb_ring *r, uint32_t priority, uint64_t now_ns)
 {
 	return wait_behind(r, priority, now_ns, UINT64_MAX);
+}
+
+/* The rule: refuse when the predicted wait, plus an eighth of it for the
+ * estimate's error, ends after the deadline. Under overload the queue
+ * settles where this holds with little to spare: without the eighth, a wait
+ * a little longer than predicted would make most answers late; at loads the
+ * engine keeps up with, waits are far shorter than deadlines and the eighth
+ * refuses nothing. */
+int sb_refuses(uint64_t wait_ns, uint64_t left_ns)
+{
+	return sat_add(wait_ns, wait_ns / 8) > left_ns;
+}
+
+int sb_admit(sb_ring *r, uint32_t priority, uint64_t deadline_ns, uint32_t *wait_ms)
+{
+	uint64_t now = sb_now_ns(), left = deadline_ns > now ? deadline_ns - now : 0;
+	/* counting the queue costs a pass over the bitmaps: skipped when even
+	 * a full queue would leave time enough */
+	if (!sb_refuses(wait_behind(r, priority, now, r->capacity), left))
+		return SB_OK;
+	uint64_t wait = sb_predicted_wait_ns(r, priority, now);
+	if (!sb_refuses(wait, left))
+		return SB_OK;
+	uint64_t ms = wait / 1000000;
+	*wait_ms = ms > UINT32_MAX ? UINT32_MAX : (uint32_t)ms;
+	/* relaxed: a figure, read by nobody who orders on it */
+	sb_add_relaxed(&hdr(r)->words[SB_W_OVERLOADED], 1);
+	return SB_EOVERLOADED;
 }
 
 int sb_fit_add(sb_fit *f, uint32_t n, uint64_t service_ns)

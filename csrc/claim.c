@@ -57,26 +57,6 @@ static uint32_t next_ready(sb_ring *r, struct ready_iter *it)
 	}
 }
 
-uint32_t sb_scan(sb_ring *r, uint32_t max_out, uint32_t *slots,
-		 uint64_t *arrival_ns, uint32_t *lengths, uint32_t *priorities)
-{
-	struct ready_iter it = READY_ITER;
-	uint32_t k = 0;
-	for (uint32_t slot; (slot = next_ready(r, &it)) != NO_SLOT;) {
-		if (it.bad)
-			continue;
-		if (k < max_out) {
-			const sb_slot_meta *m = meta_at(r, slot);
-			slots[k] = slot;
-			arrival_ns[k] = sb_load_relaxed(&m->arrival_ns);
-			lengths[k] = sb_load_relaxed(&m->length);
-			priorities[k] = it.level;
-		}
-		k++;
-	}
-	return k;
-}
-
 /* READY(gen) -> CLAIMED(gen, batcher), its bit at `level` (as the pass saw
  * it; no level: all of them) cleared after the CAS (ring.h). 1 if it did. */
 static int claim_exact(sb_ring *r, uint32_t batcher, uint32_t slot, uint32_t gen,

@@ -151,23 +151,8 @@ int sb_submit(sb_ring *r, uint32_t pid, uint64_t start_ticks, const void *src,
 {
 	if (r->inputs != 1 || nbytes > r->tensor_slot_bytes[0])
 		return SB_EBADARG;
-	if (admit && deadline_ns) {
-		uint64_t now = sb_now_ns();
-		/* admission.refuses(): the wait, plus an eighth of it for the
-		 * estimate's error, ends after the deadline. Counting the queue
-		 * costs a pass over the bitmaps: skipped when even a full queue
-		 * would leave time enough */
-		uint64_t worst = wait_behind(r, priority, now, r->capacity);
-		uint64_t wait = sat_add(now, sat_add(worst, worst / 8)) <= deadline_ns ? 0
-				: sb_predicted_wait_ns(r, priority, now);
-		if (wait && sat_add(now, sat_add(wait, wait / 8)) > deadline_ns) {
-			uint64_t ms = wait / 1000000;
-			ticket[0] = ms > UINT32_MAX ? UINT32_MAX : (uint32_t)ms;
-			/* relaxed: a figure, read by nobody who orders on it */
-			sb_add_relaxed(&hdr(r)->words[SB_W_OVERLOADED], 1);
-			return SB_EOVERLOADED;
-		}
-	}
+	if (admit && deadline_ns && sb_admit(r, priority, deadline_ns, &ticket[0]) != SB_OK)
+		return SB_EOVERLOADED;
 	int code = sb_acquire(r, pid, start_ticks, &ticket[0], &ticket[1]);
 	if (code != SB_OK)
 		return code;

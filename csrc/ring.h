@@ -375,6 +375,12 @@ void sb_admission_figures(const sb_ring *r, uint32_t max_priority, uint32_t coun
  * that saturate: how long a request of this priority, enqueued at now_ns,
  * would wait for its answer (0 before any batch is measured) */
 uint64_t sb_predicted_wait_ns(sb_ring *r, uint32_t priority, uint64_t now_ns);
+/* admission by deadline: 1 when a request that would wait wait_ns for its
+ * answer, with left_ns to its deadline, is refused (the one rule); and the
+ * rule applied to a request of this priority now: SB_OK, or SB_EOVERLOADED
+ * (counted in SB_W_OVERLOADED) with the predicted wait in *wait_ms */
+int sb_refuses(uint64_t wait_ns, uint64_t left_ns);
+int sb_admit(sb_ring *r, uint32_t priority, uint64_t deadline_ns, uint32_t *wait_ms);
 /* a batcher's running fit of its service time, S(n) ~ fixed + n * per_item,
  * by least squares with exponential forgetting (each older batch weighs
  * 1 - 1/SB_FIT_MEMORY times less): admission's figures. It lives in the
@@ -396,11 +402,6 @@ typedef struct {
 int sb_fit_add(sb_fit *fit, uint32_t n, uint64_t service_ns);
 
 /* batcher: the claim (claim.c) */
-/* sb_scan lists the READY slots for a policy of the caller's (one pass over
- * ready[], most urgent level first, ascending within a level: up to max_out
- * of them, with arrival, length and priority); returns how many are READY */
-uint32_t sb_scan(sb_ring *r, uint32_t max_out, uint32_t *slots,
-		 uint64_t *arrival_ns, uint32_t *lengths, uint32_t *priorities);
 /* The shapes a batch may take, as the caller's policy hands them to the
  * claim: length buckets (a request of length L is in the first bucket b
  * with L <= bound[b]; a batch holds one bucket, at most most[b] requests)

@@ -266,7 +266,5 @@ static inline void bump_done_seq(sb_ring *r)
 {
 	seq_bump(&hdr(r)->done_seq, &hdr(r)->done_waiters);
 }
-/* admission.c: predicted wait with `queued` ahead (UINT64_MAX: count them) */
-uint64_t wait_behind(sb_ring *r, uint32_t priority, uint64_t now_ns, uint64_t queued);
 
 #endif

@@ -6,10 +6,12 @@ its service time against the batch size, S(n) ~ fixed + n * per_item
 that slows down), and writes it to two header words. A client, before it
 enqueues a request with a deadline, counts the requests queued ahead of it
 (at its priority or more urgent: a popcount of the READY bitmaps) and
-predicts its wait (predicted_wait_ns): the full batches ahead, spread over
-the instances, then its own. If that wait would end after its deadline the
-request is refused at once with Overloaded: computing it would only delay the
-requests behind it, which can still make theirs.
+predicts its wait: the full batches ahead, spread over the instances, then
+its own. If that wait, plus an eighth of it for the estimate's error, would
+end after its deadline, the request is refused at once with Overloaded:
+computing it would only delay the requests behind it, which can still make
+theirs. Both the estimate and the rule are the C's (sb_predicted_wait_ns,
+sb_refuses, applied by sb_admit); this module holds the fit.
 
 The prediction counts what is left of the batch in service when every
 batcher is busy, and ignores what comes after the request: more urgent
@@ -20,37 +22,9 @@ came a median of about 2 ms after the prediction (p99 5-6 ms).
 from engine import ring
 
 
-def refuses(wait_ns: int, left_ns: int) -> bool:
-    """The rule (applied in C, in the fused submit): refuse when the predicted
-    wait, plus an eighth of it for the estimate's error, ends after the
-    deadline. Under overload the queue settles where this holds with little
-    to spare: without the eighth, a wait a little longer than predicted would
-    make most answers late; at loads the engine keeps up with, waits are far
-    shorter than deadlines and the eighth refuses nothing."""
-    return wait_ns + wait_ns // 8 > left_ns
-
-
 # The fit is solved after each of its first REFIT batches, then every REFIT
 # (its constants are the C's: ring.h, sb_fit).
 REFIT = ring.FIT_REFIT
-
-
-def predicted_wait_ns(queued_ahead: int, batch_limit: int, instances: int,
-                      fixed_ns: int, per_item_ns: float, busy_since_ns: int = 0,
-                      now_ns: int = 0) -> int:
-    """Enqueue to answer for a request with queued_ahead requests before it:
-    what is left of the batch in service when every batcher is busy (since
-    busy_since_ns, by the fit), the full rounds of batches ahead, its own.
-    Nothing ahead and a batcher idle: 0, never a refusal."""
-    if not queued_ahead and not busy_since_ns:
-        return 0  # an idle engine takes it at once: its figures may be a stale warm-up's
-    limit = max(1, batch_limit)
-    full_batch_ns = fixed_ns + limit * per_item_ns
-    in_service_ns = max(0.0, full_batch_ns - (now_ns - busy_since_ns)) if busy_since_ns else 0.0
-    per_round = limit * max(1, instances)
-    full_rounds = queued_ahead // per_round
-    own_batch = min(queued_ahead - full_rounds * per_round + 1, limit)
-    return int(in_service_ns + full_rounds * full_batch_ns + fixed_ns + own_batch * per_item_ns)
 
 
 class ServiceFit:

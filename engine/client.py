@@ -35,7 +35,7 @@ from typing import Optional
 
 import numpy as np
 
-from engine import admission, futures, liveness, reaper, ring, waiting
+from engine import futures, liveness, reaper, ring, waiting
 from engine.errors import EngineError, EngineUnavailable, InvalidInput, Overloaded, QueueFull
 from engine.layout import Segment
 from engine.lent import SlotRequest
@@ -288,12 +288,8 @@ class Client:
             if code == ring.OK:  # the common case: enqueued
                 return seg, slot, gen
         else:
-            now_ns = ring.now_ns()
-            wait_ns = r.predicted_wait_ns(priority, now_ns) if admit else 0
-            if admit and admission.refuses(wait_ns, deadline - now_ns):
-                r.add_word(ring.W_OVERLOADED)  # as sb_submit counts its own refusals
-                code, slot = ring.EOVERLOADED, wait_ns // 1_000_000
-            else:
+            code, slot = r.admit(priority, deadline) if admit else (ring.OK, 0)
+            if code == ring.OK:
                 code, slot, gen = r.acquire(self._pid, self._start_ticks)
         if code == ring.EOVERLOADED:  # then `slot` holds the predicted wait, in ms
             raise self._overloaded(deadline, slot)
@@ -331,9 +327,7 @@ class Client:
     @staticmethod
     def _overloaded(deadline: int, wait_ms: int) -> Overloaded:
         """The admission's refusal (already counted in overloaded_total), kept
-        cheap: it is what an overloaded engine answers most. The C estimate
-        (sb_predicted_wait_ns) is admission.predicted_wait_ns on the header's
-        figures."""
+        cheap: it is what an overloaded engine answers most."""
         return Overloaded.predicted(wait_ms, (deadline - ring.now_ns()) / 1e6)
 
     def _make_room(self, seg, deadline):

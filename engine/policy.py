@@ -1,6 +1,6 @@
 """Which ready requests form the next batch: the flush rule, as pure functions.
 
-Today's rule (the design notes'): with nothing queued, wait for work with no
+The rule: with nothing queued, wait for work with no
 timer; once something is queued, flush when max_batch requests are ready or
 when the OLDEST (of any priority) has waited max_delay, whichever comes
 first; a batch takes the most urgent priority first and the oldest first
@@ -8,10 +8,8 @@ within it, at most max_batch. While the engine drains (stopping), it
 flushes whatever is ready at once.
 
 The batcher applies the rule in C, in one pass and one call per batch
-(ring.claim), given the rule's thresholds(). next_batch() is the same rule on
-plain arrays: what a policy that must see the ready list in Python builds on
-(ring.scan and ring.claim_slots), and the rule's specification in the tests,
-which check the C claim against it.
+(ring.claim), given the rule's thresholds() from here: the C is its one
+implementation (the tests hold it to a specification of their own).
 
 BatchShapes are the shapes a compiled model wants, as thresholds the C claim
 applies in the same pass: length buckets (a batch holds one bucket; with
@@ -25,17 +23,8 @@ import bisect
 import dataclasses
 from typing import Optional
 
-import numpy as np
+from engine import ring
 
-ANY_TIME_NS = 2**64 - 1  # a cutoff every arrival is at or before
-
-
-@dataclasses.dataclass(frozen=True)
-class Decision:
-    """take: indices into the ready list, oldest first (empty: none now);
-    wait_ns: how long to wait before asking again (None: until work comes)."""
-    take: np.ndarray
-    wait_ns: Optional[int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,30 +40,12 @@ class FlushRule:
         if limit is not None and limit < max_n:  # (no min()/max() calls: run per batch)
             max_n = limit if limit > 1 else 1
         if draining:
-            return max_n, 1, ANY_TIME_NS
+            return max_n, 1, ring.MAX_NS
         return max_n, max_n, now_ns - self.max_delay_ns
 
     def wait_ns(self, oldest_ns: int, now_ns: int) -> int:
         """With requests queued but not due: how long until the oldest is."""
         return max(0, oldest_ns + self.max_delay_ns - now_ns)
-
-    def next_batch(self, arrival_ns: np.ndarray, now_ns: int, draining: bool = False,
-                   priority: Optional[np.ndarray] = None, limit: Optional[int] = None) -> Decision:
-        """The rule on the ready requests' arrival stamps and priorities (0 the
-        most urgent; none: all 0), listed in slot order: the flush deadline is
-        the oldest's of any level; a batch takes the most urgent first, the
-        oldest first within a level."""
-        n = len(arrival_ns)
-        if n == 0:
-            return Decision(np.empty(0, np.intp), None)
-        max_n, flush_n, cutoff_ns = self.thresholds(now_ns, draining, limit)
-        oldest = int(arrival_ns.min())
-        if n < flush_n and oldest > cutoff_ns:
-            return Decision(np.empty(0, np.intp), self.wait_ns(oldest, now_ns))
-        if priority is None:
-            priority = np.zeros(n, np.int64)
-        order = np.lexsort((np.arange(n), arrival_ns, priority))  # ties: the lower slot first
-        return Decision(order[:max_n], 0)
 
 
 def pad_size(n: int, allowed) -> int:

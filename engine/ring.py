@@ -60,6 +60,7 @@ def new_fit(warmup: int = 0):
 
 
 fit_add = lib.sb_fit_add
+refuses = lib.sb_refuses  # (wait_ns, left_ns): admission's rule, the C's
 
 
 def layout_bytes(capacity: int, inputs: int, slot_bytes, in_place: bool, levels: int = 1) -> int:
@@ -238,6 +239,13 @@ class Ring:
     def predicted_wait_ns(self, priority: int, now_ns: int) -> int:
         return lib.sb_predicted_wait_ns(self.r, priority, now_ns)
 
+    def admit(self, priority: int, deadline_ns: int):
+        """Admission by deadline for a request of this priority now: (OK, 0),
+        or (EOVERLOADED, the predicted wait in ms), counted."""
+        out = self._buffer("ticket", "uint32_t[2]")
+        code = lib.sb_admit(self.r, priority, deadline_ns, out)
+        return code, out[0]
+
     def queued(self, max_priority: int) -> int:
         """How many requests are READY at priority max_priority or more urgent."""
         return lib.sb_queued(self.r, max_priority)
@@ -314,14 +322,6 @@ class Ring:
         report = batch.c_report
         batch.bucket = report[R_BUCKET]
         return n, report[R_CLAIM_NS], report[R_READY], report[R_OLDEST_NS], report[R_EXPIRED]
-
-    def scan(self, slots: np.ndarray, arrival_ns: np.ndarray, lengths: np.ndarray,
-             priorities: np.ndarray) -> int:
-        """Lists the READY slots (most urgent level first, ascending within one)
-        into the arrays, as many as fit; returns how many are READY in all."""
-        return lib.sb_scan(self.r, len(slots), _ptr(slots, "uint32_t *"),
-                           _ptr(arrival_ns, "uint64_t *"), _ptr(lengths, "uint32_t *"),
-                           _ptr(priorities, "uint32_t *"))
 
     def complete(self, batcher: int, batch: ClaimBuffers, n: int, status=0,
                  message: bytes = b"") -> int:

@@ -4,7 +4,8 @@ import os
 import numpy as np
 import pytest
 
-from engine import policy, ring
+import oracles
+from engine import policy, reaper, ring
 from conftest import raw_segment
 
 MS = 1_000_000
@@ -16,52 +17,52 @@ def arrivals(*ms):
 
 
 def test_nothing_ready_waits_for_work_with_no_timer():
-    d = RULE.next_batch(arrivals(), now_ns=100 * MS)
+    d = oracles.next_batch(RULE, arrivals(), now_ns=100 * MS)
     assert len(d.take) == 0 and d.wait_ns is None
 
 
 def test_a_full_batch_flushes_at_once_oldest_first():
-    d = RULE.next_batch(arrivals(9.9, 9.7, 9.8, 9.6), now_ns=10 * MS)  # none due yet
+    d = oracles.next_batch(RULE, arrivals(9.9, 9.7, 9.8, 9.6), now_ns=10 * MS)  # none due yet
     assert list(d.take) == [3, 1, 2, 0] and d.wait_ns == 0
 
 
 def test_fewer_than_full_flush_once_the_oldest_is_due():
-    d = RULE.next_batch(arrivals(8.5, 8.0), now_ns=10 * MS)  # oldest waited exactly max_delay
+    d = oracles.next_batch(RULE, arrivals(8.5, 8.0), now_ns=10 * MS)  # oldest waited exactly max_delay
     assert list(d.take) == [1, 0]
 
 
 def test_fewer_than_full_and_none_due_wait_for_the_oldest_only():
-    d = RULE.next_batch(arrivals(9.5, 9.0, 9.9), now_ns=10 * MS)
+    d = oracles.next_batch(RULE, arrivals(9.5, 9.0, 9.9), now_ns=10 * MS)
     assert len(d.take) == 0 and d.wait_ns == 1 * MS  # 9.0 + 2 - 10: the OLDEST's deadline
 
 
 def test_more_ready_than_fit_take_the_oldest_max_batch():
-    d = RULE.next_batch(arrivals(5, 1, 4, 2, 6, 3), now_ns=10 * MS)
+    d = oracles.next_batch(RULE, arrivals(5, 1, 4, 2, 6, 3), now_ns=10 * MS)
     assert list(d.take) == [1, 3, 5, 2]
 
 
 def test_ties_go_to_the_lower_slot_first():
-    d = RULE.next_batch(arrivals(3, 1, 1, 2, 1), now_ns=10 * MS)
+    d = oracles.next_batch(RULE, arrivals(3, 1, 1, 2, 1), now_ns=10 * MS)
     assert list(d.take) == [1, 2, 4, 3]
 
 
 def test_draining_flushes_whatever_is_ready_at_once():
-    d = RULE.next_batch(arrivals(9.99), now_ns=10 * MS, draining=True)
+    d = oracles.next_batch(RULE, arrivals(9.99), now_ns=10 * MS, draining=True)
     assert list(d.take) == [0]
 
 
 def test_thresholds_are_the_rule_for_the_c_claim():
     assert RULE.thresholds(10 * MS) == (4, 4, 8 * MS)
-    assert RULE.thresholds(10 * MS, draining=True) == (4, 1, policy.ANY_TIME_NS)
+    assert RULE.thresholds(10 * MS, draining=True) == (4, 1, ring.MAX_NS)
     assert RULE.thresholds(10 * MS, limit=2) == (2, 2, 8 * MS)  # AIMD's smaller full batch
     assert RULE.thresholds(10 * MS, limit=99) == (4, 4, 8 * MS)  # never above max_batch
 
 
 def test_the_most_urgent_level_goes_first_and_the_oldest_of_any_level_sets_the_flush():
-    d = RULE.next_batch(arrivals(5, 1, 4, 2, 6, 3), now_ns=10 * MS,
+    d = oracles.next_batch(RULE, arrivals(5, 1, 4, 2, 6, 3), now_ns=10 * MS,
                         priority=np.array([0, 1, 1, 0, 0, 1]))
     assert list(d.take) == [3, 0, 4, 1]  # level 0 oldest first (2, 5, 6), then level 1's oldest
-    d = RULE.next_batch(arrivals(9.5, 7.5), now_ns=10 * MS, priority=np.array([0, 1]))
+    d = oracles.next_batch(RULE, arrivals(9.5, 7.5), now_ns=10 * MS, priority=np.array([0, 1]))
     assert list(d.take) == [0, 1]  # the level-1 request made the batch due
 
 
@@ -80,13 +81,16 @@ def test_the_c_claim_takes_what_the_rule_says_on_random_ready_lists(seed):
         # some withdrawn again: their bits are cleared, their slots FREE
         for k in rng.choice(len(tickets), size=len(tickets) // 4, replace=False):
             r.abandon(*tickets[k])
-        cap = seg.capacity
-        slots, stamps = np.zeros(cap, np.uint32), np.zeros(cap, np.uint64)
-        lengths, levels_of = np.zeros(cap, np.uint32), np.zeros(cap, np.uint32)
-        n = r.scan(slots, stamps, lengths, levels_of)
+        # the READY list as the claim sees it, from the slots' meta (ring.h: 64 B each,
+        # arrival_ns at 0, priority at 56), in slot order
+        meta = np.ndarray((seg.capacity, 8), np.uint64, buffer=seg._mapping,
+                          offset=seg.ring.geometry.off_meta)
+        slots = np.nonzero(ring.ctl_state(reaper.Census(r, seg.capacity).ctl) == ring.READY)[0]
+        n, stamps, levels_of = len(slots), meta[slots, 0], meta[slots, 7] & np.uint64(0xFFFFFFFF)
+        del meta  # copies taken: the mapping can close
         now = int(stamps[:n].max()) + int(rng.integers(0, 3)) * MS if n else ring.now_ns()
-        want = rule.next_batch(stamps[:n], now, priority=levels_of[:n])
-        b = ring.ClaimBuffers(cap, rule.max_batch)
+        want = oracles.next_batch(rule, stamps[:n], now, priority=levels_of[:n])
+        b = ring.ClaimBuffers(seg.capacity, rule.max_batch)
         got, _, ready, _, _ = r.claim(0, *rule.thresholds(now), b)
         assert ready == n
         assert sorted(b.slots[:got].tolist()) == sorted(slots[want.take].tolist())

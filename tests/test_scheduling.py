@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import engine
+import oracles
 from engine import admission, aimd, batchers, ring
 from engine.batchers import Instance
 from conftest import raw_segment, wait_for
@@ -195,13 +196,13 @@ def test_the_service_fit_skips_its_warm_up_batches():
 
 def test_the_predicted_wait_counts_full_rounds_ahead_then_its_own_batch():
     f, c = 2 * MS, 100_000
-    assert admission.predicted_wait_ns(0, 32, 1, f, c) == 0  # nothing ahead, a batcher idle
-    assert admission.predicted_wait_ns(1, 32, 1, f, c) == f + 2 * c  # joins the one ahead
-    assert admission.predicted_wait_ns(31, 32, 1, f, c) == f + 32 * c  # joins the next batch
-    assert admission.predicted_wait_ns(32, 32, 1, f, c) == (f + 32 * c) + f + c
-    assert admission.predicted_wait_ns(64, 32, 2, f, c) == (f + 32 * c) + f + c  # 2 instances
+    assert oracles.predicted_wait_ns(0, 32, 1, f, c) == 0  # nothing ahead, a batcher idle
+    assert oracles.predicted_wait_ns(1, 32, 1, f, c) == f + 2 * c  # joins the one ahead
+    assert oracles.predicted_wait_ns(31, 32, 1, f, c) == f + 32 * c  # joins the next batch
+    assert oracles.predicted_wait_ns(32, 32, 1, f, c) == (f + 32 * c) + f + c
+    assert oracles.predicted_wait_ns(64, 32, 2, f, c) == (f + 32 * c) + f + c  # 2 instances
     # every batcher busy: what is left of the batch in service comes first
-    assert admission.predicted_wait_ns(0, 32, 1, f, c, busy_since_ns=10 * MS,
+    assert oracles.predicted_wait_ns(0, 32, 1, f, c, busy_since_ns=10 * MS,
                                        now_ns=11 * MS) == (f + 32 * c - MS) + f + c
 
 
@@ -289,15 +290,15 @@ def test_the_c_admission_estimate_is_the_python_one(seed):
                 seg.mark_batch(i, now - int(rng.integers(0, 5 * MS)))
         for priority in (0, 1):
             ahead, fixed_ns, item_ps, limit, busy = r.admission_figures(priority)
-            want = admission.predicted_wait_ns(ahead, limit, instances, fixed_ns, item_ps / 1000,
+            want = oracles.predicted_wait_ns(ahead, limit, instances, fixed_ns, item_ps / 1000,
                                                busy, now)
             assert abs(r.predicted_wait_ns(priority, now) - want) <= 2 * limit + 2  # rounding
 
 
 def test_admission_refuses_a_wait_that_with_an_eighth_more_ends_after_the_deadline():
-    assert not admission.refuses(80 * MS, 100 * MS)  # 90 ms: in time
-    assert admission.refuses(90 * MS, 100 * MS)  # 101.25 ms: refused
-    assert not admission.refuses(0, 0)
+    assert not ring.refuses(80 * MS, 100 * MS)  # 90 ms: in time
+    assert ring.refuses(90 * MS, 100 * MS)  # 101.25 ms: refused
+    assert not ring.refuses(0, 0)
 
 
 def test_one_stalled_batch_cannot_lock_the_fit_up():

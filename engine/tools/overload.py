@@ -18,7 +18,7 @@ from typing import List
 
 import numpy as np
 
-from engine import admission, ring, tools
+from engine import ring, tools
 from engine.client import Client
 from engine.supervisor import Engine
 from engine.errors import EngineError, Overloaded, QueueFull, RequestTimeout
@@ -126,7 +126,7 @@ def _client(cid, setup: Setup, capacity_rps: float, factor, observe: bool, conn)
             if observe:  # admission's own rule on the engine's own estimate, not applied
                 wait_s = client.predicted_wait_s(0 if urgent[k] else 1)
                 predicted_ns[k] = int(wait_s * 1e9) + (ring.now_ns() - scheduled[k])
-                would_refuse[k] = admission.refuses(int(wait_s * 1e9), int(left_s * 1e9))
+                would_refuse[k] = ring.refuses(int(wait_s * 1e9), int(left_s * 1e9))
             pending[k] = f = client.submit(x, timeout=left_s, priority=0 if urgent[k] else 1)
             f.add_done_callback(lambda f, k=k: done(f, k))
         except Overloaded:
