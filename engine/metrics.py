@@ -139,6 +139,30 @@ def _cumulative(counts: np.ndarray, upper: np.ndarray, bounds) -> list:
     return out + [("+Inf", float(counts.sum()))]
 
 
+# The families that are one figure of stats() each: (kind, stats() key, name, help).
+FAMILIES = (
+    ("counter", "batches_total", "shmbatch_batches", "Batches run."),
+    ("counter", "batcher_restarts_total", "shmbatch_batcher_restarts", "Batchers restarted."),
+    ("counter", "isolated_failures_total", "shmbatch_isolated_failures",
+     "Requests that failed alone once their batch was split."),
+    ("counter", "retried_alone_total", "shmbatch_retried_alone",
+     "Requests retried alone after their batcher died."),
+    ("counter", "corrupt_total", "shmbatch_corrupt",
+     "Values in the segment that failed their checks (another process wrote into it)."),
+    ("gauge", "batch_limit", "shmbatch_batch_limit", "The batch limit (AIMD with slo_ms)."),
+    ("gauge", "queue_depth", "shmbatch_queue_depth", "Requests queued, not yet in a batch."),
+    ("gauge", "slots_in_use", "shmbatch_slots_in_use", "Slots queued or in flight."),
+    ("gauge", "instances_alive", "shmbatch_instances_alive", "Live batcher processes."),
+)
+# The time histograms: (name, help, ring histogram, header word of its sum)
+TIME_HISTOGRAMS = (
+    ("shmbatch_queue_wait_seconds", "Arrival to dispatch, per request.",
+     ring.H_QUEUE_WAIT, ring.W_QUEUE_WAIT_SUM_NS),
+    ("shmbatch_service_seconds", "Dispatch to answers, per batch.",
+     ring.H_SERVICE, ring.W_SERVICE_SUM_NS),
+)
+
+
 class Collector:
     """A prometheus_client collector that reads the engine's segment on each scrape."""
 
@@ -148,87 +172,45 @@ class Collector:
     def collect(self):
         from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                             HistogramMetricFamily)
-        r = self.segment.ring
-        w = r.word
-        labels = {"engine": self.segment.name}
+        kinds = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
+        r, engine = self.segment.ring, self.segment.name
+        stats = read_stats(self.segment)
         requests = CounterMetricFamily("shmbatch_requests", "Requests by outcome.",
                                        labels=["engine", "outcome"])
-        for _, word, outcome in COUNTERS:
+        for key, _, outcome in COUNTERS:
             if outcome is not None:
-                requests.add_metric([labels["engine"], outcome], w(word))
+                requests.add_metric([engine, outcome], stats[key])
         yield requests
-        batches = CounterMetricFamily("shmbatch_batches", "Batches run.", labels=["engine"])
-        batches.add_metric([labels["engine"]], w(ring.W_BATCHES))
-        yield batches
-        restarts = CounterMetricFamily("shmbatch_batcher_restarts", "Batchers restarted.",
-                                       labels=["engine"])
-        restarts.add_metric([labels["engine"]], w(ring.W_RESTARTS))
-        yield restarts
+        for kind, key, name, doc in FAMILIES:
+            family = kinds[kind](name, doc, labels=["engine"])
+            family.add_metric([engine], stats[key])
+            yield family
+        tokens = CounterMetricFamily("shmbatch_tokens", "Lengths along the variable dim: "
+                                     "real, and padded as the backend saw them.",
+                                     labels=["engine", "kind"])
+        tokens.add_metric([engine, "real"], stats["tokens_total"])
+        tokens.add_metric([engine, "padded"], stats["padded_tokens_total"])
+        yield tokens
         sizes = r.histogram(ring.H_BATCH_SIZE)
         hist = HistogramMetricFamily("shmbatch_batch_size", "Requests per batch.", labels=["engine"])
-        hist.add_metric([labels["engine"]],
-                        _cumulative(sizes, np.arange(len(sizes)), BATCH_BUCKETS),
-                        sum_value=float(w(ring.W_ITEMS)))
+        hist.add_metric([engine], _cumulative(sizes, np.arange(len(sizes)), BATCH_BUCKETS),
+                        sum_value=float(r.word(ring.W_ITEMS)))
         yield hist
-        for name, doc, which, sum_word in (
-                ("shmbatch_queue_wait_seconds", "Arrival to dispatch, per request.",
-                 ring.H_QUEUE_WAIT, ring.W_QUEUE_WAIT_SUM_NS),
-                ("shmbatch_service_seconds", "Dispatch to answers, per batch.",
-                 ring.H_SERVICE, ring.W_SERVICE_SUM_NS)):
+        for name, doc, which, sum_word in TIME_HISTOGRAMS:
             h = HistogramMetricFamily(name, doc, labels=["engine"])
-            h.add_metric([labels["engine"]],
-                         _cumulative(r.histogram(which), _UPPER_NS / 1e9, LATENCY_BUCKETS_S),
-                         sum_value=w(sum_word) / 1e9)
+            h.add_metric([engine], _cumulative(r.histogram(which), _UPPER_NS / 1e9,
+                                               LATENCY_BUCKETS_S),
+                         sum_value=r.word(sum_word) / 1e9)
             yield h
         by_level = HistogramMetricFamily("shmbatch_queue_wait_by_priority_seconds",
                                          "Arrival to dispatch, per request, by priority level.",
                                          labels=["engine", "priority"])
         for level in range(self.segment.config.priority_levels):
             counts, _, sum_ns = r.level_wait(level)
-            by_level.add_metric([labels["engine"], str(level)],
+            by_level.add_metric([engine, str(level)],
                                 _cumulative(counts, _UPPER_NS / 1e9, LATENCY_BUCKETS_S),
                                 sum_value=sum_ns / 1e9)
         yield by_level
-        isolated = CounterMetricFamily("shmbatch_isolated_failures",
-                                       "Requests that failed alone once their batch was split.",
-                                       labels=["engine"])
-        isolated.add_metric([labels["engine"]], w(ring.W_ISOLATED))
-        yield isolated
-        retried = CounterMetricFamily("shmbatch_retried_alone",
-                                      "Requests retried alone after their batcher died.",
-                                      labels=["engine"])
-        retried.add_metric([labels["engine"]], w(ring.W_RETRIED))
-        yield retried
-        corrupt = CounterMetricFamily("shmbatch_corrupt", "Values in the segment that failed "
-                                      "their checks (another process wrote into it).",
-                                      labels=["engine"])
-        corrupt.add_metric([labels["engine"]], r.corrupt_total())
-        yield corrupt
-        tokens = CounterMetricFamily("shmbatch_tokens", "Lengths along the variable dim: "
-                                     "real, and padded as the backend saw them.",
-                                     labels=["engine", "kind"])
-        tokens.add_metric([labels["engine"], "real"], w(ring.W_TOKENS))
-        tokens.add_metric([labels["engine"], "padded"], w(ring.W_PADDED_TOKENS))
-        yield tokens
-        limit = GaugeMetricFamily("shmbatch_batch_limit", "The batch limit (AIMD with slo_ms).",
-                                  labels=["engine"])
-        limit.add_metric([labels["engine"]], self.segment.batch_limit())
-        yield limit
-        ctl = np.zeros(self.segment.capacity, dtype=np.uint64)
-        r.snapshot(ctl, np.zeros_like(ctl))
-        states = ring.ctl_state(ctl)
-        depth = GaugeMetricFamily("shmbatch_queue_depth", "Requests queued, not yet in a batch.",
-                                  labels=["engine"])
-        depth.add_metric([labels["engine"]], int((states == ring.READY).sum()))
-        yield depth
-        busy = GaugeMetricFamily("shmbatch_slots_in_use", "Slots queued or in flight.",
-                                 labels=["engine"])
-        busy.add_metric([labels["engine"]], int((states != ring.FREE).sum()))
-        yield busy
-        alive = GaugeMetricFamily("shmbatch_instances_alive", "Live batcher processes.",
-                                  labels=["engine"])
-        alive.add_metric([labels["engine"]], len(batcher_pids(r, self.segment.config.instances)))
-        yield alive
 
 
 def serve_http(segment, port: int, host: str = "0.0.0.0"):

@@ -90,7 +90,7 @@ def test_serve_from_flags_answers_status_and_metrics_then_exits_clean(serves):
     figures = json.loads(status.stdout)
     assert figures["requests_total"] == figures["answered_total"] == 20
     assert figures["state"] == "running" and figures["instances_alive"] == 1
-    assert figures["max_batch_size"] == 8
+    assert figures["max_batch_size"] == 8 and figures["corrupt_total"] == 0
     table = shmbatch("status", s.name)
     assert "queue wait" in table.stdout and "p99" in table.stdout
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
@@ -98,7 +98,7 @@ def test_serve_from_flags_answers_status_and_metrics_then_exits_clean(serves):
     for name in ("shmbatch_batches_total", "shmbatch_batch_size_bucket",
                  "shmbatch_queue_wait_seconds_bucket", "shmbatch_service_seconds_bucket",
                  "shmbatch_queue_depth", "shmbatch_batch_limit", "shmbatch_isolated_failures_total",
-                 "shmbatch_retried_alone_total",
+                 "shmbatch_retried_alone_total", f'shmbatch_corrupt_total{{engine="{s.name}"}} 0.0',
                  'shmbatch_queue_wait_by_priority_seconds_bucket{engine="%s",le="0.001",priority="0"}'
                  % s.name, 'outcome="overloaded"', 'outcome="expired"'):
         assert name in text
