@@ -78,7 +78,7 @@ class Batcher:
         # the header's words the loop reads (epoch, state) and stamps (the
         # watchdog's batch start) each batch, without a call (Segment.epoch(),
         # engine_state() and mark_batch() are these loads and stores)
-        self.words = self.ring.header_words()
+        self.words = segment.words
         self.batch_start_word = ring.W_BATCH_START + instance
         self.slo_ns = None if cfg.slo_ms is None else int(cfg.slo_ms * 1e6)
         self.isolate = cfg.isolate_failures

@@ -149,9 +149,11 @@ class Segment:
         self.capacity = geo.capacity
         self.incarnation = geo.incarnation
         self.total_bytes = geo.total_bytes
-        # the header's words, to read the engine's state per request without a C
-        # call (one would let another thread take the GIL); an aligned u64 load
-        self._words = np.ndarray((ring.WORDS,), np.uint64, buffer=mapping, offset=ring.OFF_WORDS)
+        # the header's words (W_*) for plain loads and stores: the engine's state
+        # read per request, a batch's start stamped per batch, without a C call
+        # (one would let another thread take the GIL). Ordered and atomic updates
+        # go through the ring (word, set_word, add_word).
+        self.words = self.ring.header_words()
         if header_only:
             return
         cfg = self.config
@@ -278,26 +280,26 @@ class Segment:
         return self._shm is None
 
     def engine_state(self) -> int:
-        return int(self._words[ring.W_ENGINE_STATE])
+        return self.words[ring.W_ENGINE_STATE]
 
     def epoch(self) -> int:
         """The epoch whose batchers serve (a reload moves it on; see batcher.run)."""
-        return int(self._words[ring.W_EPOCH])
+        return self.words[ring.W_EPOCH]
 
     def mark_batch(self, instance: int, claim_ns: int) -> None:
         """Says when the batch that batcher `instance` serves was claimed (0:
         none), for the supervisor's watchdog; a plain aligned store, no C call."""
-        self._words[ring.W_BATCH_START + instance] = claim_ns
+        self.words[ring.W_BATCH_START + instance] = claim_ns
 
     def set_batch_limit(self, limit: int) -> None:
-        self._words[ring.W_BATCH_LIMIT] = limit
+        self.words[ring.W_BATCH_LIMIT] = limit
 
     def batch_limit(self) -> int:
         """The batchers' current batch limit (0 before the engine sets it)."""
-        return int(self._words[ring.W_BATCH_LIMIT])
+        return self.words[ring.W_BATCH_LIMIT]
 
     def batch_started_ns(self, instance: int) -> int:
-        return int(self._words[ring.W_BATCH_START + instance])
+        return self.words[ring.W_BATCH_START + instance]
 
     def own_word(self, word: int, value: int) -> None:
         """Sets a header word that only the creator writes, and remembers it
@@ -319,7 +321,7 @@ class Segment:
             changed += 1
         with self._owned_lock:
             for word, value in self._owned.items():
-                if int(self._words[word]) != value:
+                if self.words[word] != value:
                     self.ring.set_word(word, value)
                     changed += 1
         return changed
@@ -340,7 +342,7 @@ class Segment:
         """Unmaps (views must be dropped first) and closes the fd (and its lock)."""
         if self._shm is None:
             return
-        self.inputs = self.outputs = self._words = self.ready_words = self.lengths = None
+        self.inputs = self.outputs = self.words = self.ready_words = self.lengths = None
         self.input_regions = self.output_regions = None
         self._close_mapping()
         self._shm.close_fd()

@@ -167,10 +167,10 @@ class Ring:
         lib.sb_word_add(self.r, word, delta)
 
     def header_words(self) -> memoryview:
-        """The header's words (W_*) as u64s, for a loop that reads or stamps
-        some each turn: an index is one aligned load or store, with no C call
+        """The header's words (W_*) as u64s, for what reads or stamps some per
+        request or batch: an index is one aligned load or store, with no C call
         and no numpy scalar (~50 ns, where int(array[i]) costs ~180). It holds
-        the mapping: a segment closed while it lives stays mapped."""
+        the mapping: views must be dropped before the segment closes."""
         return memoryview(self._mapping)[OFF_WORDS:OFF_WORDS + WORDS * 8].cast("Q")
 
     # -- client -----------------------------------------------------------
