@@ -3,8 +3,8 @@
 This is the only module that knows where things are in the segment: it asks
 the C ring for each region's offset (csrc/ring.h draws the layout) and builds
 the numpy views of the input and output regions over them. It also decides
-whether a segment of the engine's settings (engine.config) fits /dev/shm, and
-keeps their JSON copy in the segment's header.
+keeps the settings' JSON copy (engine.config) in the segment's header;
+whether a segment fits /dev/shm is engine.shm_sizing's.
 """
 import fcntl
 import mmap
@@ -14,74 +14,14 @@ import threading
 
 import numpy as np
 import posix_ipc
-import psutil
 
-from engine import ring
+from engine import ring, shm_sizing
 from engine.config import NAME_RE, EngineConfig
 from engine.errors import EngineAlreadyRunning, EngineCorrupt, EngineUnavailable, SegmentTooLarge
+from engine.shm_sizing import size_text
 
 def segment_name(name: str) -> str:
     return f"/shmbatch-{name}"
-
-
-# Where POSIX shared memory lives on Linux (glibc's shm_open).
-SHM_DIR = "/dev/shm"
-# An engine never takes the last of /dev/shm nor of the host's memory: after
-# its segment, 1/16 of /dev/shm's size (at least 1 MiB) must stay free there,
-# and 1/16 of the RAM (at least 64 MiB) must stay available.
-SHM_MARGIN_DIVISOR = 16
-SHM_MARGIN_MIN_BYTES = 1 << 20
-MEMORY_MARGIN_MIN_BYTES = 64 << 20
-
-
-def size_text(n: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
-
-
-def _round_up_text(n: int) -> str:
-    """A size for --shm-size / sizeLimit: n rounded up to whole MiB or GiB."""
-    gib, mib = -(-n // (1 << 30)), -(-n // (1 << 20))
-    return (f"{gib}g", f"{gib}Gi") if n >= 1 << 30 else (f"{mib}m", f"{mib}Mi")
-
-
-def check_fits(config: "EngineConfig", size: int) -> None:
-    """SegmentTooLarge, before anything is allocated, unless a segment of size
-    bytes fits in /dev/shm's free space and the host's available memory, with
-    their margins left (see SHM_MARGIN_DIVISOR)."""
-    st = os.statvfs(SHM_DIR)
-    shm_total, shm_free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
-    shm_margin = max(SHM_MARGIN_MIN_BYTES, shm_total // SHM_MARGIN_DIVISOR)
-    memory = psutil.virtual_memory()
-    mem_margin = max(MEMORY_MARGIN_MIN_BYTES, memory.total // SHM_MARGIN_DIVISOR)
-    if size <= shm_free - shm_margin and size <= memory.available - mem_margin:
-        return
-    in_bytes, out_bytes = config.input_slot_bytes, config.output_slot_bytes
-    if config.in_place:
-        rows, per_slot = f"{size_text(in_bytes)} (answers overwrite their input)", in_bytes
-    else:
-        rows = f"({size_text(in_bytes)} input + {size_text(out_bytes)} output)"
-        per_slot = in_bytes + out_bytes
-    control = size - per_slot * config.queue_capacity
-    if size > shm_free - shm_margin:
-        # a /dev/shm of T fits it beside what is there now when T - used - T/16 >= size
-        docker, k8s = _round_up_text((size + shm_total - shm_free) * SHM_MARGIN_DIVISOR
-                                     // (SHM_MARGIN_DIVISOR - 1) + SHM_MARGIN_MIN_BYTES)
-        where = (f"/dev/shm has {size_text(max(0, shm_free))} free of {size_text(shm_total)} and "
-                 f"keeps {size_text(shm_margin)} (1/{SHM_MARGIN_DIVISOR}) free")
-        remedy = (f"give /dev/shm more room (Docker: --shm-size={docker}; Kubernetes: an emptyDir "
-                  f"volume {{medium: Memory, sizeLimit: {k8s}}} mounted at /dev/shm)")
-    else:
-        where = (f"the host has {size_text(memory.available)} of memory available and keeps "
-                 f"{size_text(mem_margin)} (1/{SHM_MARGIN_DIVISOR} of its RAM) free")
-        remedy = "free memory on the host"
-    raise SegmentTooLarge(
-        f"engine {config.name!r} needs {size_text(size)} ({size:,} B) of shared memory "
-        f"(queue_capacity {config.queue_capacity} x {rows} per slot, + {size_text(control)} "
-        f"header and slot control), but {where}: lower queue_capacity or the max shapes, "
-        f"or {remedy}")
 
 
 def settings(mapping, where: str) -> EngineConfig:
@@ -193,7 +133,7 @@ class Segment:
             raise ValueError(f"engine {config.name!r}'s settings take {len(config.to_json())} B "
                              f"as JSON, more than the header's {ring.CONFIG_BYTES} B: fewer or "
                              f"shorter tensor names")
-        check_fits(config, size)  # before anything is allocated
+        shm_sizing.check_fits(config, size)  # before anything is allocated
         for _ in range(2):
             try:
                 shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)

@@ -33,7 +33,7 @@ PRELUDE = """
 import json, os, subprocess, sys, time
 import numpy as np, psutil
 import engine
-from engine import config, layout
+from engine import config, layout, shm_sizing
 
 def shm_used():
     st = os.statvfs("/dev/shm")
@@ -112,7 +112,7 @@ def test_an_engine_that_fits_a_small_dev_shm_runs_and_leaves_it_empty():
 
 def test_a_dev_shm_that_fills_after_the_check_fails_start_and_leaves_nothing():
     got = in_small_shm("""
-        layout.check_fits = lambda config, size: None  # as if another process filled it meanwhile
+        shm_sizing.check_fits = lambda config, size: None  # as if another process filled it meanwhile
         start_too_large("raced")
     """)
     assert got["error"] == "SegmentTooLarge" and "could not commit" in got["message"]
