@@ -12,7 +12,7 @@ from engine import ring
 
 
 def synthetic(fixed_ms: float = 2.0, per_item_us: float = 100.0, cost_file: str = None):
-    """The seed's cost model: busy-waits fixed_ms + n * per_item_us per batch
+    """A cost model: busy-waits fixed_ms + n * per_item_us per batch
     (in C, with the GIL released, as a real model's kernels run), then
     returns input * 2 + 1. With cost_file, the cost is re-read from that file
     ("FIXED_MS PER_ITEM_US") whenever it changes: a model that slows down, or

@@ -1,6 +1,6 @@
 """The batcher process: gathers ready requests, calls the backend once, scatters.
 
-Flush rule (policy.FlushRule, the seed's): with nothing queued, sleep on the
+Flush rule (policy.FlushRule): with nothing queued, sleep on the
 ring's work word with no flush timer (after a batch, spin up to SPIN_NS
 first); once something is queued its deadline is the OLDEST request's arrival
 + max_delay; flush when max_batch_size are ready or the deadline passes,

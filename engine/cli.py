@@ -1,4 +1,4 @@
-"""The `shmbatch` command (contract sections 4 and 8): serve, status, reload, cleanup, bench, tune."""
+"""The `shmbatch` command: serve, status, reload, cleanup, bench, tune."""
 import argparse
 import dataclasses
 import itertools

@@ -85,7 +85,7 @@ def _sweep_process(seg) -> int:
 
 
 class Client:
-    """A handle on the running engine called ``name`` (contract section 2)."""
+    """A handle on the running engine called ``name``."""
 
     def __init__(self, name: str):
         self.name = name

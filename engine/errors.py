@@ -1,4 +1,4 @@
-"""The errors of contract section 3: one class per way a request can fail.
+"""The errors shmbatch raises: one class per way a request can fail.
 
 Every message names what was expected and what came, so a caller can act on
 it without reading the engine's logs.

@@ -1,6 +1,6 @@
 """Which ready requests form the next batch: the flush rule, as pure functions.
 
-Today's rule (the design notes'): with nothing queued, wait for work with no
+The rule: with nothing queued, wait for work with no
 timer; once something is queued, flush when max_batch requests are ready or
 when the OLDEST (of any priority) has waited max_delay, whichever comes
 first; a batch takes the most urgent priority first and the oldest first

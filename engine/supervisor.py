@@ -89,7 +89,7 @@ KNOBS = tuple(dataclasses.fields(EngineConfig)) + tuple(dataclasses.fields(Engin
 
 
 class Engine:
-    """A dynamic batching engine serving one backend (contract section 1).
+    """A dynamic batching engine serving one backend.
 
     Engine(name, **knobs): the knobs are the fields of EngineConfig and
     EngineOptions (see KNOBS), each with its default and what it does."""
@@ -255,7 +255,7 @@ class Engine:
             raise EngineUnavailable(f"engine {self.name!r} is not running")
         return metrics.read_stats(self._seg)
 
-    # -- reload (contract section 8) -------------------------------------------
+    # -- reload -------------------------------------------
     def reload(self, backend=None, backend_args: Optional[dict] = None) -> dict:
         """Starts new batchers beside the old ones, with `backend` (MOD:FACTORY
         or a picklable callable; None keeps the current one) and `backend_args`

@@ -65,7 +65,7 @@ def test_backend_args_read_as_toml_values():
         {"fixed_ms": 1.0, "n": 3, "name": "x", "name2": "x", "flag": True}
 
 
-def test_a_small_bench_run_writes_the_contract_json_and_a_plot(tmp_path):
+def test_a_small_bench_run_writes_the_documented_json_and_a_plot(tmp_path):
     code = cli.main(["bench", "--backend", "engine.backends:identity", "--batch-sizes", "1,4",
                      "--clients", "2", "--rate", "400", "--requests", "80", "--out", str(tmp_path)])
     assert code == 0
@@ -92,7 +92,7 @@ def test_baseline_rows_answer_every_request_correctly():
 
 def test_tune_fits_the_cost_model_and_recommends_within_the_slo():
     from engine.tools import tune
-    service = {n: 2.0 + 0.1 * n for n in tune.batch_sizes(64)}  # the seed's S(n), exact
+    service = {n: 2.0 + 0.1 * n for n in tune.batch_sizes(64)}  # the synthetic S(n), exact
     f_ms, c_ms = tune.fit(service)
     assert (f_ms, c_ms) == (pytest.approx(2.0), pytest.approx(0.1))
     rec = tune.recommend(service, slo_ms=20.0)

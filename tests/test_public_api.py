@@ -1,4 +1,4 @@
-"""The names of contract sections 1-3 stay what they are."""
+"""The public names stay what they are."""
 import argparse
 import subprocess
 import sys

@@ -1,7 +1,7 @@
 """`shmbatch tune`: choose max_batch_size and max_delay_ms from the backend's cost.
 
 Measures the backend's service time S(n) for batch sizes up to a limit (in
-this process, median of repeated calls on random inputs), fits the seed's
+this process, median of repeated calls on random inputs), fits the
 cost model S(n) = F + n c, and recommends:
 
 - max_batch_size: where throughput n / S(n) flattens (the smallest n within
@@ -9,7 +9,7 @@ cost model S(n) = F + n c, and recommends:
   request can wait for the batch in service and then be served in the next,
   so the tail is about 2 S(n): we need 2 S(n) + margin <= SLO;
 - max_delay_ms: what is left of the SLO, SLO - 2 S(n) - margin (never more than
-  the seed's SLO - S(max_batch) - margin), with margin = max(1 ms, 10 % of SLO).
+  SLO - S(max_batch) - margin), with margin = max(1 ms, 10 % of SLO).
 """
 import os
 import time
