@@ -30,13 +30,14 @@ import concurrent.futures
 import functools
 import os
 import threading
-import weakref
 from typing import Optional
 
 import numpy as np
 
-from engine import admission, futures, liveness, reaper, ring, waiting
+from engine import admission, futures, liveness, ring, room, waiting
 from engine.errors import EngineError, EngineUnavailable, InvalidInput, Overloaded, QueueFull
+from engine.room import EVICT_WAIT_NS as EVICT_WAIT_NS  # noqa: F401 (its old home)
+from engine.attaching import attach
 from engine.layout import Segment
 from engine.lent import SlotRequest
 
@@ -46,53 +47,34 @@ from engine.lent import SlotRequest
 # clients burn no CPU.
 SPIN_NS = ring.SPIN_NS
 
-# How long a client that found the ring full of answers waits for other
-# processes' evictors to move them out, before it raises QueueFull. It waits
-# only when they hold more than a batch's worth (and 1/8 of the ring): fewer
-# are the last batches' answers on their way to their readers.
-EVICT_WAIT_NS = 100_000_000
-
 # Priority shares: a request of priority p > 0 is refused while the requests
 # queued at p or less urgent fill (SHARE_STEPS - p) / SHARE_STEPS of the queue.
 SHARE_STEPS = 8
 
-_clients = weakref.WeakSet()
-
-
-def _queue_full(seg, census: reaper.Census) -> QueueFull:
-    """The refusal, counted, with what holds the slots (after making room)."""
-    seg.ring.add_word(ring.W_REJECTED)
-    busy = census.count(ring.READY, ring.CLAIMED, ring.ABANDONED)
-    held = census.answered_by_pid()
-    text = (f"queue_capacity {seg.capacity} reached: expected a free slot, got {busy} requests "
-            f"queued or being computed, {census.count(ring.WRITING)} being written or lent")
-    if held:
-        text += (f", {sum(held.values())} answers not yet read by live processes "
-                 f"{sorted(held)}")
-    return QueueFull(text)
-
-
-def _sweep_process(seg) -> int:
-    """Settles the answered Futures of every client of this process on the
-    engine of seg (copy out, free the slot); returns how many."""
-    freed = 0
-    for client in list(_clients):
-        other = client._seg
-        if (other is not None and client._pid == os.getpid() and other.name == seg.name
-                and other.incarnation == seg.incarnation):
-            freed += futures.sweep(client._held)
-    return freed
+_clients = room.clients
 
 
 class Client:
-    """A handle on the running engine called ``name``."""
+    """A handle on the running engine called ``name``.
 
-    def __init__(self, name: str):
+    By default the engine must be running: EngineUnavailable otherwise.
+    ``wait_s`` waits up to that long for it (a sidecar that is still
+    starting). With ``lazy=True`` the constructor never fails for want of an
+    engine: each request attaches if it can and raises EngineUnavailable at
+    once ("not started yet", "starting") while it cannot, so a web app may be
+    started before its sidecar. Any Client re-attaches by itself when its
+    engine is restarted under the same name."""
+
+    def __init__(self, name: str, *, wait_s: float = 0.0, lazy: bool = False) -> None:
         self.name = name
-        self._seg: Optional[Segment] = Segment.attach(name)
-        if self._seg.engine_state() != ring.ENGINE_RUNNING or not self._seg.holder_alive():
-            self._seg = None
-            raise EngineUnavailable(f"engine {name!r} is not running")
+        self._closed = False
+        self._seg: Optional[Segment] = None
+        self._checked_ns = 0
+        try:
+            self._seg = attach(name, wait_s)
+        except EngineUnavailable:
+            if not lazy:
+                raise
         self._checked_ns = ring.now_ns()
         self._bind_process()
         _clients.add(self)
@@ -165,7 +147,7 @@ class Client:
                                f"of input {seg.config.input_spec()}")
         code, slot, gen = seg.ring.acquire(self._pid, self._start_ticks)
         if code == ring.EFULL:
-            code, slot, gen = self._make_room(seg, None)
+            code, slot, gen = room.make_room(seg, self._pid, self._start_ticks, None)
         if code != ring.OK:
             raise EngineUnavailable(f"cannot enqueue on engine {self.name!r} (code {code})")
         return SlotRequest(self, seg, slot, gen)
@@ -192,7 +174,7 @@ class Client:
             want = min(chunk, n - done)
             k = r.acquire_many(self._pid, self._start_ticks, want, slots, gens)
             if k == 0:
-                code, slots[0], gens[0] = self._make_room(seg, deadline)
+                code, slots[0], gens[0] = room.make_room(seg, self._pid, self._start_ticks, deadline)
                 if code != ring.OK:
                     raise EngineUnavailable(f"cannot enqueue on engine {self.name!r} (code {code})")
                 k = 1 + r.acquire_many(self._pid, self._start_ticks, want - 1, slots[1:], gens[1:])
@@ -246,6 +228,7 @@ class Client:
 
     def close(self) -> None:
         """Fails what is pending here with EngineUnavailable and detaches."""
+        self._closed = True
         completer, self._completer = self._completer, None
         if completer is not None:
             completer.close()
@@ -298,7 +281,7 @@ class Client:
         if code == ring.EOVERLOADED:  # then `slot` holds the predicted wait, in ms
             raise self._overloaded(deadline, slot)
         if code == ring.EFULL:
-            code, slot, gen = self._make_room(seg, deadline)
+            code, slot, gen = room.make_room(seg, self._pid, self._start_ticks, deadline)
             fused = False
         if code == ring.OK and not fused:
             try:
@@ -336,36 +319,6 @@ class Client:
         figures."""
         return Overloaded.predicted(wait_ms, (deadline - ring.now_ns()) / 1e6)
 
-    def _make_room(self, seg, deadline):
-        """(code, slot, generation) of a slot taken after the ring was found
-        full: this process's answered Futures are settled, dead owners' slots
-        reclaimed, other processes asked to let their answers go (waiting up
-        to EVICT_WAIT_NS, within the deadline); QueueFull if still none."""
-        r = seg.ring
-        if _sweep_process(seg):
-            code, slot, gen = r.acquire(self._pid, self._start_ticks)
-            if code != ring.EFULL:
-                return code, slot, gen
-        census = reaper.Census(r, seg.capacity)
-        if reaper.reap_dead_clients(r, census):
-            code, slot, gen = r.acquire(self._pid, self._start_ticks)
-            if code != ring.EFULL:
-                return code, slot, gen
-            census = reaper.Census(r, seg.capacity)
-        held = sum(census.answered_by_pid().values())  # answers other processes have not read
-        # a few are answers of the last batches, on their way to their readers: waiting
-        # for those would stall a sender under overload (up to EVICT_WAIT_NS a request)
-        if held >= max(seg.config.max_batch_size + 1, seg.capacity // 8):
-            r.request_evict()
-            wait_ns = EVICT_WAIT_NS
-            if deadline is not None:
-                wait_ns = max(0, min(wait_ns, deadline - ring.now_ns()))
-            code, slot, gen = r.acquire_wait(self._pid, self._start_ticks, wait_ns)
-            if code != ring.EFULL:
-                return code, slot, gen
-            census = reaper.Census(r, seg.capacity)
-        raise _queue_full(seg, census)
-
     def _start_evictor(self) -> None:
         with self._lock:
             if self._evictor is None:
@@ -383,11 +336,10 @@ class Client:
         _write(seg.inputs[slot], array, seg.config.var_axis, length)
 
     def _segment(self) -> Segment:
-        """The running engine's segment; re-attaches after a restart of the engine."""
+        """The running engine's segment; attaches (lazy) or re-attaches (after
+        a restart of the engine) when it can, EngineUnavailable while not."""
         seg = self._seg
-        if seg is None:
-            raise EngineUnavailable(f"client of {self.name!r} is closed")
-        if seg.engine_state() == ring.ENGINE_RUNNING:
+        if seg is not None and seg.engine_state() == ring.ENGINE_RUNNING:
             now = ring.now_ns()
             if now - self._checked_ns < waiting.LIVENESS_SLICE_NS:
                 return seg
@@ -395,21 +347,12 @@ class Client:
                 self._checked_ns = now
                 return seg
         with self._lock:
-            if self._seg is seg:
-                self._seg = self._reattach(seg)
+            if self._closed:
+                raise EngineUnavailable(f"client of {self.name!r} is closed")
+            if self._seg is seg:  # no other thread attached meanwhile
+                self._seg = attach(self.name, old=seg)
+                self._checked_ns = ring.now_ns()
             return self._seg
-
-    def _reattach(self, old: Segment) -> Segment:
-        try:
-            new = Segment.attach(self.name)
-        except EngineUnavailable:
-            raise EngineUnavailable(f"engine {self.name!r} is not running") from None
-        if (new.incarnation == old.incarnation or new.engine_state() != ring.ENGINE_RUNNING
-                or not new.holder_alive()):
-            new.close()
-            raise EngineUnavailable(f"engine {self.name!r} is stopping or not running")
-        self._checked_ns = ring.now_ns()
-        return new
 
     def _await(self, seg, slot, gen, deadline, timeout, out=None, take=True):
         """Waits for the ticket's answer and, with take, copies it out (into
