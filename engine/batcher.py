@@ -23,6 +23,7 @@ supervisor fails that batch).
 """
 import os
 import pickle
+import signal
 import sys
 import traceback
 from multiprocessing.connection import Connection
@@ -422,7 +423,9 @@ def main(name: str, instance: int, backend, backend_args: dict, cpus, gpu, conn,
 def _entry() -> None:
     """A batcher process's start: the supervisor pipes in sys.path, then the
     arguments of main() (pickled), and passes the readiness pipe's fd. A fresh
-    interpreter, so the user's __main__ is never re-run."""
+    interpreter, so the user's __main__ is never re-run. SIGINT is the
+    supervisor's to act on (it drains first): a batcher ignores it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.path[:] = pickle.load(sys.stdin.buffer)
     kwargs = pickle.load(sys.stdin.buffer)
     kwargs["conn"] = Connection(kwargs.pop("ready_fd"), readable=False)

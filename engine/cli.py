@@ -37,10 +37,13 @@ def key_values(pairs) -> dict:
 
 
 def shape(text: str):
+    """128,3 (or (128, 3), [128, 3]); none marks a variable dim; '' or () a scalar."""
+    dims = [d.strip() for d in text.strip().strip("()[]").split(",")]
     try:
-        return tuple(None if d.strip().lower() == "none" else int(d) for d in text.split(","))
+        return tuple(None if d.lower() == "none" else int(d) for d in dims if d)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a shape like 128,3, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a shape like 128,3 ('' or () for a "
+                                         f"scalar), got {text!r}") from None
 
 
 def boolean(text: str) -> bool:
@@ -281,7 +284,7 @@ def cmd_serve(args) -> int:
     import logging
     import threading
 
-    from engine import metrics
+    from engine import metrics, notify
     from engine.supervisor import Engine
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -301,9 +304,11 @@ def cmd_serve(args) -> int:
             log.info("metrics on http://%s:%d/metrics", host, port)
         print(f"shmbatch serve: engine {eng.name!r} ready (pid {os.getpid()}, batchers "
               f"{eng.stats()['batcher_pids']})", flush=True)
+        notify.sd_notify(f"READY=1\nMAINPID={os.getpid()}\nSTATUS=engine {eng.name} ready")
         while not stop.wait(1.0):
             pass
         log.info("engine %s: signal received; draining", eng.name)
+        notify.sd_notify(f"STOPPING=1\nSTATUS=engine {eng.name} draining")
     finally:
         eng.stop()
     return 0
@@ -313,21 +318,37 @@ def _status_parser(sub):
     p = sub.add_parser("status", help="live figures of a running engine")
     p.add_argument("name")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--ready", action="store_true",
+                   help="print the state only, and exit 0 only while the engine serves "
+                        "(a readiness probe; reads the header page alone)")
+
+
+def state_name(state: int) -> str:
+    from engine import ring
+    return {ring.ENGINE_STARTING: "starting", ring.ENGINE_RUNNING: "running",
+            ring.ENGINE_STOPPING: "stopping", ring.ENGINE_STOPPED: "stopped"}.get(state, "unknown")
 
 
 def cmd_status(args) -> int:
     from engine import metrics, ring
     from engine.layout import Segment
     seg = Segment.attach(args.name, header_only=True)
+    if args.ready:
+        try:
+            state, alive = seg.engine_state(), seg.holder_alive()
+        finally:
+            seg.close()
+        serving = alive and state == ring.ENGINE_RUNNING
+        print(f"engine {args.name!r} " + (state_name(state) if alive else "dead"))
+        return 0 if serving else 1
     if seg.holder_alive():  # running: every figure, the slots' included
         seg.close()
         seg = Segment.attach(args.name)
     try:
         stats = metrics.read_stats(seg)
         alive = seg.holder_alive()
-        state = {ring.ENGINE_STARTING: "starting", ring.ENGINE_RUNNING: "running",
-                 ring.ENGINE_STOPPING: "stopping", ring.ENGINE_STOPPED: "stopped"}[seg.engine_state()]
-        stats["state"] = state if alive else "dead (run: shmbatch cleanup NAME)"
+        state = state_name(seg.engine_state())
+        stats["state"] = state if alive else f"dead (run: shmbatch cleanup {args.name})"
         stats["supervisor_pid"] = seg.ring.word(ring.W_SUPERVISOR_PID)
     finally:
         seg.close()
@@ -467,6 +488,10 @@ def main(argv=None) -> int:
     _bench_parser(sub)
     _tune_parser(sub)
     args = parser.parse_args(argv)
+    # a backend module in the working directory imports, as under gunicorn and uvicorn
+    # (a console script's sys.path[0] is its own folder)
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     # SIGTERM unwinds like Ctrl-C, so engines stop and their segments go
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
