@@ -399,8 +399,9 @@ def main(name: str, instance: int, backend, backend_args: dict, cpus, gpu, conn,
         segment = Segment.attach(name)
         fn = backends.resolve(backend)(**(backend_args or {}))
         cfg = segment.config
-        if cfg.named and callable(getattr(fn, "check_tensors", None)):
+        if callable(getattr(fn, "check_tensors", None)):
             # the backend says, before anything is served, whether the tensors fit it
+            # (the single-array form's one tensor is named "")
             fn.check_tensors({t.name: (t.dtype, t.shape) for t in cfg.input_specs},
                              {t.name: (t.dtype, t.shape) for t in cfg.output_specs})
         batcher = Batcher(segment, instance, fn, epoch)
