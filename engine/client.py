@@ -30,7 +30,7 @@ import concurrent.futures
 import functools
 import os
 import threading
-from typing import Optional
+from typing import Any, Dict, Optional, TypeVar
 
 import numpy as np
 
@@ -52,6 +52,9 @@ SPIN_NS = ring.SPIN_NS
 SHARE_STEPS = 8
 
 _clients = room.clients
+
+# A request and its answer: one array, or with named tensors a dict of arrays.
+Tensors = TypeVar("Tensors", np.ndarray, Dict[str, np.ndarray])
 
 
 class Client:
@@ -87,12 +90,12 @@ class Client:
         self._spin_ns = SPIN_NS  # see SPIN_NS; shared by threads, a hint only
         self._futures_lock = threading.RLock()  # see futures.Request
         self._futures_cond = threading.Condition(self._futures_lock)
-        self._held = {}  # slot -> weakref of the pending submit() Future holding it
+        self._held: Dict[int, Any] = {}  # slot -> weakref of the pending submit() Future
         self._evictor: Optional[futures.Evictor] = None
 
     # -- public API ---------------------------------------------------------
-    def infer(self, x, timeout: Optional[float] = 1.0, out: Optional[np.ndarray] = None,
-              priority: int = 0) -> np.ndarray:
+    def infer(self, x: Tensors, timeout: Optional[float] = 1.0, out: Optional[Tensors] = None,
+              priority: int = 0) -> Tensors:
         """Blocks until the answer to x comes; returns it as a new array, or
         in out (a writable C-contiguous array of the output's dtype and shape,
         reused by the caller: a large answer then lands in warm memory). The
@@ -102,8 +105,8 @@ class Client:
         seg, slot, gen = self._enqueue(x, deadline, out, priority)
         return self._await(seg, slot, gen, deadline, timeout, out)
 
-    def submit(self, x, timeout: Optional[float] = 1.0, out: Optional[np.ndarray] = None,
-               priority: int = 0) -> concurrent.futures.Future:
+    def submit(self, x: Tensors, timeout: Optional[float] = 1.0, out: Optional[Tensors] = None,
+               priority: int = 0) -> "concurrent.futures.Future[Tensors]":
         """Enqueues x now; the Future resolves to its answer (or error), in
         out if given (as for infer). cancel() withdraws the request while no
         batch has answered it."""
@@ -113,11 +116,12 @@ class Client:
             self._start_evictor()
         return futures.Request(self, seg, slot, gen, deadline, timeout, out)
 
-    async def infer_async(self, x, timeout: Optional[float] = 1.0, priority: int = 0) -> np.ndarray:
+    async def infer_async(self, x: Tensors, timeout: Optional[float] = 1.0,
+                          priority: int = 0) -> Tensors:
         """infer() for asyncio: awaits the answer without blocking the loop."""
         deadline = waiting.deadline_ns(timeout)
         loop = asyncio.get_running_loop()
-        future = loop.create_future()
+        future: "asyncio.Future[Tensors]" = loop.create_future()
         seg, slot, gen = self._enqueue(x, deadline, None, priority)
 
         def settle(value, error):
@@ -237,7 +241,7 @@ class Client:
     def __enter__(self) -> "Client":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # -- the request path ---------------------------------------------------

@@ -31,7 +31,7 @@ import multiprocessing.connection
 import os
 import threading
 import weakref
-from typing import Optional
+from typing import Any, Dict, Optional, Union
 
 from engine import backends, batchers, control, liveness, metrics, reaper, ring
 from engine.batchers import BatcherProcess as BatcherProcess  # re-exported: its old home
@@ -45,7 +45,7 @@ log = logging.getLogger("shmbatch")
 
 REAP_INTERVAL_S = 0.1
 _RESTART_BACKOFF_MAX_S = 10.0
-_live_engines = weakref.WeakSet()
+_live_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 
 
 def _per_instance(value, instances: int, what: str):
@@ -94,7 +94,7 @@ class Engine:
     Engine(name, **knobs): the knobs are the fields of EngineConfig and
     EngineOptions (see KNOBS), each with its default and what it does."""
 
-    def __init__(self, name: str, **knobs):
+    def __init__(self, name: str, **knobs: Any) -> None:
         config_keys = {f.name for f in dataclasses.fields(EngineConfig)}
         unknown = sorted(set(knobs) - {f.name for f in KNOBS})
         if unknown:
@@ -121,7 +121,8 @@ class Engine:
         self._started = threading.Event()
         self._start_error: Optional[BaseException] = None
         self._stopping = threading.Event()
-        self._wake_r = self._wake_w = None
+        self._wake_r: Optional[int] = None
+        self._wake_w: Optional[int] = None
 
     @property
     def name(self) -> str:
@@ -246,17 +247,19 @@ class Engine:
     def __enter__(self) -> "Engine":
         return self if self._seg is not None else self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     # -- figures -------------------------------------------------------------
-    def stats(self) -> dict:
+    def stats(self) -> Dict[str, Any]:
+        """The engine's figures, read from its segment (as `shmbatch status NAME --json`)."""
         if self._seg is None:
             raise EngineUnavailable(f"engine {self.name!r} is not running")
         return metrics.read_stats(self._seg)
 
     # -- reload -------------------------------------------
-    def reload(self, backend=None, backend_args: Optional[dict] = None) -> dict:
+    def reload(self, backend: Union[None, str, backends.Factory] = None,
+               backend_args: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
         """Starts new batchers beside the old ones, with `backend` (MOD:FACTORY
         or a picklable callable; None keeps the current one) and `backend_args`
         (they REPLACE the current args; None keeps them: with neither, the
