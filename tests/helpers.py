@@ -124,3 +124,8 @@ def starts_on_gate(gate):
     sem.acquire(60)
     sem.close()
     return affine()
+
+
+def row_sum():
+    """One scalar per request: the sum of its row."""
+    return lambda batch, lengths=None: batch.sum(axis=1)
