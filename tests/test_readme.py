@@ -57,6 +57,20 @@ def guide(tmp_path):
     return tmp_path, tag
 
 
+def reap(proc, sig=signal.SIGKILL) -> None:
+    """Ends proc if it still runs (sig, then SIGKILL after 30 s) and closes its pipes."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    for pipe in (proc.stdout, proc.stderr):
+        if pipe is not None:
+            pipe.close()
+
+
 @contextlib.contextmanager
 def serving(folder, *command):
     """`shmbatch ...` run in folder until it prints ready; SIGTERM at the end, exit 0."""
@@ -71,11 +85,7 @@ def serving(folder, *command):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, proc.stderr.read()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        proc.stdout.close()
-        proc.stderr.close()
+        reap(proc)
 
 
 def run_python(folder, name, timeout_s=120):
@@ -140,10 +150,7 @@ def test_the_engine_and_client_examples_answer_and_ctrl_c_stops_the_engine(guide
         server.send_signal(signal.SIGINT)
         assert server.wait(60) == 0, server.stderr.read()
     finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait(10)
-        server.stderr.close()
+        reap(server)
     assert not os.path.exists(f"/dev/shm/shmbatch-{tag}-digits")
 
 
@@ -208,13 +215,7 @@ def a_web_app_started_before_its_sidecar_survives_it(folder, command, ready, wor
                 assert answers_right(folder, port)
             assert post(port, X)[0] == 503
     finally:
-        web.send_signal(signal.SIGTERM)
-        try:
-            web.wait(30)
-        except subprocess.TimeoutExpired:
-            web.kill()
-            web.wait(10)
-        web.stderr.close()
+        reap(web, signal.SIGTERM)
 
 
 def test_the_uvicorn_app_started_before_the_sidecar_answers_once_it_serves_and_after_a_restart(guide):
