@@ -84,7 +84,12 @@ def knob_flag(p, knob, with_default: bool = False) -> None:
         return
     parse = {"int": int, "float": float, "shape": shape, "bool": boolean, "json": json_value,
              "ints": numbers(int)}.get(kind, str)
-    metavar = {"callable": "MOD:FACTORY", "gpus": "0,1"}.get(kind)
+    metavar = {"callable": "MOD:FACTORY", "gpus": "0,1", "shape": "SHAPE", "json": "JSON",
+               "ints": "N,N,..."}.get(kind)
+    if kind == "shape":
+        doc += " (e.g. 128,3; none a variable dim; '' a scalar)"
+    elif kind == "json":
+        doc += " (JSON; in a TOML file, a table)"
     p.add_argument(flag, type=parse, default=default, metavar=metavar, help=doc)
 
 
