@@ -7,7 +7,6 @@ import tomllib
 
 from engine import clitools
 from engine.cliargs import Parser, key_values, knob_flag, knobs, shape
-from engine.cliargs import toml_value as toml_value  # noqa: F401 (re-exported)
 from engine.errors import EngineError
 
 SERVE_ONLY_KEYS = ("metrics_port", "metrics_host")

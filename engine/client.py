@@ -18,8 +18,11 @@ Capacity: queue_capacity bounds the requests queued or being computed;
 answers waiting to be read do not count. A client that finds every slot
 taken first makes room: it settles its own process's answered Futures (copy
 out, free), reclaims the slots of dead owners, and asks every other client
-process (through its evictor thread) to do the same, waiting up to
-EVICT_WAIT_NS for a freed slot. Only then is the request refused (QueueFull).
+process (through its evictor thread) to do the same, waiting a bounded time
+for a freed slot (engine.room). Only then is the request refused (QueueFull).
+
+Finding the engine (at once, after a wait, or lazily at each request, and
+again after the engine restarts) is engine.attaching's.
 
 A Client is shared by threads freely; after os.fork() the child rebinds its
 process identity and drops the parent's pending tickets, which stay the
@@ -36,7 +39,6 @@ import numpy as np
 
 from engine import admission, futures, liveness, ring, room, waiting
 from engine.errors import EngineError, EngineUnavailable, InvalidInput, Overloaded, QueueFull
-from engine.room import EVICT_WAIT_NS as EVICT_WAIT_NS  # noqa: F401 (its old home)
 from engine.attaching import attach
 from engine.layout import Segment
 from engine.lent import SlotRequest

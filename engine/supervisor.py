@@ -38,7 +38,7 @@ from engine.batchers import BatcherProcess as BatcherProcess  # re-exported: its
 from engine.batchers import Instance
 from engine.errors import BackendError, EngineError, EngineUnavailable
 from engine.config import REAP_INTERVAL_S, EngineConfig, per_instance
-from engine.config import EngineOptions as EngineOptions  # re-exported: its old home
+from engine.config import EngineOptions
 from engine.layout import Segment
 from engine.reloading import Reload
 
