@@ -1,6 +1,6 @@
 """The batcher process: gathers ready requests, calls the backend once, scatters.
 
-Flush rule (policy.FlushRule, the seed's): with nothing queued, sleep on the
+Flush rule (policy.FlushRule): with nothing queued, sleep on the
 ring's work word with no flush timer (after a batch, spin up to SPIN_NS
 first); once something is queued its deadline is the OLDEST request's arrival
 + max_delay; flush when max_batch_size are ready or the deadline passes,
@@ -23,6 +23,7 @@ supervisor fails that batch).
 """
 import os
 import pickle
+import signal
 import sys
 import traceback
 from multiprocessing.connection import Connection
@@ -402,8 +403,9 @@ def main(name: str, instance: int, backend, backend_args: dict, cpus, gpu, conn,
         segment = Segment.attach(name)
         fn = backends.resolve(backend)(**(backend_args or {}))
         cfg = segment.config
-        if cfg.named and callable(getattr(fn, "check_tensors", None)):
+        if callable(getattr(fn, "check_tensors", None)):
             # the backend says, before anything is served, whether the tensors fit it
+            # (the single-array form's one tensor is named "")
             fn.check_tensors({t.name: (t.dtype, t.shape) for t in cfg.input_specs},
                              {t.name: (t.dtype, t.shape) for t in cfg.output_specs})
         batcher = Batcher(segment, instance, fn, epoch)
@@ -426,7 +428,9 @@ def main(name: str, instance: int, backend, backend_args: dict, cpus, gpu, conn,
 def _entry() -> None:
     """A batcher process's start: the supervisor pipes in sys.path, then the
     arguments of main() (pickled), and passes the readiness pipe's fd. A fresh
-    interpreter, so the user's __main__ is never re-run."""
+    interpreter, so the user's __main__ is never re-run. SIGINT is the
+    supervisor's to act on (it drains first): a batcher ignores it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.path[:] = pickle.load(sys.stdin.buffer)
     kwargs = pickle.load(sys.stdin.buffer)
     kwargs["conn"] = Connection(kwargs.pop("ready_fd"), readable=False)

@@ -111,7 +111,10 @@ def launch(engine: str, b: Instance, backend, backend_args: dict, cpus, gpu, epo
                                f"batcher process: {e}") from None
         proc = BatcherProcess([sys.executable, "-c",
                                "from engine.batcher import _entry; _entry()"],
-                              stdin=subprocess.PIPE, pass_fds=(write_fd,))
+                              stdin=subprocess.PIPE, pass_fds=(write_fd,),
+                              # its own process group: a terminal's Ctrl-C reaches the
+                              # supervisor alone, which drains, then stops the batchers
+                              process_group=0)
         os.close(write_fd)
         write_fd = None
         try:

@@ -1,233 +1,22 @@
-"""The `shmbatch` command (contract sections 4 and 8): serve, status, reload, cleanup, bench, tune."""
-import argparse
-import dataclasses
-import itertools
+"""The `shmbatch` command: serve, status, reload, cleanup, bench, tune."""
 import json
 import os
 import signal
 import sys
 import tomllib
 
+from engine import clitools
+from engine.cliargs import Parser, key_values, knob_flag, knobs, shape
 from engine.errors import EngineError
 
-
-class _Parser(argparse.ArgumentParser):
-    """Bad flags: one line on stderr, exit 2 (argparse would add its usage)."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: {message}\n")
-
-
-def toml_value(text: str):
-    """A --backend-arg value: a TOML value where it parses as one, else a string."""
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
-
-
-def key_values(pairs) -> dict:
-    out = {}
-    for pair in pairs or []:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"shmbatch: expected KEY=VALUE, got {pair!r}")
-        out[key.strip()] = toml_value(value.strip())
-    return out
-
-
-def shape(text: str):
-    try:
-        return tuple(None if d.strip().lower() == "none" else int(d) for d in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a shape like 128,3, got {text!r}") from None
-
-
-def boolean(text: str) -> bool:
-    value = toml_value(text.lower())
-    if not isinstance(value, bool):
-        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-    return value
-
-
-def json_value(text: str):
-    """A flag's JSON value (named tensors: {"ids": ["int64", [null]]})."""
-    try:
-        return json.loads(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected JSON, got {text!r} ({e})") from None
-
-
-def numbers(kind):
-    def parse(text: str):
-        try:
-            return [kind(v) for v in text.split(",") if v.strip()]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    return parse
-
-
-def _knobs():
-    from engine.supervisor import KNOBS  # Engine(...)'s keywords, each once
-    return KNOBS
-
-
-def _knob_flag(p, knob, with_default: bool = False) -> None:
-    """The flag of one of Engine(...)'s knobs, parsed as the knob says; serve
-    takes no defaults (a --config file's keys may stand in for flags)."""
-    kind, doc = knob.metadata["cli"], knob.metadata["doc"]
-    default = knob.default if with_default else None
-    if kind == "key_values":  # --backend-arg K=V, repeated
-        p.add_argument("--backend-arg", action="append", metavar="KEY=VALUE", help=doc)
-        return
-    flag = "--" + knob.name.replace("_", "-")
-    if kind == "cpus":
-        p.add_argument(flag, action="append", type=cpu_list, metavar="0[,1...]",
-                       help=f"{doc}; one flag per instance")
-        return
-    parse = {"int": int, "float": float, "shape": shape, "bool": boolean, "json": json_value,
-             "ints": numbers(int)}.get(kind, str)
-    metavar = {"callable": "MOD:FACTORY", "gpus": "0,1"}.get(kind)
-    p.add_argument(flag, type=parse, default=default, metavar=metavar, help=doc)
-
-
-def _backend_flags(p) -> None:
-    """The backend and its input, as bench and tune take them (with the knobs' defaults)."""
-    for knob in _knobs():
-        if knob.name in ("backend", "backend_args", "input_shape", "input_dtype"):
-            _knob_flag(p, knob, with_default=True)
-
-
-def _bench_parser(sub):
-    p = sub.add_parser("bench", help="throughput and latency versus max_batch_size")
-    _backend_flags(p)
-    p.add_argument("--batch-sizes", type=numbers(int), help="e.g. 1,2,4,8,16,32")
-    p.add_argument("--delays-ms", type=numbers(float), help="e.g. 0,1,2")
-    p.add_argument("--rate", type=float, default=1500.0, help="offered requests/s, all clients")
-    p.add_argument("--clients", type=int, default=4, help="client processes")
-    p.add_argument("--requests", type=int, default=1600, help="requests per row, all clients")
-    p.add_argument("--queue-capacity", type=int, help="default: room for every request")
-    p.add_argument("--instances", type=int, default=1)
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--no-pin", action="store_true", help="do not pin batchers and clients apart")
-    p.add_argument("--saturate", action="store_true",
-                   help="find the highest rate served with a bounded queue, per max_batch_size")
-    p.add_argument("--compare", action="store_true",
-                   help="also run two multiprocessing baselines, and the engine's own overhead")
-    p.add_argument("--overhead-seconds", type=float, default=2.0)
-    p.add_argument("--overload", action="store_true",
-                   help="offer 0.5x-5x capacity and a burst, with deadlines: goodput, with "
-                        "admission by deadline and without, side by side")
-    p.add_argument("--slo-ms", type=float, default=100.0, help="--overload: each request's deadline")
-    p.add_argument("--urgent-share", type=float, default=0.0,
-                   help="--overload: share of requests sent at priority 0 (the rest at 1)")
-    p.add_argument("--capacity", type=float, default=0.0, metavar="RPS",
-                   help="--overload: the rows' 1x (default: measured first)")
-    p.add_argument("--seconds", type=float, default=3.0,
-                   help="--overload and --model: seconds per row")
-    p.add_argument("--model", choices=("synthetic", "onnx"), default="synthetic",
-                   help="onnx: a transformer encoder built at run time, through ONNX Runtime "
-                        "on the CPU, with and without length_buckets (needs .[onnx])")
-    p.add_argument("--out", metavar="DIR", help="write DIR/bench.json and DIR/bench.png")
-
-
-def _rows(args):
-    from engine.tools import bench
-    if args.batch_sizes is None and args.delays_ms is None:
-        return bench.DEFAULT_ROWS
-    return list(itertools.product(args.batch_sizes or [1, 2, 4, 8, 16, 32], args.delays_ms or [0.0]))
-
-
-def _bench_model(args) -> int:
-
-    from engine.tools import model_bench
-    setup = model_bench.Setup(seconds=args.seconds, seed=args.seed, clients=args.clients,
-                              **({"batch_sizes": tuple(args.batch_sizes)} if args.batch_sizes else {}))
-    rows = model_bench.run(setup)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "model.json"), "w") as f:
-            json.dump({"setup": dataclasses.asdict(setup), "rows": rows}, f, indent=2)
-        print(f"wrote {args.out}/model.json")
-    return 0
-
-
-def cmd_bench(args) -> int:
-    from engine import tools
-    from engine.tools import bench, closed_loop, procs
-    from engine.tools.load import Load
-    if args.out:
-        tools.pyplot()  # the plot's dependency, asked for before minutes of measuring
-    if args.model == "onnx":
-        return _bench_model(args)
-    if args.overload:
-        if args.capacity < 0:
-            raise SystemExit(f"shmbatch: --capacity: expected requests/s > 0, got {args.capacity:g}")
-        from engine.tools import overload
-        overload.run(overload.Setup(slo_ms=args.slo_ms, urgent_share=args.urgent_share,
-                                    clients=args.clients, seconds=args.seconds, seed=args.seed,
-                                    capacity_rps=args.capacity),
-                     out_dir=args.out)
-        return 0
-    backend_args = key_values(args.backend_arg)
-    if args.backend == "engine.backends:synthetic":
-        backend_args = {"fixed_ms": 2.0, "per_item_us": 100.0, **backend_args}
-    load = Load(backend=args.backend, backend_args=backend_args,
-                input_shape=args.input_shape, dtype=args.input_dtype, clients=args.clients,
-                rate=args.rate, requests=args.requests, queue_capacity=args.queue_capacity,
-                seed=args.seed, pin=not args.no_pin)
-    rows = _rows(args)
-    result = {"config": {**dataclasses.asdict(load), "rows": rows, "instances": args.instances},
-              "environment": bench.environment(), "rows": []}
-    print(f"shmbatch bench: {args.backend} {backend_args or ''}; {args.clients} client processes, "
-          f"{args.rate:g} req/s Poisson (open loop) in all, {args.requests} requests a row")
-    for b, d in rows:
-        row = bench.run_row(b, d, load, instances=args.instances)
-        result["rows"].append(row)
-        print(bench.row_line(row), flush=True)
-    if args.compare:
-        print("\nthe same load through the multiprocessing baselines (ratio = shmbatch / baseline):")
-        result["compare"] = []
-        for row in result["rows"]:
-            for system in procs.SYSTEMS[1:]:
-                base = bench.run_row(row["max_batch_size"], row["max_delay_ms"], load, system=system)
-                result["compare"].append(base)
-                print(bench.compare_line(row, base), flush=True)
-        print("\nthe engine's own overhead (identity backend, closed loops):")
-        ident = dataclasses.replace(load, backend="engine.backends:identity", backend_args={})
-        result["overhead"] = closed_loop.overhead(ident, seconds=args.overhead_seconds)
-    if args.saturate:
-        print("\ncapacity (highest rate served with a bounded queue):")
-        result["saturation"] = []
-        for b in sorted({b for b, _ in rows}):
-            d = min(dd for bb, dd in rows if bb == b)
-            sat = bench.saturate(b, d, load)
-            result["saturation"].append(sat)
-            theory = ""
-            if args.backend == "engine.backends:synthetic":
-                cap = bench.theoretical_rps(b, float(backend_args["fixed_ms"]),
-                                            float(backend_args["per_item_us"]))
-                theory = f" = {100 * sat['capacity_rps'] / cap:.0f} % of n / S(n) = {cap:,.0f}"
-            print(f"max_batch {b:>3} delay {d:g} ms: {sat['capacity_rps']:,.0f} req/s{theory}", flush=True)
-    if args.out:
-        bench.write_outputs(args.out, result, load)
-        print(f"\nwrote {args.out}/bench.json and {args.out}/bench.png")
-    bad = sum(r["wrong"] + r["lost"] for r in result["rows"])
-    return 1 if bad else 0
-
-
 SERVE_ONLY_KEYS = ("metrics_port", "metrics_host")
-
-
-def cpu_list(text: str):
-    return numbers(int)(text)
 
 
 def _serve_parser(sub):
     p = sub.add_parser("serve", help="run an engine in the foreground until SIGINT/SIGTERM")
     p.add_argument("--config", metavar="FILE.toml", help="the keys of engine.Engine(...); flags override")
-    for knob in _knobs():
-        _knob_flag(p, knob)
+    for knob in knobs():
+        knob_flag(p, knob)
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
     p.add_argument("--metrics-host", help="address for /metrics (default 0.0.0.0)")
     p.add_argument("--log-level", default="INFO")
@@ -252,8 +41,8 @@ def serve_settings(args) -> dict:
                 settings = tomllib.load(f)
             except tomllib.TOMLDecodeError as e:
                 raise ValueError(f"{args.config}: {e}") from None
-    knobs = _knobs()
-    keys = [k.name for k in knobs] + list(SERVE_ONLY_KEYS)
+    all_knobs = knobs()
+    keys = [k.name for k in all_knobs] + list(SERVE_ONLY_KEYS)
     if args.config:
         unknown = sorted(set(settings) - set(keys))
         if unknown:
@@ -264,7 +53,7 @@ def serve_settings(args) -> dict:
         if value is not None and key != "backend_args":
             settings[key] = value
     settings["backend_args"] = {**settings.get("backend_args", {}), **key_values(args.backend_arg)}
-    for knob in knobs:
+    for knob in all_knobs:
         if knob.metadata["cli"] == "shape" and knob.name in settings:
             settings[knob.name] = _config_shape(settings[knob.name], knob.name)
         if knob.metadata["cli"] == "gpus" and isinstance(settings.get(knob.name), str):
@@ -281,7 +70,7 @@ def cmd_serve(args) -> int:
     import logging
     import threading
 
-    from engine import metrics
+    from engine import metrics, notify
     from engine.supervisor import Engine
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -301,9 +90,11 @@ def cmd_serve(args) -> int:
             log.info("metrics on http://%s:%d/metrics", host, port)
         print(f"shmbatch serve: engine {eng.name!r} ready (pid {os.getpid()}, batchers "
               f"{eng.stats()['batcher_pids']})", flush=True)
+        notify.sd_notify(f"READY=1\nMAINPID={os.getpid()}\nSTATUS=engine {eng.name} ready")
         while not stop.wait(1.0):
             pass
         log.info("engine %s: signal received; draining", eng.name)
+        notify.sd_notify(f"STOPPING=1\nSTATUS=engine {eng.name} draining")
     finally:
         eng.stop()
     return 0
@@ -313,23 +104,38 @@ def _status_parser(sub):
     p = sub.add_parser("status", help="live figures of a running engine")
     p.add_argument("name")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--ready", action="store_true",
+                   help="print the state only, and exit 0 only while the engine serves "
+                        "(a readiness probe; reads the header page alone)")
+
+
+def state_name(state: int) -> str:
+    from engine import ring
+    return {ring.ENGINE_STARTING: "starting", ring.ENGINE_RUNNING: "running",
+            ring.ENGINE_STOPPING: "stopping", ring.ENGINE_STOPPED: "stopped"}.get(
+                state, f"state word {state}: written by another process")
 
 
 def cmd_status(args) -> int:
     from engine import metrics, ring
     from engine.layout import Segment
     seg = Segment.attach(args.name, header_only=True)
+    if args.ready:
+        try:
+            state, alive = seg.engine_state(), seg.holder_alive()
+        finally:
+            seg.close()
+        serving = alive and state == ring.ENGINE_RUNNING
+        print(f"engine {args.name!r} " + (state_name(state) if alive else "dead"))
+        return 0 if serving else 1
     if seg.holder_alive():  # running: every figure, the slots' included
         seg.close()
         seg = Segment.attach(args.name)
     try:
         stats = metrics.read_stats(seg)
         alive = seg.holder_alive()
-        code = seg.engine_state()
-        state = {ring.ENGINE_STARTING: "starting", ring.ENGINE_RUNNING: "running",
-                 ring.ENGINE_STOPPING: "stopping", ring.ENGINE_STOPPED: "stopped"}.get(
-                     code, f"state word {code}: written by another process")
-        stats["state"] = state if alive else "dead (run: shmbatch cleanup NAME)"
+        state = state_name(seg.engine_state())
+        stats["state"] = state if alive else f"dead (run: shmbatch cleanup {args.name})"
         stats["supervisor_pid"] = seg.ring.word(ring.W_SUPERVISOR_PID)
     finally:
         seg.close()
@@ -445,38 +251,25 @@ def cmd_reload(args) -> int:
     return 0
 
 
-def _tune_parser(sub):
-    p = sub.add_parser("tune", help="measure S(n) and recommend max_batch_size / max_delay_ms")
-    _backend_flags(p)
-    p.add_argument("--slo-ms", type=float, required=True, help="the latency budget")
-    p.add_argument("--max-batch", type=int, default=64, help="largest batch size measured")
-    p.add_argument("--out", metavar="DIR", help="write DIR/tune.json and DIR/tune.png")
-
-
-def cmd_tune(args) -> int:
-    from engine.tools import tune
-    if None in args.input_shape:
-        raise ValueError("tune needs a fixed --input-shape (the padded shape of a batch)")
-    tune.run(args.backend, key_values(args.backend_arg), args.input_shape, args.input_dtype,
-             args.slo_ms, limit=args.max_batch, out_dir=args.out)
-    return 0
-
-
 def main(argv=None) -> int:
-    parser = _Parser(prog="shmbatch", description=__doc__)
+    parser = Parser(prog="shmbatch", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _status_parser(sub)
     _reload_parser(sub)
     _cleanup_parser(sub)
-    _bench_parser(sub)
-    _tune_parser(sub)
+    clitools.bench_parser(sub)
+    clitools.tune_parser(sub)
     args = parser.parse_args(argv)
+    # a backend module in the working directory imports, as under gunicorn and uvicorn
+    # (a console script's sys.path[0] is its own folder)
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     # SIGTERM unwinds like Ctrl-C, so engines stop and their segments go
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         return {"serve": cmd_serve, "status": cmd_status, "reload": cmd_reload,
-                "cleanup": cmd_cleanup, "bench": cmd_bench, "tune": cmd_tune}[args.command](args)
+                "cleanup": cmd_cleanup, "bench": clitools.cmd_bench, "tune": clitools.cmd_tune}[args.command](args)
     except KeyboardInterrupt:
         return 130
     except (EngineError, ValueError, RuntimeError, OSError) as e:

@@ -18,8 +18,11 @@ Capacity: queue_capacity bounds the requests queued or being computed;
 answers waiting to be read do not count. A client that finds every slot
 taken first makes room: it settles its own process's answered Futures (copy
 out, free), reclaims the slots of dead owners, and asks every other client
-process (through its evictor thread) to do the same, waiting up to
-EVICT_WAIT_NS for a freed slot. Only then is the request refused (QueueFull).
+process (through its evictor thread) to do the same, waiting a bounded time
+for a freed slot (engine.room). Only then is the request refused (QueueFull).
+
+Finding the engine (at once, after a wait, or lazily at each request, and
+again after the engine restarts) is engine.attaching's.
 
 A Client is shared by threads freely; after os.fork() the child rebinds its
 process identity and drops the parent's pending tickets, which stay the
@@ -30,13 +33,13 @@ import concurrent.futures
 import functools
 import os
 import threading
-import weakref
-from typing import Optional
+from typing import Any, Dict, Optional, TypeVar
 
 import numpy as np
 
-from engine import futures, liveness, reaper, ring, waiting
+from engine import futures, liveness, ring, room, waiting
 from engine.errors import EngineError, EngineUnavailable, InvalidInput, Overloaded, QueueFull
+from engine.attaching import attach
 from engine.layout import Segment
 from engine.lent import SlotRequest
 
@@ -46,53 +49,37 @@ from engine.lent import SlotRequest
 # clients burn no CPU.
 SPIN_NS = ring.SPIN_NS
 
-# How long a client that found the ring full of answers waits for other
-# processes' evictors to move them out, before it raises QueueFull. It waits
-# only when they hold more than a batch's worth (and 1/8 of the ring): fewer
-# are the last batches' answers on their way to their readers.
-EVICT_WAIT_NS = 100_000_000
-
 # Priority shares: a request of priority p > 0 is refused while the requests
 # queued at p or less urgent fill (SHARE_STEPS - p) / SHARE_STEPS of the queue.
 SHARE_STEPS = 8
 
-_clients = weakref.WeakSet()
+_clients = room.clients
 
-
-def _queue_full(seg, census: reaper.Census) -> QueueFull:
-    """The refusal, counted, with what holds the slots (after making room)."""
-    seg.ring.add_word(ring.W_REJECTED)
-    busy = census.count(ring.READY, ring.CLAIMED, ring.ABANDONED)
-    held = census.answered_by_pid()
-    text = (f"queue_capacity {seg.capacity} reached: expected a free slot, got {busy} requests "
-            f"queued or being computed, {census.count(ring.WRITING)} being written or lent")
-    if held:
-        text += (f", {sum(held.values())} answers not yet read by live processes "
-                 f"{sorted(held)}")
-    return QueueFull(text)
-
-
-def _sweep_process(seg) -> int:
-    """Settles the answered Futures of every client of this process on the
-    engine of seg (copy out, free the slot); returns how many."""
-    freed = 0
-    for client in list(_clients):
-        other = client._seg
-        if (other is not None and client._pid == os.getpid() and other.name == seg.name
-                and other.incarnation == seg.incarnation):
-            freed += futures.sweep(client._held)
-    return freed
+# A request and its answer: one array, or with named tensors a dict of arrays.
+Tensors = TypeVar("Tensors", np.ndarray, Dict[str, np.ndarray])
 
 
 class Client:
-    """A handle on the running engine called ``name`` (contract section 2)."""
+    """A handle on the running engine called ``name``.
 
-    def __init__(self, name: str):
+    By default the engine must be running: EngineUnavailable otherwise.
+    ``wait_s`` waits up to that long for it (a sidecar that is still
+    starting). With ``lazy=True`` the constructor never fails for want of an
+    engine: each request attaches if it can and raises EngineUnavailable at
+    once ("not started yet", "starting") while it cannot, so a web app may be
+    started before its sidecar. Any Client re-attaches by itself when its
+    engine is restarted under the same name."""
+
+    def __init__(self, name: str, *, wait_s: float = 0.0, lazy: bool = False) -> None:
         self.name = name
-        self._seg: Optional[Segment] = Segment.attach(name)
-        if self._seg.engine_state() != ring.ENGINE_RUNNING or not self._seg.holder_alive():
-            self._seg = None
-            raise EngineUnavailable(f"engine {name!r} is not running")
+        self._closed = False
+        self._seg: Optional[Segment] = None
+        self._checked_ns = 0
+        try:
+            self._seg = attach(name, wait_s)
+        except EngineUnavailable:
+            if not lazy:
+                raise
         self._checked_ns = ring.now_ns()
         self._bind_process()
         _clients.add(self)
@@ -105,12 +92,12 @@ class Client:
         self._spin_ns = SPIN_NS  # see SPIN_NS; shared by threads, a hint only
         self._futures_lock = threading.RLock()  # see futures.Request
         self._futures_cond = threading.Condition(self._futures_lock)
-        self._held = {}  # slot -> weakref of the pending submit() Future holding it
+        self._held: Dict[int, Any] = {}  # slot -> weakref of the pending submit() Future
         self._evictor: Optional[futures.Evictor] = None
 
     # -- public API ---------------------------------------------------------
-    def infer(self, x, timeout: Optional[float] = 1.0, out: Optional[np.ndarray] = None,
-              priority: int = 0) -> np.ndarray:
+    def infer(self, x: Tensors, timeout: Optional[float] = 1.0, out: Optional[Tensors] = None,
+              priority: int = 0) -> Tensors:
         """Blocks until the answer to x comes; returns it as a new array, or
         in out (a writable C-contiguous array of the output's dtype and shape,
         reused by the caller: a large answer then lands in warm memory). The
@@ -120,8 +107,8 @@ class Client:
         seg, slot, gen = self._enqueue(x, deadline, out, priority)
         return self._await(seg, slot, gen, deadline, timeout, out)
 
-    def submit(self, x, timeout: Optional[float] = 1.0, out: Optional[np.ndarray] = None,
-               priority: int = 0) -> concurrent.futures.Future:
+    def submit(self, x: Tensors, timeout: Optional[float] = 1.0, out: Optional[Tensors] = None,
+               priority: int = 0) -> "concurrent.futures.Future[Tensors]":
         """Enqueues x now; the Future resolves to its answer (or error), in
         out if given (as for infer). cancel() withdraws the request while no
         batch has answered it."""
@@ -131,11 +118,12 @@ class Client:
             self._start_evictor()
         return futures.Request(self, seg, slot, gen, deadline, timeout, out)
 
-    async def infer_async(self, x, timeout: Optional[float] = 1.0, priority: int = 0) -> np.ndarray:
+    async def infer_async(self, x: Tensors, timeout: Optional[float] = 1.0,
+                          priority: int = 0) -> Tensors:
         """infer() for asyncio: awaits the answer without blocking the loop."""
         deadline = waiting.deadline_ns(timeout)
         loop = asyncio.get_running_loop()
-        future = loop.create_future()
+        future: "asyncio.Future[Tensors]" = loop.create_future()
         seg, slot, gen = self._enqueue(x, deadline, None, priority)
 
         def settle(value, error):
@@ -165,7 +153,7 @@ class Client:
                                f"of input {seg.config.input_spec()}")
         code, slot, gen = seg.ring.acquire(self._pid, self._start_ticks)
         if code == ring.EFULL:
-            code, slot, gen = self._make_room(seg, None)
+            code, slot, gen = room.make_room(seg, self._pid, self._start_ticks, None)
         if code != ring.OK:
             raise EngineUnavailable(f"cannot enqueue on engine {self.name!r} (code {code})")
         return SlotRequest(self, seg, slot, gen)
@@ -192,7 +180,7 @@ class Client:
             want = min(chunk, n - done)
             k = r.acquire_many(self._pid, self._start_ticks, want, slots, gens)
             if k == 0:
-                code, slots[0], gens[0] = self._make_room(seg, deadline)
+                code, slots[0], gens[0] = room.make_room(seg, self._pid, self._start_ticks, deadline)
                 if code != ring.OK:
                     raise EngineUnavailable(f"cannot enqueue on engine {self.name!r} (code {code})")
                 k = 1 + r.acquire_many(self._pid, self._start_ticks, want - 1, slots[1:], gens[1:])
@@ -246,6 +234,7 @@ class Client:
 
     def close(self) -> None:
         """Fails what is pending here with EngineUnavailable and detaches."""
+        self._closed = True
         completer, self._completer = self._completer, None
         if completer is not None:
             completer.close()
@@ -254,7 +243,7 @@ class Client:
     def __enter__(self) -> "Client":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # -- the request path ---------------------------------------------------
@@ -294,7 +283,7 @@ class Client:
         if code == ring.EOVERLOADED:  # then `slot` holds the predicted wait, in ms
             raise self._overloaded(deadline, slot)
         if code == ring.EFULL:
-            code, slot, gen = self._make_room(seg, deadline)
+            code, slot, gen = room.make_room(seg, self._pid, self._start_ticks, deadline)
             fused = False
         if code == ring.OK and not fused:
             try:
@@ -330,36 +319,6 @@ class Client:
         cheap: it is what an overloaded engine answers most."""
         return Overloaded.predicted(wait_ms, (deadline - ring.now_ns()) / 1e6)
 
-    def _make_room(self, seg, deadline):
-        """(code, slot, generation) of a slot taken after the ring was found
-        full: this process's answered Futures are settled, dead owners' slots
-        reclaimed, other processes asked to let their answers go (waiting up
-        to EVICT_WAIT_NS, within the deadline); QueueFull if still none."""
-        r = seg.ring
-        if _sweep_process(seg):
-            code, slot, gen = r.acquire(self._pid, self._start_ticks)
-            if code != ring.EFULL:
-                return code, slot, gen
-        census = reaper.Census(r, seg.capacity)
-        if reaper.reap_dead_clients(r, census):
-            code, slot, gen = r.acquire(self._pid, self._start_ticks)
-            if code != ring.EFULL:
-                return code, slot, gen
-            census = reaper.Census(r, seg.capacity)
-        held = sum(census.answered_by_pid().values())  # answers other processes have not read
-        # a few are answers of the last batches, on their way to their readers: waiting
-        # for those would stall a sender under overload (up to EVICT_WAIT_NS a request)
-        if held >= max(seg.config.max_batch_size + 1, seg.capacity // 8):
-            r.request_evict()
-            wait_ns = EVICT_WAIT_NS
-            if deadline is not None:
-                wait_ns = max(0, min(wait_ns, deadline - ring.now_ns()))
-            code, slot, gen = r.acquire_wait(self._pid, self._start_ticks, wait_ns)
-            if code != ring.EFULL:
-                return code, slot, gen
-            census = reaper.Census(r, seg.capacity)
-        raise _queue_full(seg, census)
-
     def _start_evictor(self) -> None:
         with self._lock:
             if self._evictor is None:
@@ -377,11 +336,10 @@ class Client:
         _write(seg.inputs[slot], array, seg.config.var_axis, length)
 
     def _segment(self) -> Segment:
-        """The running engine's segment; re-attaches after a restart of the engine."""
+        """The running engine's segment; attaches (lazy) or re-attaches (after
+        a restart of the engine) when it can, EngineUnavailable while not."""
         seg = self._seg
-        if seg is None:
-            raise EngineUnavailable(f"client of {self.name!r} is closed")
-        if seg.engine_state() == ring.ENGINE_RUNNING:
+        if seg is not None and seg.engine_state() == ring.ENGINE_RUNNING:
             now = ring.now_ns()
             if now - self._checked_ns < waiting.LIVENESS_SLICE_NS:
                 return seg
@@ -389,21 +347,12 @@ class Client:
                 self._checked_ns = now
                 return seg
         with self._lock:
-            if self._seg is seg:
-                self._seg = self._reattach(seg)
+            if self._closed:
+                raise EngineUnavailable(f"client of {self.name!r} is closed")
+            if self._seg is seg:  # no other thread attached meanwhile
+                self._seg = attach(self.name, old=seg)
+                self._checked_ns = ring.now_ns()
             return self._seg
-
-    def _reattach(self, old: Segment) -> Segment:
-        try:
-            new = Segment.attach(self.name)
-        except EngineUnavailable:
-            raise EngineUnavailable(f"engine {self.name!r} is not running") from None
-        if (new.incarnation == old.incarnation or new.engine_state() != ring.ENGINE_RUNNING
-                or not new.holder_alive()):
-            new.close()
-            raise EngineUnavailable(f"engine {self.name!r} is stopping or not running")
-        self._checked_ns = ring.now_ns()
-        return new
 
     def _await(self, seg, slot, gen, deadline, timeout, out=None, take=True):
         """Waits for the ticket's answer and, with take, copies it out (into

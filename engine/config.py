@@ -3,7 +3,8 @@
 EngineConfig holds the knobs a client needs too. It is validated once, stored
 as JSON in the segment's header (immutable once the engine runs), and is how
 a client learns the spec of the engine it attaches to: it checks every input
-against that spec before anything is enqueued.
+against that spec before anything is enqueued. EngineOptions holds those only
+the engine's own process needs (the backend, CPUs and GPUs, timeouts).
 """
 import dataclasses
 import json
@@ -12,7 +13,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from engine import ring, tensors
+from engine import backends, ring, tensors
 from engine.errors import InvalidInput
 from engine.tensors import TensorSpec, describe
 
@@ -259,3 +260,42 @@ class EngineConfig:
     @classmethod
     def from_json(cls, blob: bytes) -> "EngineConfig":
         return cls(**json.loads(blob.decode()))
+
+
+REAP_INTERVAL_S = 0.1
+
+
+def per_instance(value, instances: int, what: str):
+    if value is None:
+        return [None] * instances
+    value = list(value)
+    if len(value) != instances:
+        raise ValueError(f"{what} must give one entry per instance ({instances}), got {len(value)}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """The knobs only the engine's own process needs (the others are EngineConfig's)."""
+
+    backend: object = knob("engine.backends:synthetic", "callable",
+                           "MOD:FACTORY imported in each batcher, or a picklable callable")
+    backend_args: dict = knob(None, "key_values", "keyword arguments for the factory")
+    cpus: Optional[list] = knob(None, "cpus", "CPU affinity of each instance, e.g. [[0], [1]]")
+    gpus: Optional[list] = knob(None, "gpus", "CUDA_VISIBLE_DEVICES of each instance, e.g. [0, 1]")
+    start_timeout_s: float = knob(120.0, "float", "a batcher not serving by then fails start()")
+    drain_timeout_s: float = knob(30.0, "float", "stop() answers what is queued for this long")
+    batch_timeout_s: Optional[float] = knob(
+        None, "float", "a batch running longer is a hung model: its batcher is killed and "
+        "replaced, as one that died")
+    reap_interval_s: float = knob(REAP_INTERVAL_S, "float",
+                                  "how often dead clients' slots are looked for (a client that "
+                                  "finds the ring full reclaims them at once)")
+
+    def __post_init__(self):
+        backends.check_spec(self.backend)
+        object.__setattr__(self, "backend_args", dict(self.backend_args or {}))
+        if self.batch_timeout_s is not None and not self.batch_timeout_s > 0:
+            raise ValueError(f"batch_timeout_s must be > 0 or None, got {self.batch_timeout_s}")
+        if not self.reap_interval_s > 0:
+            raise ValueError(f"reap_interval_s must be > 0, got {self.reap_interval_s}")

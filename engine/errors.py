@@ -1,8 +1,9 @@
-"""The errors of contract section 3: one class per way a request can fail.
+"""The errors shmbatch raises: one class per way a request can fail.
 
 Every message names what was expected and what came, so a caller can act on
 it without reading the engine's logs.
 """
+from typing import Optional
 
 
 class EngineError(Exception):
@@ -25,8 +26,8 @@ class Overloaded(QueueFull):
     ``predicted_wait_ms`` and ``deadline_left_ms`` say why (None when the
     error was made from a message alone)."""
 
-    predicted_wait_ms = None
-    deadline_left_ms = None
+    predicted_wait_ms: Optional[int] = None
+    deadline_left_ms: Optional[float] = None
 
     @classmethod
     def predicted(cls, predicted_wait_ms: int, deadline_left_ms: float) -> "Overloaded":
@@ -40,7 +41,7 @@ class Overloaded(QueueFull):
         if self.predicted_wait_ms is None:
             return super().__str__()
         return (f"predicted wait {self.predicted_wait_ms} ms exceeds the request's deadline "
-                f"of {max(0.0, self.deadline_left_ms):.1f} ms")
+                f"of {max(0.0, self.deadline_left_ms or 0.0):.1f} ms")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({str(self)!r})"
@@ -62,7 +63,7 @@ class BackendError(EngineError):
     ``"BatcherDied"``) and ``message`` its message.
     """
 
-    def __init__(self, exc_type: str, message: str):
+    def __init__(self, exc_type: str, message: str) -> None:
         super().__init__(f"{exc_type}: {message}")
         self.exc_type = exc_type
         self.message = message

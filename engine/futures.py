@@ -21,6 +21,7 @@ import itertools
 import os
 import threading
 import weakref
+from typing import Any, Callable, Optional, Tuple
 
 import numpy as np
 
@@ -53,16 +54,16 @@ class Request(concurrent.futures.Future):
         client._held[slot] = self._ref  # for sweep(), when the ring is full
         # once answered: the engine's (arrival_ns, claim_ns, done_ns) of the request
         # (CLOCK_MONOTONIC): its queue wait is claim - arrival, its batch done - claim
-        self.stamps_ns = None
+        self.stamps_ns: Optional[Tuple[int, int, int]] = None
 
-    def result(self, timeout=None):
+    def result(self, timeout: Optional[float] = None) -> Any:
         if self._state == _PENDING:
             self._settle(timeout)
         if self._state == _FINISHED and self._exception is None:
             return self._result  # what super().result() returns, without its lock
         return super().result(timeout=0)
 
-    def exception(self, timeout=None):
+    def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
         if self._state == _PENDING:
             self._settle(timeout)
         return super().exception(timeout=0)
@@ -78,7 +79,7 @@ class Request(concurrent.futures.Future):
                 return False  # settled, or answered already: too late to withdraw
             return super().cancel()
 
-    def add_done_callback(self, fn) -> None:
+    def add_done_callback(self, fn: Callable[["concurrent.futures.Future[Any]"], object]) -> None:
         super().add_done_callback(fn)
         self._watch()
 

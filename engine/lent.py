@@ -15,7 +15,8 @@ class SlotRequest:
 
     def __init__(self, client, seg, slot: int, gen: int):
         self.client, self.seg, self.slot, self.gen = client, seg, slot, gen
-        self.input = seg.inputs[slot]  # writable: the request's row in shared memory
+        # writable: the request's row in shared memory (0-d for a scalar input)
+        self.input = seg.inputs[slot, ...]
         self._sent = False
         self._pid = client._pid
 
@@ -33,7 +34,7 @@ class SlotRequest:
             raise EngineUnavailable(f"engine {self.client.name!r} reclaimed the request "
                                     f"before it was queued")
         self.client._await(self.seg, self.slot, self.gen, deadline, timeout, take=False)
-        answer = self.seg.outputs[self.slot].view()
+        answer = self.seg.outputs[self.slot, ...].view()  # 0-d for a scalar answer
         answer.flags.writeable = False
         return answer
 

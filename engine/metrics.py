@@ -1,4 +1,4 @@
-"""The engine's figures, read from its segment (contract section 5).
+"""The engine's figures, read from its segment.
 
 Counters and histograms live in the segment, written by clients and
 batchers with relaxed atomics, so any process of the same user can read
@@ -83,7 +83,7 @@ def batcher_pids(r: ring.Ring, instances: int):
 
 
 def read_stats(segment) -> dict:
-    """The figures of contract section 5 (and more). From a header-only
+    """Every figure of stats(). From a header-only
     mapping (a dead engine's status) the slot figures are None: they would
     need the slots' control words, which live outside the header."""
     r = segment.ring
@@ -123,7 +123,7 @@ def read_stats(segment) -> dict:
     }
 
 
-# -- Prometheus (contract section 5) ---------------------------------------------------
+# -- Prometheus ---------------------------------------------------
 
 # seconds: from 10 us to 10 s, so both an identity backend and an overloaded
 # queue land inside the buckets

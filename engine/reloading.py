@@ -20,7 +20,7 @@ old ones serving.
 import dataclasses
 import logging
 import threading
-from typing import Optional
+from typing import Any, Optional
 
 from engine import batchers, ring
 from engine.batchers import Instance
@@ -32,7 +32,7 @@ log = logging.getLogger("shmbatch")
 @dataclasses.dataclass(eq=False)
 class Reload:
     """A reload: posted by reload(), run by the monitor thread, answered by `done`."""
-    options: object  # the EngineOptions the new batchers run with
+    options: Any  # the EngineOptions the new batchers run with
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     phase: str = "start"  # "start": new batchers starting; "retire": old ones finishing
     epoch: int = 0  # the new batchers' epoch

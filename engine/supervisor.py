@@ -31,58 +31,22 @@ import multiprocessing.connection
 import os
 import threading
 import weakref
-from typing import Optional
+from typing import Any, Dict, Optional, Union
 
 from engine import backends, batchers, control, liveness, metrics, reaper, ring
 from engine.batchers import BatcherProcess as BatcherProcess  # re-exported: its old home
 from engine.batchers import Instance
 from engine.errors import BackendError, EngineError, EngineUnavailable
-from engine.config import EngineConfig, knob
+from engine.config import REAP_INTERVAL_S, EngineConfig, per_instance
+from engine.config import EngineOptions
 from engine.layout import Segment
 from engine.reloading import Reload
 
 log = logging.getLogger("shmbatch")
 
-REAP_INTERVAL_S = 0.1
 CORRUPT_LOG_INTERVAL_S = 10.0  # a writer into the segment is logged at most this often
 _RESTART_BACKOFF_MAX_S = 10.0
-_live_engines = weakref.WeakSet()
-
-
-def _per_instance(value, instances: int, what: str):
-    if value is None:
-        return [None] * instances
-    value = list(value)
-    if len(value) != instances:
-        raise ValueError(f"{what} must give one entry per instance ({instances}), got {len(value)}")
-    return value
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineOptions:
-    """The knobs only the engine's own process needs (the others are EngineConfig's)."""
-
-    backend: object = knob("engine.backends:synthetic", "callable",
-                           "MOD:FACTORY imported in each batcher, or a picklable callable")
-    backend_args: dict = knob(None, "key_values", "keyword arguments for the factory")
-    cpus: Optional[list] = knob(None, "cpus", "CPU affinity of each instance, e.g. [[0], [1]]")
-    gpus: Optional[list] = knob(None, "gpus", "CUDA_VISIBLE_DEVICES of each instance, e.g. [0, 1]")
-    start_timeout_s: float = knob(120.0, "float", "a batcher not serving by then fails start()")
-    drain_timeout_s: float = knob(30.0, "float", "stop() answers what is queued for this long")
-    batch_timeout_s: Optional[float] = knob(
-        None, "float", "a batch running longer is a hung model: its batcher is killed and "
-        "replaced, as one that died")
-    reap_interval_s: float = knob(REAP_INTERVAL_S, "float",
-                                  "how often dead clients' slots are looked for (a client that "
-                                  "finds the ring full reclaims them at once)")
-
-    def __post_init__(self):
-        backends.check_spec(self.backend)
-        object.__setattr__(self, "backend_args", dict(self.backend_args or {}))
-        if self.batch_timeout_s is not None and not self.batch_timeout_s > 0:
-            raise ValueError(f"batch_timeout_s must be > 0 or None, got {self.batch_timeout_s}")
-        if not self.reap_interval_s > 0:
-            raise ValueError(f"reap_interval_s must be > 0, got {self.reap_interval_s}")
+_live_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 
 
 # Every keyword Engine(...) takes, in order: the segment's knobs, then the engine's own.
@@ -90,12 +54,12 @@ KNOBS = tuple(dataclasses.fields(EngineConfig)) + tuple(dataclasses.fields(Engin
 
 
 class Engine:
-    """A dynamic batching engine serving one backend (contract section 1).
+    """A dynamic batching engine serving one backend.
 
     Engine(name, **knobs): the knobs are the fields of EngineConfig and
     EngineOptions (see KNOBS), each with its default and what it does."""
 
-    def __init__(self, name: str, **knobs):
+    def __init__(self, name: str, **knobs: Any) -> None:
         config_keys = {f.name for f in dataclasses.fields(EngineConfig)}
         unknown = sorted(set(knobs) - {f.name for f in KNOBS})
         if unknown:
@@ -105,8 +69,8 @@ class Engine:
         self.options = EngineOptions(**{k: v for k, v in knobs.items() if k not in config_keys})
         instances = self.config.instances
         self.cpus = [None if c is None else ([c] if isinstance(c, int) else list(c))
-                     for c in _per_instance(self.options.cpus, instances, "cpus")]
-        self.gpus = _per_instance(self.options.gpus, instances, "gpus")
+                     for c in per_instance(self.options.cpus, instances, "cpus")]
+        self.gpus = per_instance(self.options.gpus, instances, "gpus")
         self._seg: Optional[Segment] = None
         self._instances = [Instance(i, i) for i in range(instances)]
         self._epoch = 0  # the header's W_EPOCH, as this engine last set it
@@ -122,7 +86,8 @@ class Engine:
         self._started = threading.Event()
         self._start_error: Optional[BaseException] = None
         self._stopping = threading.Event()
-        self._wake_r = self._wake_w = None
+        self._wake_r: Optional[int] = None
+        self._wake_w: Optional[int] = None
 
     @property
     def name(self) -> str:
@@ -250,37 +215,33 @@ class Engine:
     def __enter__(self) -> "Engine":
         return self if self._seg is not None else self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     # -- figures -------------------------------------------------------------
-    def stats(self) -> dict:
+    def stats(self) -> Dict[str, Any]:
+        """The engine's figures, read from its segment (as `shmbatch status NAME --json`)."""
         if self._seg is None:
             raise EngineUnavailable(f"engine {self.name!r} is not running")
         return metrics.read_stats(self._seg)
 
-    # -- reload (contract section 8) -------------------------------------------
-    def reload(self, backend=None, backend_args: Optional[dict] = None) -> dict:
+    # -- reload -------------------------------------------
+    def reload(self, backend: Union[None, str, backends.Factory] = None,
+               backend_args: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
         """Starts new batchers beside the old ones, with `backend` (MOD:FACTORY
         or a picklable callable; None keeps the current one) and `backend_args`
-        (they REPLACE the current args; None keeps them: with neither, the
-        same factory runs again, e.g. to read new weights from disk). Once
-        every new batcher is ready (its factory ran), the old ones finish the
-        batch they hold and exit, then the new ones take the queue: no request
-        is lost, refused or answered twice, and every request the old
-        batchers answer was claimed before any the new ones answer. Requests
-        keep queueing meanwhile. Later restarts of a crashed batcher use the
-        new backend and args.
+        (they REPLACE the current ones; None keeps them: with neither, the same
+        factory runs again, e.g. to read new weights). Once every new batcher
+        is ready, the old ones finish the batch they hold and exit, then the
+        new ones take the queue: no request is lost, refused or answered twice,
+        and every request the old batchers answer was claimed before any the
+        new ones answer. Later restarts of a crashed batcher use the new ones.
 
         Returns {"epoch": ..., "batcher_pids": [...]} once the new batchers
-        serve. Raises BackendError when a new batcher fails to start (its
-        factory raised, its module does not import, it was not ready within
-        start_timeout_s): the new batchers are killed and the old ones keep
-        serving. ValueError for a malformed backend spec, or an engine of more
-        than 16 instances (old and new batchers hold different numbers of the
-        ring's 32); EngineUnavailable when the engine is not running.
-        (`shmbatch reload NAME --backend-arg K=V` merges its args over the
-        current ones instead: it cannot see them.)"""
+        serve. BackendError when a new batcher fails to start (the old ones
+        keep serving); ValueError for a malformed spec or more than 16
+        instances; EngineUnavailable when the engine is not running.
+        (`shmbatch reload NAME --backend-arg K=V` merges its args instead.)"""
         return self._reload_with(backend, backend_args, merge=False)
 
     def _reload_with(self, backend, backend_args: Optional[dict], merge: bool) -> dict:

@@ -119,3 +119,18 @@ def holds_on_negative(gate, fixed_ms=100.0):
         ring.spin_ns(int(fixed_ms * 1e6))
         return batch * 2 + 1
     return run
+
+
+def starts_on_gate(gate):
+    """affine, whose factory first waits (at most 60 s) for the test to open
+    `gate`: the engine stays in its start for as long as the test needs."""
+    import posix_ipc
+    sem = posix_ipc.Semaphore(gate)
+    sem.acquire(60)
+    sem.close()
+    return affine()
+
+
+def row_sum():
+    """One scalar per request: the sum of its row."""
+    return lambda batch, lengths=None: batch.sum(axis=1)

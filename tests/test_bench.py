@@ -65,7 +65,7 @@ def test_backend_args_read_as_toml_values():
         {"fixed_ms": 1.0, "n": 3, "name": "x", "name2": "x", "flag": True}
 
 
-def test_a_small_bench_run_writes_the_contract_json_and_a_plot(tmp_path):
+def test_a_small_bench_run_writes_the_documented_json_and_a_plot(tmp_path):
     code = cli.main(["bench", "--backend", "engine.backends:identity", "--batch-sizes", "1,4",
                      "--clients", "2", "--rate", "400", "--requests", "80", "--out", str(tmp_path)])
     assert code == 0
@@ -92,14 +92,21 @@ def test_baseline_rows_answer_every_request_correctly():
 
 def test_tune_fits_the_cost_model_and_recommends_within_the_slo():
     from engine.tools import tune
-    service = {n: 2.0 + 0.1 * n for n in tune.batch_sizes(64)}  # the seed's S(n), exact
+    service = {n: 2.0 + 0.1 * n for n in tune.batch_sizes(64)}  # the synthetic S(n), exact
     f_ms, c_ms = tune.fit(service)
     assert (f_ms, c_ms) == (pytest.approx(2.0), pytest.approx(0.1))
     rec = tune.recommend(service, slo_ms=20.0)
     n = rec["max_batch_size"]
     assert rec["fits_slo"] and 2 * service[n] + rec["margin_ms"] <= 20.0
-    assert rec["max_delay_ms"] == pytest.approx(20.0 - 2 * service[n] - rec["margin_ms"])
+    assert rec["delay_budget_ms"] == pytest.approx(20.0 - 2 * service[n] - rec["margin_ms"])
     assert n > 1  # batching pays with a 2 ms fixed cost
+
+
+def test_tune_never_recommends_a_delay_that_lone_requests_would_wait_for_nothing():
+    from engine.tools import tune
+    service = {n: 2.0 + 0.1 * n for n in tune.batch_sizes(64)}
+    for slo_ms in (5.0, 20.0, 200.0):
+        assert tune.recommend(service, slo_ms)["max_delay_ms"] == 0.0
     assert not tune.recommend(service, slo_ms=3.0)["fits_slo"]
 
 
@@ -108,5 +115,23 @@ def test_tune_measures_the_synthetic_backend(tmp_path):
                      "--slo-ms", "10", "--max-batch", "8", "--out", str(tmp_path)])
     assert code == 0
     result = json.loads((tmp_path / "tune.json").read_text())
-    assert result["fit"]["fixed_ms"] == pytest.approx(0.2, abs=0.15)
+    assert sorted(map(int, result["service_ms"])) == [1, 2, 4, 8]
+    assert result["recommendation"]["max_batch_size"] in (1, 2, 4, 8)
     assert (tmp_path / "tune.png").exists()
+
+
+def test_tune_takes_named_tensors_as_flags(capsys):
+    code = cli.main(["tune", "--backend", "engine.backends:identity", "--slo-ms", "10",
+                     "--max-batch", "4", "--inputs", '{"ids": ["int64", [null]], "x": ["float32", [3]]}',
+                     "--max-input-shapes", '{"ids": [8]}', "--outputs", '{"y": ["float32", [2]]}'])
+    assert code == 0
+    assert "ids: int64[8], x: float32[3]" in capsys.readouterr().out
+
+
+def test_tune_reads_the_backend_and_tensors_of_a_serve_config(tmp_path, capsys):
+    config = tmp_path / "model.toml"
+    config.write_text('name = "m"\nbackend = "engine.backends:identity"\ninput_shape = [5]\n'
+                      'output_shape = [5]\nmax_batch_size = 8\n')
+    assert cli.main(["tune", "--config", str(config), "--slo-ms", "10", "--max-batch", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "engine.backends:identity" in out and "float32[5]" in out

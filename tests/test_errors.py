@@ -1,4 +1,4 @@
-"""Every error of contract section 3, with its message; the engine serves on after each."""
+"""Every error, with its message; the engine serves on after each."""
 import numpy as np
 import pytest
 

@@ -1,4 +1,4 @@
-"""The names of contract sections 1-3 stay what they are."""
+"""The public names stay what they are."""
 import argparse
 import subprocess
 import sys
@@ -64,3 +64,10 @@ def test_serve_takes_named_tensors_and_batch_shapes_as_flags():
     config = engine.Engine(**settings).config
     assert [t.name for t in config.input_specs] == ["ids"] and config.length_buckets == (4, 8)
     assert config.allowed_batch_sizes == (1, 2, 4)
+
+
+def test_shapes_as_flags_take_a_scalar_and_brackets():
+    from engine import cliargs
+    assert cliargs.shape("") == cliargs.shape("()") == cliargs.shape("[]") == ()
+    assert cliargs.shape("64") == cliargs.shape("(64,)") == cliargs.shape("[64]") == (64,)
+    assert cliargs.shape("none,3") == (None, 3)

@@ -1,4 +1,4 @@
-"""Engine.reload and `shmbatch reload` (contract section 8): new batchers take
+"""Engine.reload and `shmbatch reload`: new batchers take
 over from the old ones with no request lost, refused or answered twice, and a
 reload that cannot start leaves the old batchers serving."""
 import json

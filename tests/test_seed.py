@@ -1,4 +1,4 @@
-"""The seed's scenario across processes: 4 open-loop Poisson client processes
+"""The default bench scenario across processes: 4 open-loop Poisson client processes
 against the synthetic backend (2 ms + 100 us per item), 1500 req/s in all,
 1600 requests, driven by the benchmark's own load generator. Its asserts on
 answers, counts and batch sizes hold on any machine; its queue-wait bound is

@@ -123,3 +123,11 @@ def test_a_request_is_in_the_first_bucket_whose_bound_holds_it():
     shapes = policy.BatchShapes.of(32, None, (16, 64, 128))
     assert [shapes.bucket_of(n) for n in (1, 16, 17, 64, 65, 128)] == [0, 0, 1, 1, 2, 2]
     assert policy.BatchShapes.of(32, (8, 32)).bucket_of(5) == 0  # no buckets: one
+
+
+def test_a_lent_slot_of_a_scalar_answer_gives_a_read_only_0d_view(make_engine):
+    eng = make_engine("scalar-lent", input_shape=(4,), output_shape=(), backend="helpers:row_sum")
+    with engine.Client(eng.name) as c, c.request() as r:
+        r.input[...] = 3.0
+        y = r.infer(timeout=10)
+        assert y.shape == () and not y.flags.writeable and float(y) == 12.0

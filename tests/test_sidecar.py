@@ -137,7 +137,7 @@ def test_cleanup_removes_a_killed_serve_and_refuses_a_live_one(serves):
     s.stop(signal.SIGKILL)
     assert os.path.exists(f"/dev/shm/shmbatch-{s.name}")  # a crash leaves it
     dead = shmbatch("status", s.name)
-    assert dead.returncode != 0 and "dead" in dead.stdout
+    assert dead.returncode != 0 and f"dead (run: shmbatch cleanup {s.name})" in dead.stdout
     done = shmbatch("cleanup", s.name)
     assert done.returncode == 0, done.stderr
     assert not os.path.exists(f"/dev/shm/shmbatch-{s.name}")

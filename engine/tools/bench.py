@@ -1,4 +1,4 @@
-"""`shmbatch bench`: throughput and latency versus max_batch_size (contract section 6).
+"""`shmbatch bench`: throughput and latency versus max_batch_size.
 
 Each row starts an engine, forks client processes, and drives it OPEN LOOP:
 every client sends at Poisson times fixed in advance from a seeded generator,
@@ -143,7 +143,7 @@ def run_row(max_batch_size: int, max_delay_ms: float, load: Load, instances: int
     good = outcome == OK
     latency = percentiles_ms(answered[good] - scheduled[good])
     from_send = percentiles_ms(answered[good] - sent[good])
-    # the design notes' in-process measure: from the send to the end of the batch
+    # an in-process measure: from the send to the end of the batch
     stamped = good & (batch_done > 0)
     to_done = (percentiles_ms(batch_done[stamped] - sent[stamped]) if stamped.any()
                else {"p50": float("nan"), "p99": float("nan")})

@@ -23,7 +23,7 @@ class Load:
     clients: int = 4
     rate: float = 1500.0
     requests: int = 1600
-    queue_capacity: Optional[int] = None  # None: room for every request (the seed's unbounded queue)
+    queue_capacity: Optional[int] = None  # None: room for every request (an unbounded queue)
     timeout_s: float = 60.0
     seed: int = 1
     pin: bool = True  # batchers on the last cores, clients on the others (when there are >= 2)
@@ -97,7 +97,7 @@ def check_answer(sent: np.ndarray, y: np.ndarray, expect, index: np.ndarray, sha
 
 
 def theoretical_rps(n: int, fixed_ms: float, per_item_us: float) -> float:
-    """Capacity n / S(n) of the seed's cost model S(n) = F + n c."""
+    """Capacity n / S(n) of the cost model S(n) = F + n c."""
     return n / ((fixed_ms + n * per_item_us / 1000.0) / 1000.0)
 
 

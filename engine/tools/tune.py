@@ -1,15 +1,21 @@
 """`shmbatch tune`: choose max_batch_size and max_delay_ms from the backend's cost.
 
 Measures the backend's service time S(n) for batch sizes up to a limit (in
-this process, median of repeated calls on random inputs), fits the seed's
-cost model S(n) = F + n c, and recommends:
+this process, median of repeated calls on random inputs of the engine's
+padded shapes: one array, or named tensors), fits the cost model
+S(n) = F + n c, and recommends:
 
 - max_batch_size: where throughput n / S(n) flattens (the smallest n within
   10 % of the best measured) among the n whose tail fits the SLO. Under load a
   request can wait for the batch in service and then be served in the next,
-  so the tail is about 2 S(n): we need 2 S(n) + margin <= SLO;
-- max_delay_ms: what is left of the SLO, SLO - 2 S(n) - margin (never more than
-  the seed's SLO - S(max_batch) - margin), with margin = max(1 ms, 10 % of SLO).
+  so the tail is about 2 S(n): we need 2 S(n) + margin <= SLO, with
+  margin = max(1 ms, 10 % of SLO). This maximises throughput within the SLO;
+- max_delay_ms: 0. Under load batches form by themselves, from the requests
+  that arrive while the previous batch computes; a delay would make every
+  request that arrives alone wait for it, for nothing, at low load. What the
+  SLO would still allow (SLO - 2 S(n) - margin) is reported as the delay
+  budget: spend it only to trade the latency of every request at low load
+  for fewer, fuller batches (less compute per request).
 """
 import os
 import time
@@ -28,19 +34,40 @@ def batch_sizes(limit: int) -> List[int]:
     return sizes + [limit]
 
 
-def measure(backend: str, backend_args: dict, input_shape: Sequence[int], dtype: str,
-            sizes: Sequence[int], repeats: int = 15) -> Dict[int, float]:
+def random_batch(specs, n: int, rng: np.random.Generator):
+    """n random requests of each input spec (tensors.TensorSpec), at its padded
+    shape: (batch, lengths or None) as the batcher would call the backend."""
+    def rows(spec):
+        shape, dtype = (n, *spec.max_shape), np.dtype(spec.dtype)
+        if dtype.kind in "iub":  # ids and masks: 0 and 1 are valid for any vocabulary
+            return rng.integers(0, 2, shape).astype(dtype)
+        return rng.random(shape).astype(dtype)
+
+    def lengths(spec):
+        return np.full(n, spec.max_shape[spec.var_axis], np.int64)
+
+    if len(specs) == 1 and specs[0].name == "":
+        spec = specs[0]
+        return rows(spec), (lengths(spec) if spec.var_axis is not None else None)
+    batch = {t.name: rows(t) for t in specs}
+    variable = {t.name: lengths(t) for t in specs if t.var_axis is not None}
+    return batch, (variable or None)
+
+
+def measure(backend, backend_args: dict, specs, sizes: Sequence[int],
+            repeats: int = 15) -> Dict[int, float]:
     """S(n) in ms for each n: the median of `repeats` calls after one warm-up."""
     fn = backends.resolve(backend)(**(backend_args or {}))
     rng = np.random.default_rng(0)
     out = {}
     for n in sizes:
-        batch = rng.random((n, *input_shape)).astype(dtype)
-        fn(batch)
+        batch, lengths = random_batch(specs, n, rng)
+        args = (batch,) if lengths is None else (batch, lengths)
+        fn(*args)
         times = []
         for _ in range(repeats):
             t = time.perf_counter_ns()
-            fn(batch)
+            fn(*args)
             times.append(time.perf_counter_ns() - t)
         out[n] = float(np.median(times)) / 1e6
     return out
@@ -62,29 +89,37 @@ def recommend(service_ms: Dict[int, float], slo_ms: float) -> dict:
     fitting = [n for n in sorted(service_ms) if 2 * service_ms[n] + margin_ms <= slo_ms]
     if not fitting:
         n = min(service_ms)
-        return {"max_batch_size": n, "max_delay_ms": 0.0, "margin_ms": margin_ms,
-                "fits_slo": False, "throughput_rps": throughput[n]}
+        return {"max_batch_size": n, "max_delay_ms": 0.0, "delay_budget_ms": 0.0,
+                "margin_ms": margin_ms, "fits_slo": False, "throughput_rps": throughput[n]}
     best = max(throughput[n] for n in fitting)
     n = next(k for k in fitting if throughput[k] >= 0.9 * best)
-    delay = max(0.0, slo_ms - 2 * service_ms[n] - margin_ms)
-    return {"max_batch_size": n, "max_delay_ms": round(delay, 3), "margin_ms": margin_ms,
-            "fits_slo": True, "throughput_rps": throughput[n]}
+    budget = max(0.0, slo_ms - 2 * service_ms[n] - margin_ms)
+    return {"max_batch_size": n, "max_delay_ms": 0.0, "delay_budget_ms": round(budget, 3),
+            "margin_ms": margin_ms, "fits_slo": True, "throughput_rps": throughput[n]}
 
 
-def run(backend, backend_args, input_shape, dtype, slo_ms, limit=64, out_dir=None, log=print):
+def run(backend, backend_args, specs, slo_ms, limit=64, out_dir=None, log=print):
+    """Measures, fits and recommends (module doc); specs: the engine's input
+    specs (EngineConfig.input_specs, or tensors.TensorSpec of each input)."""
     sizes = batch_sizes(limit)
-    service = measure(backend, backend_args, input_shape, dtype, sizes)
+    service = measure(backend, backend_args, specs, sizes)
     f_ms, c_ms = fit(service)
     rec = recommend(service, slo_ms)
-    log(f"backend {backend} {backend_args or ''}, input {dtype}{list(input_shape)}")
+    shown = ", ".join(f"{t.name + ': ' if t.name else ''}{t.dtype}{list(t.max_shape)}" for t in specs)
+    log(f"backend {backend} {backend_args or ''}, input {shown}")
     log(f"{'n':>5} {'S(n) ms':>9} {'fit ms':>9} {'n/S(n) req/s':>13}")
     for n in sizes:
         log(f"{n:>5} {service[n]:>9.3f} {f_ms + n * c_ms:>9.3f} {n / service[n] * 1000:>13,.0f}")
     log(f"fit: S(n) = {f_ms:.3f} ms + n x {c_ms * 1000:.1f} us")
     if rec["fits_slo"]:
         log(f"recommend for SLO {slo_ms:g} ms: max_batch_size={rec['max_batch_size']} "
-            f"max_delay_ms={rec['max_delay_ms']:g} (2 S(n) + margin {rec['margin_ms']:g} ms "
-            f"within the SLO; ~{rec['throughput_rps']:,.0f} req/s per instance)")
+            f"max_delay_ms=0 (~{rec['throughput_rps']:,.0f} req/s per instance)")
+        log(f"  max_batch_size: the most throughput within the SLO (a request may wait for the "
+            f"batch in service, then its own: 2 S(n) + margin {rec['margin_ms']:g} ms <= SLO)")
+        log(f"  max_delay_ms 0: under load batches form while the previous one computes; a "
+            f"delay makes every lone request wait it. The SLO leaves up to "
+            f"{rec['delay_budget_ms']:g} ms, worth spending only for fuller batches (less "
+            f"compute per request) at the price of every request's latency at low load")
     else:
         log(f"no batch size fits SLO {slo_ms:g} ms (2 S(1) + margin > SLO): "
             f"max_batch_size={rec['max_batch_size']} max_delay_ms=0, and add instances")

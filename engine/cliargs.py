@@ -1,0 +1,97 @@
+"""How the `shmbatch` command reads its flags: values, shapes, and each of
+Engine(...)'s knobs as a flag (read off the knob's own field)."""
+import argparse
+import json
+import tomllib
+
+
+class Parser(argparse.ArgumentParser):
+    """Bad flags: one line on stderr, exit 2 (argparse would add its usage)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: {message}\n")
+
+
+def toml_value(text: str):
+    """A --backend-arg value: a TOML value where it parses as one, else a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def key_values(pairs) -> dict:
+    out = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"shmbatch: expected KEY=VALUE, got {pair!r}")
+        out[key.strip()] = toml_value(value.strip())
+    return out
+
+
+def shape(text: str):
+    """128,3 (or (128, 3), [128, 3]); none marks a variable dim; '' or () a scalar."""
+    dims = [d.strip() for d in text.strip().strip("()[]").split(",")]
+    try:
+        return tuple(None if d.lower() == "none" else int(d) for d in dims if d)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a shape like 128,3 ('' or () for a "
+                                         f"scalar), got {text!r}") from None
+
+
+def boolean(text: str) -> bool:
+    value = toml_value(text.lower())
+    if not isinstance(value, bool):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return value
+
+
+def json_value(text: str):
+    """A flag's JSON value (named tensors: {"ids": ["int64", [null]]})."""
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected JSON, got {text!r} ({e})") from None
+
+
+def numbers(kind):
+    def parse(text: str):
+        try:
+            return [kind(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    return parse
+
+
+def knobs():
+    from engine.supervisor import KNOBS  # Engine(...)'s keywords, each once
+    return KNOBS
+
+
+def knob_flag(p, knob, with_default: bool = False) -> None:
+    """The flag of one of Engine(...)'s knobs, parsed as the knob says; serve
+    takes no defaults (a --config file's keys may stand in for flags)."""
+    kind, doc = knob.metadata["cli"], knob.metadata["doc"]
+    default = knob.default if with_default else None
+    if kind == "key_values":  # --backend-arg K=V, repeated
+        p.add_argument("--backend-arg", action="append", metavar="KEY=VALUE", help=doc)
+        return
+    flag = "--" + knob.name.replace("_", "-")
+    if kind == "cpus":
+        p.add_argument(flag, action="append", type=cpu_list, metavar="0[,1...]",
+                       help=f"{doc}; one flag per instance")
+        return
+    parse = {"int": int, "float": float, "shape": shape, "bool": boolean, "json": json_value,
+             "ints": numbers(int)}.get(kind, str)
+    metavar = {"callable": "MOD:FACTORY", "gpus": "0,1", "shape": "SHAPE", "json": "JSON",
+               "ints": "N,N,..."}.get(kind)
+    if kind == "shape":
+        doc += " (e.g. 128,3; none a variable dim; '' a scalar)"
+    elif kind == "json":
+        doc += " (JSON; in a TOML file, a table)"
+    p.add_argument(flag, type=parse, default=default, metavar=metavar, help=doc)
+
+
+def cpu_list(text: str):
+    return numbers(int)(text)

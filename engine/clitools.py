@@ -1,0 +1,194 @@
+"""The tooling subcommands of `shmbatch`: bench and tune (engine.tools does
+the work; imported only when one of them runs)."""
+import dataclasses
+import itertools
+import json
+import os
+import tomllib
+
+from engine.cliargs import key_values, knob_flag, knobs, numbers
+
+
+def _backend_flags(p) -> None:
+    """The backend and its input, as bench and tune take them (with the knobs' defaults)."""
+    for knob in knobs():
+        if knob.name in ("backend", "backend_args", "input_shape", "input_dtype"):
+            knob_flag(p, knob, with_default=True)
+
+
+def bench_parser(sub):
+    p = sub.add_parser("bench", help="throughput and latency versus max_batch_size")
+    _backend_flags(p)
+    p.add_argument("--batch-sizes", type=numbers(int), help="e.g. 1,2,4,8,16,32")
+    p.add_argument("--delays-ms", type=numbers(float), help="e.g. 0,1,2")
+    p.add_argument("--rate", type=float, default=1500.0, help="offered requests/s, all clients")
+    p.add_argument("--clients", type=int, default=4, help="client processes")
+    p.add_argument("--requests", type=int, default=1600, help="requests per row, all clients")
+    p.add_argument("--queue-capacity", type=int, help="default: room for every request")
+    p.add_argument("--instances", type=int, default=1)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--no-pin", action="store_true", help="do not pin batchers and clients apart")
+    p.add_argument("--saturate", action="store_true",
+                   help="find the highest rate served with a bounded queue, per max_batch_size")
+    p.add_argument("--compare", action="store_true",
+                   help="also run two multiprocessing baselines, and the engine's own overhead")
+    p.add_argument("--overhead-seconds", type=float, default=2.0)
+    p.add_argument("--overload", action="store_true",
+                   help="offer 0.5x-5x capacity and a burst, with deadlines: goodput, with "
+                        "admission by deadline and without, side by side")
+    p.add_argument("--slo-ms", type=float, default=100.0, help="--overload: each request's deadline")
+    p.add_argument("--urgent-share", type=float, default=0.0,
+                   help="--overload: share of requests sent at priority 0 (the rest at 1)")
+    p.add_argument("--capacity", type=float, default=0.0, metavar="RPS",
+                   help="--overload: the rows' 1x (default: measured first)")
+    p.add_argument("--seconds", type=float, default=3.0,
+                   help="--overload and --model: seconds per row")
+    p.add_argument("--model", choices=("synthetic", "onnx"), default="synthetic",
+                   help="onnx: a transformer encoder built at run time, through ONNX Runtime "
+                        "on the CPU, with and without length_buckets (needs .[onnx])")
+    p.add_argument("--out", metavar="DIR", help="write DIR/bench.json and DIR/bench.png")
+
+
+def _rows(args):
+    from engine.tools import bench
+    if args.batch_sizes is None and args.delays_ms is None:
+        return bench.DEFAULT_ROWS
+    return list(itertools.product(args.batch_sizes or [1, 2, 4, 8, 16, 32], args.delays_ms or [0.0]))
+
+
+def _bench_model(args) -> int:
+
+    from engine.tools import model_bench
+    setup = model_bench.Setup(seconds=args.seconds, seed=args.seed, clients=args.clients,
+                              **({"batch_sizes": tuple(args.batch_sizes)} if args.batch_sizes else {}))
+    rows = model_bench.run(setup)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "model.json"), "w") as f:
+            json.dump({"setup": dataclasses.asdict(setup), "rows": rows}, f, indent=2)
+        print(f"wrote {args.out}/model.json")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from engine import tools
+    from engine.tools import bench, closed_loop, procs
+    from engine.tools.load import Load
+    if args.out:
+        tools.pyplot()  # the plot's dependency, asked for before minutes of measuring
+    if args.model == "onnx":
+        return _bench_model(args)
+    if args.overload:
+        if args.capacity < 0:
+            raise SystemExit(f"shmbatch: --capacity: expected requests/s > 0, got {args.capacity:g}")
+        from engine.tools import overload
+        overload.run(overload.Setup(slo_ms=args.slo_ms, urgent_share=args.urgent_share,
+                                    clients=args.clients, seconds=args.seconds, seed=args.seed,
+                                    capacity_rps=args.capacity),
+                     out_dir=args.out)
+        return 0
+    backend_args = key_values(args.backend_arg)
+    if args.backend == "engine.backends:synthetic":
+        backend_args = {"fixed_ms": 2.0, "per_item_us": 100.0, **backend_args}
+    load = Load(backend=args.backend, backend_args=backend_args,
+                input_shape=args.input_shape, dtype=args.input_dtype, clients=args.clients,
+                rate=args.rate, requests=args.requests, queue_capacity=args.queue_capacity,
+                seed=args.seed, pin=not args.no_pin)
+    rows = _rows(args)
+    result = {"config": {**dataclasses.asdict(load), "rows": rows, "instances": args.instances},
+              "environment": bench.environment(), "rows": []}
+    print(f"shmbatch bench: {args.backend} {backend_args or ''}; {args.clients} client processes, "
+          f"{args.rate:g} req/s Poisson (open loop) in all, {args.requests} requests a row")
+    for b, d in rows:
+        row = bench.run_row(b, d, load, instances=args.instances)
+        result["rows"].append(row)
+        print(bench.row_line(row), flush=True)
+    if args.compare:
+        print("\nthe same load through the multiprocessing baselines (ratio = shmbatch / baseline):")
+        result["compare"] = []
+        for row in result["rows"]:
+            for system in procs.SYSTEMS[1:]:
+                base = bench.run_row(row["max_batch_size"], row["max_delay_ms"], load, system=system)
+                result["compare"].append(base)
+                print(bench.compare_line(row, base), flush=True)
+        print("\nthe engine's own overhead (identity backend, closed loops):")
+        ident = dataclasses.replace(load, backend="engine.backends:identity", backend_args={})
+        result["overhead"] = closed_loop.overhead(ident, seconds=args.overhead_seconds)
+    if args.saturate:
+        print("\ncapacity (highest rate served with a bounded queue):")
+        result["saturation"] = []
+        for b in sorted({b for b, _ in rows}):
+            d = min(dd for bb, dd in rows if bb == b)
+            sat = bench.saturate(b, d, load)
+            result["saturation"].append(sat)
+            theory = ""
+            if args.backend == "engine.backends:synthetic":
+                cap = bench.theoretical_rps(b, float(backend_args["fixed_ms"]),
+                                            float(backend_args["per_item_us"]))
+                theory = f" = {100 * sat['capacity_rps'] / cap:.0f} % of n / S(n) = {cap:,.0f}"
+            print(f"max_batch {b:>3} delay {d:g} ms: {sat['capacity_rps']:,.0f} req/s{theory}", flush=True)
+    if args.out:
+        bench.write_outputs(args.out, result, load)
+        print(f"\nwrote {args.out}/bench.json and {args.out}/bench.png")
+    bad = sum(r["wrong"] + r["lost"] for r in result["rows"])
+    return 1 if bad else 0
+
+
+TUNE_KEYS = ("backend", "backend_args", "input_shape", "input_dtype", "max_input_shape",
+             "output_shape", "output_dtype", "inputs", "outputs", "max_input_shapes")
+
+
+def tune_parser(sub):
+    p = sub.add_parser("tune", help="measure S(n) and recommend max_batch_size / max_delay_ms",
+                       description="Measures the backend's service time S(n) on random inputs "
+                       "of the engine's shapes, in this process, and recommends the "
+                       "max_batch_size with the most throughput within the SLO (and "
+                       "max_delay_ms 0, with the delay the SLO would still allow). Takes the "
+                       "backend and tensors as serve does: flags, or --config FILE.toml.")
+    p.add_argument("--config", metavar="FILE.toml",
+                   help="serve's config file: its backend and tensors; flags override")
+    for knob in knobs():
+        if knob.name in TUNE_KEYS:
+            knob_flag(p, knob)
+    p.add_argument("--slo-ms", type=float, required=True, help="the latency budget")
+    p.add_argument("--max-batch", type=int, default=64, help="largest batch size measured")
+    p.add_argument("--out", metavar="DIR", help="write DIR/tune.json and DIR/tune.png")
+
+
+def tune_settings(args) -> dict:
+    """The backend and tensors to measure: --config's keys (a multi-key serve
+    file is fine: the rest are ignored), overridden by flags, then the
+    knobs' defaults."""
+    settings = {}
+    if args.config:
+        with open(args.config, "rb") as f:
+            settings = {k: v for k, v in tomllib.load(f).items() if k in TUNE_KEYS}
+    for key in TUNE_KEYS:
+        value = getattr(args, key, None)
+        if value is not None and key != "backend_args":
+            settings[key] = value
+    settings["backend_args"] = {**settings.get("backend_args", {}), **key_values(args.backend_arg)}
+    settings.setdefault("backend", "engine.backends:synthetic")
+    return settings
+
+
+def cmd_tune(args) -> int:
+    from engine import tensors
+    from engine.tools import tune
+    settings = tune_settings(args)
+    backend, backend_args = settings.pop("backend"), settings.pop("backend_args")
+    if settings.get("inputs") is not None:
+        bounds = settings.get("max_input_shapes") or {}
+        specs = tuple(tensors.spec_of(name, value, bounds.get(name), "input")
+                      for name, value in settings["inputs"].items())
+    else:
+        from engine.cli import _config_shape
+        from engine.config import EngineConfig
+        for key in ("input_shape", "max_input_shape", "output_shape"):
+            if key in settings:
+                settings[key] = _config_shape(settings[key], key)
+        settings.pop("outputs", None)
+        specs = EngineConfig(name="tune", **{k: v for k, v in settings.items()
+                                              if k != "max_input_shapes"}).input_specs
+    tune.run(backend, backend_args, specs, args.slo_ms, limit=args.max_batch, out_dir=args.out)
+    return 0

@@ -1,0 +1,234 @@
+"""The README is true: its Python and TOML examples run against live engines,
+its web recipes survive a sidecar that starts after them and restarts, its
+command lines name real flags, and it stays a user's guide."""
+import contextlib
+import os
+import pathlib
+import re
+import runpy
+import shlex
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+from conftest import unique_name, wait_for_line
+from test_sidecar import free_port
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TEXT = (ROOT / "README.md").read_text()
+SHMBATCH = str(pathlib.Path(sys.executable).with_name("shmbatch"))  # the console script
+ENV = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # as a user's shell has it
+NAMES = ("digits", "encoder")  # the engine names the examples use
+
+
+def blocks(lang: str) -> list:
+    return re.findall(rf"^```{lang}\n(.*?)^```", TEXT, re.M | re.S)
+
+
+def renamed(code: str, tag: str) -> str:
+    """The example with its engines' names made unique to this test."""
+    for name in NAMES:
+        code = code.replace(f'"{name}"', f'"{tag}-{name}"').replace(f" {name} ", f" {tag}-{name} ")
+    return code
+
+
+def files(tag: str) -> dict:
+    """The examples that name their file on their first line (`# model.py`)."""
+    out = {}
+    for code in blocks("python") + blocks("toml"):
+        first = code.splitlines()[0]
+        match = re.match(r"# ([\w.]+\.(py|toml))\b", first)
+        if match:
+            out[match.group(1)] = renamed(code, tag)
+    return out
+
+
+@pytest.fixture
+def guide(tmp_path):
+    """A folder holding the README's files, their engine names unique."""
+    tag = unique_name("readme")
+    for name, code in files(tag).items():
+        (tmp_path / name).write_text(code)
+    return tmp_path, tag
+
+
+def reap(proc, sig=signal.SIGKILL) -> None:
+    """Ends proc if it still runs (sig, then SIGKILL after 30 s) and closes its pipes."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    for pipe in (proc.stdout, proc.stderr):
+        if pipe is not None:
+            pipe.close()
+
+
+@contextlib.contextmanager
+def serving(folder, *command):
+    """`shmbatch ...` run in folder until it prints ready; SIGTERM at the end, exit 0."""
+    proc = subprocess.Popen([SHMBATCH, *command], cwd=folder, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        try:
+            wait_for_line(proc.stdout, "ready")
+        except (EOFError, TimeoutError) as e:
+            raise AssertionError(f"{e}; stderr: {proc.stderr.read()}") from None
+        yield proc
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, proc.stderr.read()
+    finally:
+        reap(proc)
+
+
+def run_python(folder, name, timeout_s=120):
+    out = subprocess.run([sys.executable, name], cwd=folder, env=ENV, capture_output=True,
+                         text=True, timeout=timeout_s)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def expected_label(folder, x) -> int:
+    return int(runpy.run_path(str(folder / "model.py"))["load"]()(x[None])[0])
+
+
+X = np.random.default_rng(1).random(64, dtype=np.float32)  # client.py's input
+
+
+def test_the_readme_is_a_guide_of_at_most_400_lines():
+    assert len(TEXT.splitlines()) <= 400
+
+
+STORY = [r"contract section", r"\bthe seed\b", r"design notes?", r"\bissue \d", r"\bthis session",
+         r"before and after", r"\bthe notes'", r"\b[0-9a-f]{7,40}\b(?<![0-9]{7})"]
+
+
+def test_no_development_story_or_outside_document_in_readme_help_or_code():
+    helps = [subprocess.run([SHMBATCH, *sub, "--help"], capture_output=True, text=True,
+                            timeout=60).stdout
+             for sub in ([], ["serve"], ["status"], ["reload"], ["cleanup"], ["bench"], ["tune"])]
+    sources = {"README.md": TEXT, "--help": "\n".join(helps)}
+    for path in (ROOT / "engine").rglob("*.py"):
+        sources[str(path.relative_to(ROOT))] = path.read_text()
+    found = [(where, m.group(0)) for where, text in sources.items() for pattern in STORY
+             for m in re.finditer(pattern, text, re.I)]
+    assert not found
+
+
+def test_the_quickstart_is_two_commands_and_ci_runs_the_second():
+    quick = TEXT.split("## Quickstart", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    first, second = quick.strip().splitlines()  # exactly two
+    assert "shmbatch bench" in first
+    assert second == "pip install -e '.[test]' && python -m pytest -q"
+    assert second in (ROOT / ".ci" / "run").read_text()
+
+
+def test_every_flag_of_the_command_line_section_is_a_real_flag():
+    synopsis = TEXT.split("## Command line", 1)[1].split("```\n", 1)[1].split("```", 1)[0]
+    for line in re.split(r"\n(?=shmbatch )", synopsis.strip()):
+        sub = line.split()[1]
+        helps = subprocess.run([SHMBATCH, sub, "--help"], capture_output=True, text=True,
+                               timeout=60).stdout
+        for flag in set(re.findall(r"--[a-z][a-z-]+", line)):
+            assert flag in helps, (sub, flag)
+
+
+def test_the_engine_and_client_examples_answer_and_ctrl_c_stops_the_engine(guide):
+    folder, tag = guide
+    server = subprocess.Popen([sys.executable, "server.py"], cwd=folder, env=ENV,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        out = run_python(folder, "client.py")  # it waits for the engine (wait_s)
+        assert f"label {expected_label(folder, X)}" in out
+        server.send_signal(signal.SIGINT)
+        assert server.wait(60) == 0, server.stderr.read()
+    finally:
+        reap(server)
+    assert not os.path.exists(f"/dev/shm/shmbatch-{tag}-digits")
+
+
+def test_the_toml_file_serves_the_client_example(guide):
+    folder, tag = guide
+    with serving(folder, "serve", "--config", "model.toml"):
+        assert f"label {expected_label(folder, X)}" in run_python(folder, "client.py")
+
+
+def test_every_python_example_without_a_file_name_runs(tmp_path):
+    rest = [code for code in blocks("python") if not re.match(r"# [\w.]+\.py", code)]
+    assert rest
+    for k, code in enumerate(rest):
+        (tmp_path / f"example{k}.py").write_text(renamed(code, unique_name("readme")))
+        run_python(tmp_path, f"example{k}.py")
+
+
+def test_the_scikit_learn_example_exports_a_model_that_serve_answers_right(guide):
+    pytest.importorskip("sklearn")
+    pytest.importorskip("skl2onnx")
+    import onnxruntime
+    folder, tag = guide
+    run_python(folder, "export.py")
+    command = next(code for code in blocks("bash") if "digits.onnx" in code)
+    argv = shlex.split(renamed(command.replace("\\\n", " "), tag))
+    assert argv[0] == "shmbatch"
+    import engine
+    digits = np.random.default_rng(2).integers(0, 17, (8, 64)).astype(np.float32)
+    want = onnxruntime.InferenceSession(str(folder / "digits.onnx")).run(["label"], {"X": digits})[0]
+    with serving(folder, *argv[1:]), engine.Client(f"{tag}-digits") as c:
+        assert [int(c.infer(x, timeout=10)) for x in digits] == want.tolist()
+
+
+def post(port: int, x: np.ndarray):
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/predict", data=x.tobytes(),
+                                     method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def answers_right(folder, port, n=16) -> bool:
+    rng = np.random.default_rng(port)
+    xs = rng.random((n, 64), dtype=np.float32)
+    got = [post(port, x) for x in xs]
+    want = [(200, str(expected_label(folder, x))) for x in xs]
+    return [(s, re.sub(r"\D", "", body)) for s, body in got] == want
+
+
+def a_web_app_started_before_its_sidecar_survives_it(folder, command, ready, workers):
+    port = free_port()
+    web = subprocess.Popen([*command(port)], cwd=folder, env=ENV, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_line(web.stderr, ready, count=workers)
+        status, body = post(port, X)
+        assert status == 503 and "not started yet" in body
+        for _ in range(2):  # the sidecar, then its restart: the same web workers answer
+            with serving(folder, "serve", "--config", "model.toml"):
+                assert answers_right(folder, port)
+            assert post(port, X)[0] == 503
+    finally:
+        reap(web, signal.SIGTERM)
+
+
+def test_the_uvicorn_app_started_before_the_sidecar_answers_once_it_serves_and_after_a_restart(guide):
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("fastapi")
+    a_web_app_started_before_its_sidecar_survives_it(
+        guide[0], lambda port: [sys.executable, "-m", "uvicorn", "app:app", "--workers", "4",
+                                "--port", str(port)],
+        "Application startup complete", workers=4)
+
+
+def test_the_gunicorn_preload_app_started_before_the_sidecar_answers_once_it_serves_and_after_a_restart(guide):
+    a_web_app_started_before_its_sidecar_survives_it(
+        guide[0], lambda port: [sys.executable, "-m", "gunicorn", "--preload", "-w", "4",
+                                "--threads", "8", "-b", f"127.0.0.1:{port}", "wsgi:app"],
+        "Booting worker", workers=4)
