@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Union
 import numpy as np
 
 from engine import ring
+from engine.tensors import BadResult
 
 # What a backend is called with and returns: an array whose first dim counts
 # the batch's requests, or with named tensors a dict of such arrays.
@@ -59,6 +60,32 @@ def identity() -> Backend:
         return batch
 
     return run
+
+
+def batched(fn: Backend, config) -> Callable[[list, Optional[list]], tuple]:
+    """fn as a batcher calls it: on the batch's tensors in spec order (and,
+    with variable dims, the real lengths of those tensors), returning its
+    outputs in spec order. The single-array form's backend takes and returns
+    one array; named tensors' a dict of them."""
+    if not config.named:
+        def call_one(batch: list, lengths: Optional[list]) -> tuple:
+            return (fn(batch[0]) if lengths is None else fn(batch[0], lengths[0]),)
+        return call_one
+    ins = [s.name for s in config.input_specs]
+    var = [s.name for s in config.input_specs if s.var_axis is not None]
+    outs = [s.name for s in config.output_specs]
+
+    def call_named(batch: list, lengths: Optional[list]) -> tuple:
+        named = dict(zip(ins, batch))
+        result = fn(named) if lengths is None else fn(named, dict(zip(var, lengths)))
+        if not isinstance(result, dict):
+            raise BadResult(f"expected a dict of outputs {outs}, got {type(result).__name__}")
+        missing = [name for name in outs if name not in result]
+        if missing:
+            raise BadResult(f"expected outputs {outs}, got {sorted(result, key=str)} "
+                            f"(missing {missing})")
+        return tuple(result[name] for name in outs)
+    return call_named
 
 
 def check_spec(spec: Union[str, Factory]) -> None:

@@ -31,7 +31,7 @@ from multiprocessing.connection import Connection
 import numpy as np
 
 from engine import admission, aimd, backends, liveness, policy, ring
-from engine.tensors import describe, shape_text
+from engine.tensors import checked_result
 from engine.layout import Segment
 
 # The idle wait has no flush timer; this bound only lets a batcher notice a
@@ -53,10 +53,6 @@ SPIN_NS = ring.SPIN_NS  # read at import, before any pinning
 def _message(e: Exception) -> bytes:
     """A backend's exception as a failed request's error text."""
     return f"{type(e).__name__}: {e}".encode("utf-8", "replace")[:ring.ERRMSG_BYTES]
-
-
-class BadResult(Exception):
-    """The backend returned something that is not n outputs of the right spec."""
 
 
 class Batcher:
@@ -87,15 +83,15 @@ class Batcher:
         # batcher's first batch warms the model up: not a measure)
         self.fit = admission.ServiceFit(warmup=1)
         self.expire_lead_ns = 0  # the fit's fixed cost: less time than that left is too little
-        self.var_axis = cfg.var_axis
-        self.out_shape = tuple(cfg.output_shape)
-        self.out_dtype = np.dtype(cfg.output_dtype)
         self.in_place = segment.in_place
-        self.named = cfg.named
-        self.out_specs = [(s.name, np.dtype(s.dtype), s.shape) for s in cfg.output_specs]
-        self.var_inputs = [(t, s) for t, s in enumerate(cfg.input_specs) if s.var_axis is not None]
+        # every tensor in spec order: the single-array form is one each way
+        self.in_regions, self.out_regions = segment.in_regions, segment.out_regions
+        self.call_backend = backends.batched(fn, cfg)
+        # (tensor, its variable axis, its bound) of each input with a variable dim
+        self.var_inputs = [(t, s.var_axis, s.max_shape[s.var_axis])
+                           for t, s in enumerate(cfg.input_specs) if s.var_axis is not None]
         # the batch shapes a compiled model wants (None: any size, the longest length)
-        top = max((s.max_shape[s.var_axis] for _, s in self.var_inputs), default=None)
+        top = max((bound for _, _, bound in self.var_inputs), default=None)
         self.var_top = top or 0  # the largest variable bound (0: none)
         self.shapes = policy.BatchShapes.of(cfg.max_batch_size, cfg.allowed_batch_sizes,
                                             cfg.length_buckets, cfg.max_batch_tokens, top)
@@ -105,12 +101,11 @@ class Batcher:
             self.claimed.set_shape(self.shapes.bounds, self.shapes.most,
                                    self.shapes.take(cfg.max_batch_size))
         rows = cfg.max_batch_size  # allowed sizes are at most it (config checks)
-        # the result shape check's want, per batch size: no tuple built per batch
-        self.out_shapes = [(k, *self.out_shape) for k in range(rows + 1)]
-        self.gather_buffer = (None if self.named else
-                              np.zeros((rows, *cfg.padded_shape), cfg.input_dtype))
-        self.gather_buffers = {s.name: np.zeros((rows, *s.max_shape), s.dtype)
-                               for s in cfg.input_specs} if self.named else {}
+        # each output's check: (dtype, shape, name, its shape per batch size: no
+        # tuple built per batch)
+        self.out_checks = [(np.dtype(s.dtype), s.shape, s.name,
+                            [(k, *s.shape) for k in range(rows + 1)]) for s in cfg.output_specs]
+        self.gather_buffers = [np.zeros((rows, *s.max_shape), s.dtype) for s in cfg.input_specs]
 
     def run(self) -> str:
         """Serves until the engine is STOPPED and nothing is left to serve, or
@@ -180,8 +175,7 @@ class Batcher:
         words[self.batch_start_word] = claim_ns  # for the supervisor's watchdog (0: idle)
         slots = claimed.slots[:n]
         try:  # the real lengths only where a variable dim needs them
-            contiguous = self.compute(slots, claimed.lengths[:n] if self.var_inputs else None,
-                                      claimed.bucket)
+            contiguous = self.compute(slots, claimed.lengths[:n], claimed.bucket)
         except Exception as e:
             contiguous = False
             if self.isolate and n > 1:
@@ -203,19 +197,11 @@ class Batcher:
         one); returns whether the batch was a view of the rows (zero copy)."""
         n = len(slots)
         rows = policy.pad_size(n, self.allowed) if self.allowed else n
-        if lengths is not None:  # written by clients: within the padding bound before any use
-            lengths = np.minimum(lengths, self.var_top)
-        if self.named:
-            batch, contiguous = self.gather_named(slots, rows)
-            out = self.check_named(self.call_named(batch, slots, rows, bucket), rows)
-            self.scatter_named(slots, out, contiguous)
-        else:
-            batch, contiguous = self.gather(slots, rows)
-            result = (self.fn(batch) if self.var_axis is None
-                      else self.call(batch, lengths, rows, bucket))
-            out = self.check(result, rows)
-            self.scatter(slots, batch, out[:n] if rows > n else out, contiguous)
+        batch, contiguous = self.gather(slots, rows)
+        outputs = self.check(self.call(batch, slots, rows, bucket), rows)
+        self.scatter(slots, batch, outputs, contiguous)
         if self.var_top:  # padding waste, of answered requests only (each counted once)
+            lengths = np.minimum(lengths, self.var_top)  # written by clients: bounded
             self.ring.add_word(ring.W_TOKENS, int(lengths.sum()))
             self.ring.add_word(ring.W_PADDED_TOKENS,
                                rows * self._cut(bucket, int(lengths.max()), self.var_top))
@@ -252,22 +238,30 @@ class Batcher:
         self.ring.complete_some(self.instance, self.claimed.slots[positions],
                                 self.claimed.gens[positions], status, message)
 
-    # -- the single-array form ----------------------------------------------------
+    # -- one batch, tensor by tensor --------------------------------------------------
     def gather(self, slots: np.ndarray, rows: int):
-        """(batch, contiguous): a view of the input rows when the slots are one
-        contiguous run, else a copy of them into the gather buffer (then, with
-        allowed batch sizes, zero rows up to `rows`)."""
+        """(each input's batch, contiguous): views of the input rows when the
+        slots are one contiguous run, else copies of them into the gather
+        buffers (then, with allowed batch sizes, zero rows up to `rows`)."""
         first, n = int(slots[0]), len(slots)
-        if int(slots[-1]) - first == n - 1 and rows == n:  # _contiguous, inline: the fast path
-            return self.seg.inputs[first:first + n], True
-        return _rows(self.seg.inputs, self.gather_buffer, slots, rows, False), False
+        if int(slots[-1]) - first == n - 1 and rows == n:  # one run: the fast path
+            return [region[first:first + n] for region in self.in_regions], True
+        return [_rows(region, buffer, slots, rows)
+                for region, buffer in zip(self.in_regions, self.gather_buffers)], False
 
-    def call(self, batch: np.ndarray, lengths: np.ndarray, rows: int, bucket: int):
-        """The backend on a batch with a variable dim (compute() calls a fixed
-        shape's itself): cut to the bucket's bound or the longest request, with
-        the real lengths, 0 for padding rows."""
-        real = _padded_lengths(lengths, rows, self.var_top)
-        return self.fn(self._cut_batch(batch, self.var_axis, real, bucket, self.var_top), real)
+    def call(self, batch: list, slots: np.ndarray, rows: int, bucket: int):
+        """The backend on the batch; with variable dims each such tensor is cut
+        to the bucket's bound or its longest request, and its real lengths
+        (0 for padding rows) passed too."""
+        if not self.var_inputs:
+            return self.call_backend(batch, None)
+        lengths = []
+        per_slot = self.seg.lengths[slots]  # (n, inputs): copied, the rows may be reused
+        for t, axis, bound in self.var_inputs:
+            real = _padded_lengths(per_slot[:, t], rows, bound)
+            batch[t] = self._cut_batch(batch[t], axis, real, bucket, bound)
+            lengths.append(real)
+        return self.call_backend(batch, lengths)
 
     def _cut(self, bucket: int, longest: int, bound: int) -> int:
         if self.shapes is None:
@@ -282,81 +276,37 @@ class Batcher:
         index[var_axis + 1] = slice(0, self._cut(bucket, int(real.max()), bound))
         return batch[tuple(index)]
 
-    def scatter(self, slots: np.ndarray, batch: np.ndarray, out: np.ndarray, contiguous: bool) -> None:
-        """Each answer into its request's output row, by position."""
-        if contiguous and self.in_place and out is batch:
-            return  # answered in place: the rows already hold the answers
-        if contiguous:
-            first = int(slots[0])
-            self.seg.outputs[first:first + len(slots)] = out
-        else:
-            self.seg.outputs[slots] = out
+    def check(self, results: tuple, n: int) -> list:
+        """The backend's results as n rows of each output's spec, or BadResult
+        saying what came."""
+        outputs = []
+        for result, (dtype, shape, name, shapes) in zip(results, self.out_checks):
+            if (type(result) is np.ndarray and (result.dtype is dtype or result.dtype == dtype)
+                    and result.shape == shapes[n]):
+                outputs.append(result)  # the common case, checked cheaply
+            else:
+                outputs.append(checked_result(result, n, dtype, shape, name))
+        return outputs
 
-    def check(self, result, n: int) -> np.ndarray:
-        """result as n outputs of the output spec, or BadResult saying what came."""
-        if (type(result) is np.ndarray
-                and (result.dtype is self.out_dtype or result.dtype == self.out_dtype)
-                and result.shape == self.out_shapes[n]):
-            return result  # the common case, checked cheaply (dtypes are mostly one object)
-        return _checked(result, n, self.out_dtype, self.out_shape, "")
-
-    # -- named tensors ------------------------------------------------------------
-    def gather_named(self, slots: np.ndarray, rows: int):
-        """({name: batch}, contiguous), each tensor as gather() does it."""
-        contiguous = _contiguous(slots, rows)
-        return {name: _rows(region, self.gather_buffers[name], slots, rows, contiguous)
-                for name, region in self.seg.input_regions.items()}, contiguous
-
-    def call_named(self, batch: dict, slots: np.ndarray, rows: int, bucket: int):
-        """The backend on {name: batch}; with variable dims each such tensor is
-        cut (as call() does) and {name: real lengths} passed too."""
-        if not self.var_inputs:
-            return self.fn(batch)
-        lengths = {}
-        per_slot = self.seg.lengths[slots]  # (n, inputs): copied, the rows may be reused
-        for t, spec in self.var_inputs:
-            real = lengths[spec.name] = _padded_lengths(per_slot[:, t], rows,
-                                                        spec.max_shape[spec.var_axis])
-            batch[spec.name] = self._cut_batch(batch[spec.name], spec.var_axis, real, bucket,
-                                               spec.max_shape[spec.var_axis])
-        return self.fn(batch, lengths)
-
-    def check_named(self, result, n: int) -> dict:
-        """result as {output name: n rows of its spec}, or BadResult."""
-        names = list(self.seg.output_regions)
-        if not isinstance(result, dict):
-            raise BadResult(f"expected a dict of outputs {names}, got {type(result).__name__}")
-        missing = [name for name in names if name not in result]
-        if missing:
-            raise BadResult(f"expected outputs {names}, got {sorted(result, key=str)} "
-                            f"(missing {missing})")
-        return {name: _checked(result[name], n, dtype, shape, name)
-                for name, dtype, shape in self.out_specs}
-
-    def scatter_named(self, slots: np.ndarray, out: dict, contiguous: bool) -> None:
+    def scatter(self, slots: np.ndarray, batch: list, outputs: list, contiguous: bool) -> None:
+        """Each answer into its request's output rows, by position (padding
+        rows dropped)."""
         n = len(slots)
-        for name, region in self.seg.output_regions.items():
+        if contiguous and self.in_place and outputs[0] is batch[0]:
+            return  # answered in place: the rows already hold the answers
+        for region, out in zip(self.out_regions, outputs):
+            if len(out) > n:
+                out = out[:n]
             if contiguous:
                 first = int(slots[0])
-                region[first:first + n] = out[name][:n]
+                region[first:first + n] = out
             else:
-                region[slots] = out[name][:n]
+                region[slots] = out
 
 
-def _contiguous(slots: np.ndarray, rows: int) -> bool:
-    """Whether the batch can be a view of the rows: the slots are one run and
-    no padding row is added."""
-    return int(slots[-1]) - int(slots[0]) == len(slots) - 1 and rows == len(slots)
-
-
-def _rows(region: np.ndarray, buffer: np.ndarray, slots: np.ndarray, rows: int,
-          contiguous: bool) -> np.ndarray:
-    """One tensor's batch: a view of its rows when contiguous, else a copy of
-    them into buffer, zero rows up to `rows`."""
+def _rows(region: np.ndarray, buffer: np.ndarray, slots: np.ndarray, rows: int) -> np.ndarray:
+    """One tensor's batch copied into buffer, zero rows up to `rows`."""
     n = len(slots)
-    if contiguous:
-        first = int(slots[0])
-        return region[first:first + n]
     # mode="clip": the slots are in range, and "raise" would buffer the copy (~4x slower)
     np.take(region, slots, axis=0, out=buffer[:n], mode="clip")
     buffer[n:rows] = 0
@@ -369,24 +319,6 @@ def _padded_lengths(lengths: np.ndarray, rows: int, bound: int) -> np.ndarray:
     real = np.zeros(rows, np.int64)
     np.minimum(lengths, bound, out=real[:len(lengths)])
     return real
-
-
-def _checked(result, n: int, dtype: np.dtype, shape, name: str) -> np.ndarray:
-    """result as n rows of (dtype, shape), or BadResult saying what came."""
-    where = f"output {name!r}: " if name else ""
-    if type(result) is np.ndarray and result.dtype == dtype and result.shape == (n, *shape):
-        return result
-    try:
-        out = np.asarray(result)
-    except Exception as e:
-        raise BadResult(f"{where}backend result is not an array ({type(e).__name__}: {e})") from None
-    want = (n, *shape)
-    if out.shape != want:
-        raise BadResult(f"{where}expected {dtype}{shape_text(want)} (one row per "
-                        f"request), got {describe(out)}")
-    if not np.can_cast(out.dtype, dtype, casting="same_kind"):
-        raise BadResult(f"{where}expected {dtype}{shape_text(want)}, got {describe(out)}")
-    return out
 
 
 def main(name: str, instance: int, backend, backend_args: dict, cpus, gpu, conn,

@@ -37,7 +37,7 @@ from typing import Any, Dict, Optional, TypeVar
 
 import numpy as np
 
-from engine import futures, liveness, ring, room, waiting
+from engine import answers, futures, liveness, ring, room, waiting
 from engine.errors import EngineError, EngineUnavailable, InvalidInput, Overloaded, QueueFull
 from engine.attaching import attach
 from engine.layout import Segment
@@ -104,8 +104,8 @@ class Client:
         timeout is also the request's deadline inside the engine; priority 0
         is the most urgent."""
         deadline = waiting.deadline_ns(timeout)
-        seg, slot, gen = self._enqueue(x, deadline, out, priority)
-        return self._await(seg, slot, gen, deadline, timeout, out)
+        seg, slot, gen, outs = self._enqueue(x, deadline, out, priority)
+        return self._await(seg, slot, gen, deadline, timeout, outs)
 
     def submit(self, x: Tensors, timeout: Optional[float] = 1.0, out: Optional[Tensors] = None,
                priority: int = 0) -> "concurrent.futures.Future[Tensors]":
@@ -113,10 +113,10 @@ class Client:
         out if given (as for infer). cancel() withdraws the request while no
         batch has answered it."""
         deadline = waiting.deadline_ns(timeout)
-        seg, slot, gen = self._enqueue(x, deadline, out, priority)
+        seg, slot, gen, outs = self._enqueue(x, deadline, out, priority)
         if self._evictor is None:
             self._start_evictor()
-        return futures.Request(self, seg, slot, gen, deadline, timeout, out)
+        return futures.Request(self, seg, slot, gen, deadline, timeout, outs)
 
     async def infer_async(self, x: Tensors, timeout: Optional[float] = 1.0,
                           priority: int = 0) -> Tensors:
@@ -124,7 +124,7 @@ class Client:
         deadline = waiting.deadline_ns(timeout)
         loop = asyncio.get_running_loop()
         future: "asyncio.Future[Tensors]" = loop.create_future()
-        seg, slot, gen = self._enqueue(x, deadline, None, priority)
+        seg, slot, gen, _ = self._enqueue(x, deadline, None, priority)
 
         def settle(value, error):
             if not future.done():
@@ -148,7 +148,7 @@ class Client:
         Leaving the with frees the slot (an unsent request is dropped, a pending
         one abandoned). One request per SlotRequest; fixed input shapes only."""
         seg = self._segment()
-        if not seg.fixed_shape:
+        if not seg.config.lends_rows:
             raise InvalidInput(f"request() lends a row of a fixed input shape, got an engine "
                                f"of input {seg.config.input_spec()}")
         code, slot, gen = seg.ring.acquire(self._pid, self._start_ticks)
@@ -169,7 +169,7 @@ class Client:
         chunk starts; on any error no answer of the call is returned.
         """
         deadline = waiting.deadline_ns(timeout)
-        seg, xs, length = self._validated(xs, many=True, priority=priority)
+        seg, (xs,), (length,), _ = self._validated(xs, many=True, priority=priority)
         cfg, n, r = seg.config, len(xs), seg.ring
         out = np.empty((n, *cfg.output_shape), cfg.output_dtype)
         chunk = min(n, max(1, seg.capacity // 2))
@@ -190,7 +190,9 @@ class Client:
                 padded = np.zeros((k, *cfg.padded_shape), cfg.input_dtype)
                 padded[(slice(None),) * (cfg.var_axis + 1) + (slice(0, length),)] = rows
                 rows = padded
-            seg.inputs[s] = rows
+            seg.in_regions[0][s] = rows
+            if cfg.var_axis is not None:
+                seg.lengths[s, 0] = length
             r.publish_many(s, g, k, length, deadline or 0, priority)
             self._await_all(seg, s, g, k, deadline, timeout)
             r.poll(s, g, codes[:k])
@@ -199,7 +201,7 @@ class Client:
                 error = waiting.failed(seg, int(s[failed[0]]), int(g[failed[0]]), ring.EFAILED)
                 r.release_many(s, g, k)
                 raise error
-            out[done:done + k] = seg.outputs[s]
+            out[done:done + k] = seg.out_regions[0][s]
             r.release_many(s, g, k)
             done += k
         return out
@@ -248,34 +250,34 @@ class Client:
 
     # -- the request path ---------------------------------------------------
     def _validated(self, x, many=False, out=None, priority=0):
-        """(segment, array, real length): the running engine's segment, and x
-        (and out, and priority) checked against its spec before anything is
-        enqueued."""
+        """(segment, arrays, real lengths, outs): the running engine's segment,
+        and x (and out, and priority) checked against its spec before anything
+        is enqueued; arrays and outs in spec order (outs None without out)."""
         seg = self._segment()  # a forked child was rebound at the fork (register_at_fork)
         try:
-            array, length = (seg.config.check_many if many else seg.config.check_input)(x)
-            if out is not None:
-                seg.config.check_out(out)
+            arrays, lengths = (seg.config.check_many if many else seg.config.check_input)(x)
+            outs = None if out is None else seg.config.check_out(out)
             if priority and not (type(priority) is int and 0 <= priority < seg.config.priority_levels):
                 raise InvalidInput(f"priority: expected an int in [0, "
                                    f"{seg.config.priority_levels}), got {priority!r}")
         except EngineError:
             seg.ring.add_word(ring.W_INVALID)
             raise
-        return seg, array, length
+        return seg, arrays, lengths, outs
 
     def _enqueue(self, x, deadline, out=None, priority=0):
-        seg, array, length = self._validated(x, False, out, priority)
+        """(segment, slot, generation, outs) of x enqueued."""
+        seg, arrays, lengths, outs = self._validated(x, False, out, priority)
         r = seg.ring
         if priority:
             self._check_share(seg, priority)
         admit = deadline is not None and seg.admit_by_deadline
-        fused = seg.fixed_shape and array.flags.c_contiguous
+        fused = seg.fused_in and arrays[0].flags.c_contiguous
         if fused:  # one C call: admit, take, copy, publish
-            code, slot, gen = r.submit(self._pid, self._start_ticks, array, length,
+            code, slot, gen = r.submit(self._pid, self._start_ticks, arrays[0], 0,
                                        deadline or 0, priority, admit)
             if code == ring.OK:  # the common case: enqueued
-                return seg, slot, gen
+                return seg, slot, gen, outs
         else:
             code, slot = r.admit(priority, deadline) if admit else (ring.OK, 0)
             if code == ring.OK:
@@ -287,17 +289,16 @@ class Client:
             fused = False
         if code == ring.OK and not fused:
             try:
-                self._write_row(seg, slot, array, length)
+                _write_rows(seg, slot, arrays, lengths)
             except BaseException:
                 r.cancel(slot, gen)
                 raise
-            if seg.named:  # the request's length, for buckets: its longest input
-                length = max(length)
-            code = r.publish(slot, gen, length, deadline or 0, priority)
+            # the request's length, for length buckets: its longest input's
+            code = r.publish(slot, gen, max(lengths), deadline or 0, priority)
         if code != ring.OK:
             raise EngineUnavailable(f"cannot enqueue on engine {self.name!r} (code {code}: the "
                                     f"engine reclaimed the request or refused it)")
-        return seg, slot, gen
+        return seg, slot, gen, outs
 
     @staticmethod
     def _check_share(seg, priority: int) -> None:
@@ -325,16 +326,6 @@ class Client:
                 self._evictor = futures.Evictor(self)
                 self._evictor.start()
 
-    @staticmethod
-    def _write_row(seg, slot, array, length) -> None:
-        if seg.named:  # array: {name: array}; length: each input's real length
-            for t, spec in enumerate(seg.config.input_specs):
-                _write(seg.input_regions[spec.name][slot], array[spec.name], spec.var_axis,
-                       length[t])
-                seg.lengths[slot, t] = length[t]
-            return
-        _write(seg.inputs[slot], array, seg.config.var_axis, length)
-
     def _segment(self) -> Segment:
         """The running engine's segment; attaches (lazy) or re-attaches (after
         a restart of the engine) when it can, EngineUnavailable while not."""
@@ -354,15 +345,15 @@ class Client:
                 self._checked_ns = ring.now_ns()
             return self._seg
 
-    def _await(self, seg, slot, gen, deadline, timeout, out=None, take=True):
+    def _await(self, seg, slot, gen, deadline, timeout, outs=None, take=True):
         """Waits for the ticket's answer and, with take, copies it out (into
-        out or a new array) and frees the slot; without, leaves it in the slot
-        and returns None. Errors free the slot and raise."""
+        outs' arrays or new ones), frees the slot and returns it in the
+        caller's form; without, leaves it in the slot and returns None. Errors
+        free the slot and raise."""
         r = seg.ring
-        take_named = take and seg.named  # outputs copied one per tensor: wait, then take
         into = None  # an array: the fused take copies the answer there and frees the slot
-        if take and not take_named:
-            into = out = np.empty(seg.output_shape, seg.output_dtype) if out is None else out
+        if take and seg.fused_out:
+            into = np.empty(seg.out_shape, seg.out_dtype) if outs is None else outs[0]
         # the common case, answered within the first slice, without the wait loop
         # (and without a closure made per request: partials on the slow path only)
         slice_ns = waiting.LIVENESS_SLICE_NS
@@ -381,11 +372,13 @@ class Client:
                 if waiting.give_up(seg, slot, gen, error) is not None:
                     raise error
                 code = wait_slice(0)  # answered at the last instant: take it
-        if take_named and code == ring.OK:  # answered: the wait above saw it
-            out = waiting.read_named(seg, slot, gen, out)
-        if code == ring.OK:
-            return out
-        raise waiting.failed(seg, slot, gen, code)
+        if code != ring.OK:
+            raise waiting.failed(seg, slot, gen, code)
+        if not take:
+            return None
+        # answered: the wait above saw it (several outputs: copied one by one)
+        return seg.config.answer((into,) if into is not None else
+                                 answers.read(seg, slot, gen, outs))
 
     def _wait_slice(self, r, slot, gen, into, slice_ns: int) -> int:
         """One C wait of at most slice_ns for the ticket; with into (an array),
@@ -406,6 +399,14 @@ class Client:
                 self._completer.start()
             return self._completer
 
+
+
+def _write_rows(seg, slot: int, arrays: tuple, lengths: tuple) -> None:
+    """A request's tensors into its slot's rows, with their real lengths."""
+    for t, (spec, region) in enumerate(zip(seg.config.input_specs, seg.in_regions)):
+        _write(region[slot], arrays[t], spec.var_axis, lengths[t])
+        if spec.var_axis is not None:
+            seg.lengths[slot, t] = lengths[t]
 
 
 def _write(row: np.ndarray, array: np.ndarray, var_axis, length: int) -> None:

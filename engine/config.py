@@ -143,6 +143,7 @@ class EngineConfig:
         put("_input_dtype", np.dtype(self.input_dtype))
         put("_out_shape", None if self.named else tuple(outs[0].shape))
         put("_out_dtype", np.dtype(outs[0].dtype))
+        put("_output_names", tuple(s.name for s in outs))
 
     def _check_batch_shapes(self, put, var) -> None:
         """allowed_batch_sizes, length_buckets and max_batch_tokens, validated."""
@@ -214,45 +215,63 @@ class EngineConfig:
     def output_slot_bytes(self) -> int:
         return sum(t.slot_bytes for t in self.output_specs)
 
+    @property
+    def lends_rows(self) -> bool:
+        """request() lends a slot's row: one unnamed input of a fixed shape."""
+        return not self.named and self.var_axis is None
+
     def input_spec(self) -> str:
         if self.named:
             return "{" + ", ".join(f"{t.name}: {t.spec_text()}" for t in self.input_specs) + "}"
         return self.input_specs[0].spec_text()
 
-    def check_input(self, x):
-        """(array, real length of the variable dim or 0); with named tensors
-        (dict of arrays, list of real lengths); InvalidInput otherwise."""
+    # -- a request and its answer, as the caller gives and gets them -------------
+    # Inside the engine both are tensors in spec order (a tuple of arrays); the
+    # single-array form is one array, named tensors a dict. These are the only
+    # places that tell the two apart (the backend's call is backends.batched's).
+    def check_input(self, x) -> Tuple[tuple, tuple]:
+        """(arrays, real lengths along each one's variable dim, or 0), in spec
+        order; InvalidInput otherwise."""
         if type(x) is np.ndarray and x.shape == self._exact_shape and x.dtype == self._input_dtype:
-            return x, 0  # the common case, in three comparisons
+            return (x,), _NO_LENGTH  # the common case, in three comparisons
         if self.named:
             return tensors.check_named(self.input_specs, x)
-        return self.input_specs[0].check(x)
+        x, length = self.input_specs[0].check(x)
+        return (x,), (length,)
 
-    def check_many(self, xs) -> Tuple[np.ndarray, int]:
-        """(array of n inputs, their common real length or 0), for infer_many."""
+    def check_many(self, xs) -> Tuple[tuple, tuple]:
+        """((array of n inputs,), (their common real length or 0,)), for infer_many."""
         if self.named:
             raise InvalidInput(f"infer_many takes one array of inputs; an engine of named "
                                f"inputs {self.input_spec()} takes infer() or submit() of a dict")
         ok = isinstance(xs, np.ndarray) and xs.ndim == len(self.input_shape) + 1 and len(xs) > 0
         try:
-            _, length = self.check_input(xs[0]) if ok else (None, 0)
+            _, lengths = self.check_input(xs[0]) if ok else (None, 0)
         except InvalidInput:
             ok = False
         if not ok:
             got = describe(xs) if isinstance(xs, np.ndarray) else type(xs).__name__
             raise InvalidInput(f"expected an array of n >= 1 inputs, each {self.input_spec()}, "
                                f"got {got}")
-        return xs, length
+        return (xs,), lengths
 
-    def check_out(self, out) -> None:
-        """InvalidInput unless out can take an answer in place."""
+    def check_out(self, out) -> tuple:
+        """out's arrays in spec order, each able to take its answer in place;
+        InvalidInput otherwise."""
         if (type(out) is np.ndarray and out.shape == self._out_shape
                 and out.dtype == self._out_dtype and out.flags.c_contiguous
                 and out.flags.writeable):
-            return  # the common case, without a call
+            return (out,)  # the common case, without a call
         if self.named:
             return tensors.check_named_out(self.output_specs, out)
-        return tensors.check_out(self.output_specs[0], out)
+        tensors.check_out(self.output_specs[0], out)
+        return (out,)
+
+    def answer(self, outputs: tuple):
+        """The caller's form of an answer given in spec order."""
+        if self.named:
+            return dict(zip(self._output_names, outputs))
+        return outputs[0]
 
     def to_json(self) -> bytes:
         return json.dumps(dataclasses.asdict(self)).encode()
@@ -263,6 +282,9 @@ class EngineConfig:
 
 
 REAP_INTERVAL_S = 0.1
+
+
+_NO_LENGTH = (0,)  # one tensor of a fixed shape
 
 
 def per_instance(value, instances: int, what: str):

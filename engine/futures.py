@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional, Tuple
 
 import numpy as np
 
-from engine import ring, waiting
+from engine import answers, ring, waiting
 
 # a Future's states, as concurrent.futures names them
 _PENDING, _FINISHED = concurrent.futures._base.PENDING, concurrent.futures._base.FINISHED
@@ -38,7 +38,7 @@ class Request(concurrent.futures.Future):
     """The Future of submit(): settled by whoever asks first (see the module
     docstring). A Future dropped while its request is pending gives its slot back."""
 
-    def __init__(self, client, seg, slot, gen, deadline, timeout, out=None):
+    def __init__(self, client, seg, slot, gen, deadline, timeout, outs=None):
         # Future.__init__'s state, set here so that all futures of a client share
         # one condition: Future.__init__ makes one per request (~2 us, as much as
         # the rest of submit()). The stdlib only ever locks it around short
@@ -47,7 +47,7 @@ class Request(concurrent.futures.Future):
         self._state, self._result, self._exception = _PENDING, None, None
         self._waiter_list, self._done_callbacks = None, []
         self.client, self.seg, self.slot, self.gen = client, seg, slot, gen
-        self.deadline, self.timeout, self.out = deadline, timeout, out
+        self.deadline, self.timeout, self.outs = deadline, timeout, outs  # outs: in spec order
         self._pid = client._pid
         self._watched = False
         self._ref = weakref.ref(self)
@@ -97,14 +97,14 @@ class Request(concurrent.futures.Future):
             self.client._completer_for().add(self)
 
     def try_settle(self, error=None) -> bool:
-        """Settles the future if its request is over (waiting.settle_now)."""
+        """Settles the future if its request is over (answers.settle_now)."""
         # one settler at a time, the asker or the completer: the lock under
         # self._condition, taken without the Condition's Python-level wrapper
         with self.client._futures_lock:
             if self._state != _PENDING:
                 return True
-            settled, value, failure, self.stamps_ns = waiting.settle_now(
-                self.seg, self.slot, self.gen, self.out, error)
+            settled, value, failure, self.stamps_ns = answers.settle_now(
+                self.seg, self.slot, self.gen, self.outs, error)
             if settled and self.client._held.get(self.slot) is self._ref:
                 del self.client._held[self.slot]
             if settled and failure is None and not self._waiter_list and not self._done_callbacks:
@@ -166,7 +166,7 @@ class Ticket:
         self.on_value, self.on_error = on_value, on_error
 
     def try_settle(self, error=None) -> bool:
-        settled, value, failure, _ = waiting.settle_now(self.seg, self.slot, self.gen, None, error)
+        settled, value, failure, _ = answers.settle_now(self.seg, self.slot, self.gen, None, error)
         if failure is not None:
             self.on_error(failure)
         elif settled:

@@ -102,19 +102,20 @@ class Segment:
                               offset=geo.off_tensor[k])
                    for k, t in enumerate(cfg.input_specs + cfg.output_specs)]
         n_in = len(cfg.input_specs)
-        self.input_regions = dict(zip((t.name for t in cfg.input_specs), regions[:n_in]))
-        self.output_regions = dict(zip((t.name for t in cfg.output_specs), regions[n_in:]))
-        # each input's real length along its variable dim, per slot (named tensors);
-        # data written by clients: the batcher bounds what it reads
+        self.in_regions, self.out_regions = regions[:n_in], regions[n_in:]  # in spec order
+        # each input's real length along its variable dim, per slot: written by
+        # clients, so the batcher bounds what it reads
         self.lengths = np.ndarray((self.capacity, n_in), np.uint32, buffer=mapping,
                                   offset=geo.off_lengths)
-        self.inputs, self.outputs = regions[0], regions[n_in]  # the single-array form's
-        self.output_shape, self.output_dtype = tuple(cfg.output_shape), np.dtype(cfg.output_dtype)
         # the READY bitmaps (a hint for the batcher's scan; the C owns them: for reading)
         self.ready_words = np.ndarray((cfg.priority_levels, geo.ready_words), np.uint64,
                                       buffer=mapping, offset=geo.off_ready)
-        self.named = cfg.named  # requests and answers are dicts of arrays
-        self.fixed_shape = cfg.var_axis is None and not cfg.named  # one row, as it is
+        # the fused calls: one C call copies a request in (one input of a fixed
+        # shape, C-contiguous), one copies its answer out (one output)
+        self.fused_in = n_in == 1 and cfg.input_specs[0].var_axis is None
+        self.fused_out = len(cfg.output_specs) == 1
+        spec = cfg.output_specs[0]
+        self.out_shape, self.out_dtype = tuple(spec.shape), np.dtype(spec.dtype)  # the first's
         self.admit_by_deadline = cfg.admission == "deadline"  # read per request
         self.in_place = bool(geo.in_place)  # outputs is inputs
 
@@ -282,8 +283,7 @@ class Segment:
         """Unmaps (views must be dropped first) and closes the fd (and its lock)."""
         if self._shm is None:
             return
-        self.inputs = self.outputs = self.words = self.ready_words = self.lengths = None
-        self.input_regions = self.output_regions = None
+        self.in_regions = self.out_regions = self.words = self.ready_words = self.lengths = None
         self._close_mapping()
         self._shm.close_fd()
         self._shm = None

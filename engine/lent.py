@@ -16,7 +16,7 @@ class SlotRequest:
     def __init__(self, client, seg, slot: int, gen: int):
         self.client, self.seg, self.slot, self.gen = client, seg, slot, gen
         # writable: the request's row in shared memory (0-d for a scalar input)
-        self.input = seg.inputs[slot, ...]
+        self.input = seg.in_regions[0][slot, ...]
         self._sent = False
         self._pid = client._pid
 
@@ -34,7 +34,7 @@ class SlotRequest:
             raise EngineUnavailable(f"engine {self.client.name!r} reclaimed the request "
                                     f"before it was queued")
         self.client._await(self.seg, self.slot, self.gen, deadline, timeout, take=False)
-        answer = self.seg.outputs[self.slot, ...].view()  # 0-d for a scalar answer
+        answer = self.seg.out_regions[0][self.slot, ...].view()  # 0-d for a scalar answer
         answer.flags.writeable = False
         return answer
 

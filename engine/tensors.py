@@ -9,7 +9,7 @@ one variable (None) dim, padded to its bound (max_input_shapes); a request's
 real length along it travels with the request.
 """
 import dataclasses
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 
@@ -139,8 +139,8 @@ def named_specs(inputs: dict, outputs: dict, max_input_shapes: Optional[dict]):
     return ins, outs
 
 
-def check_named(specs: Tuple[TensorSpec, ...], x) -> Tuple[Dict[str, np.ndarray], list]:
-    """(arrays by name, real lengths in spec order) of a dict of named inputs."""
+def check_named(specs: Tuple[TensorSpec, ...], x) -> Tuple[tuple, tuple]:
+    """(arrays, real lengths), both in spec order, of a dict of named inputs."""
     if not isinstance(x, dict):
         raise InvalidInput(f"expected a dict of inputs {{{', '.join(repr(s.name) for s in specs)}}}"
                            f", got {type(x).__name__}")
@@ -151,20 +151,19 @@ def check_named(specs: Tuple[TensorSpec, ...], x) -> Tuple[Dict[str, np.ndarray]
         raise InvalidInput(f"expected inputs {names}, got {sorted(x, key=str)}"
                            + (f" (missing {missing})" if missing else "")
                            + (f" (unexpected {extra})" if extra else ""))
-    arrays, lengths = {}, []
-    for spec in specs:
-        arrays[spec.name], length = spec.check(x[spec.name])
-        lengths.append(length)
-    return arrays, lengths
+    checked = [spec.check(x[spec.name]) for spec in specs]
+    return tuple(a for a, _ in checked), tuple(n for _, n in checked)
 
 
-def check_named_out(specs: Tuple[TensorSpec, ...], out) -> None:
-    """InvalidInput unless out is a dict of arrays that can take the answers."""
+def check_named_out(specs: Tuple[TensorSpec, ...], out) -> tuple:
+    """out's arrays in spec order if out is a dict of arrays that can take the
+    answers; InvalidInput otherwise."""
     if not isinstance(out, dict) or sorted(out) != sorted(s.name for s in specs):
         got = sorted(out) if isinstance(out, dict) else type(out).__name__
         raise InvalidInput(f"out: expected a dict of outputs {[s.name for s in specs]}, got {got}")
     for spec in specs:
         check_out(spec, out[spec.name], f"out[{spec.name!r}]")
+    return tuple(out[spec.name] for spec in specs)
 
 
 def check_out(spec: TensorSpec, a, where: str = "out") -> None:
@@ -176,3 +175,25 @@ def check_out(spec: TensorSpec, a, where: str = "out") -> None:
                if isinstance(a, np.ndarray) else type(a).__name__)
         raise InvalidInput(f"{where}: expected a writable C-contiguous "
                            f"{spec.dtype}{shape_text(spec.shape)}, got {got}")
+
+
+class BadResult(Exception):
+    """A backend returned something that is not n outputs of the right spec."""
+
+
+def checked_result(result, n: int, dtype: np.dtype, shape, name: str) -> np.ndarray:
+    """result as n rows of (dtype, shape), or BadResult saying what came."""
+    where = f"output {name!r}: " if name else ""
+    if type(result) is np.ndarray and result.dtype == dtype and result.shape == (n, *shape):
+        return result
+    try:
+        out = np.asarray(result)
+    except Exception as e:
+        raise BadResult(f"{where}backend result is not an array ({type(e).__name__}: {e})") from None
+    want = (n, *shape)
+    if out.shape != want:
+        raise BadResult(f"{where}expected {dtype}{shape_text(want)} (one row per "
+                        f"request), got {describe(out)}")
+    if not np.can_cast(out.dtype, dtype, casting="same_kind"):
+        raise BadResult(f"{where}expected {dtype}{shape_text(want)}, got {describe(out)}")
+    return out

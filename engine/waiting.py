@@ -11,8 +11,6 @@ answer can never reach a newer request that reuses the slot.
 """
 from typing import Callable, Optional
 
-import numpy as np
-
 from engine import ring
 from engine.errors import (BackendError, EngineCorrupt, EngineError, EngineUnavailable,
                            RequestTimeout)
@@ -111,55 +109,3 @@ def give_up(seg, slot: int, gen: int, error: EngineError) -> Optional[EngineErro
     if isinstance(error, RequestTimeout):
         seg.ring.add_word(ring.W_TIMEOUTS)
     return error
-
-
-def settle_now(seg, slot: int, gen: int, out: Optional[np.ndarray],
-               error: Optional[EngineError] = None):
-    """A ticket's outcome without waiting: (settled, value, error, stamps).
-    Answered: its answer taken (into out, or a new array) with the request's
-    (arrival_ns, claim_ns, done_ns). Not answered: with error, the request
-    abandoned and error returned (unless it was answered that instant);
-    without, (False, None, None, None)."""
-    if out is None and not seg.named:
-        out = np.empty(seg.output_shape, seg.output_dtype)
-    code, stamps, value = _take(seg, slot, gen, out)
-    if code == ring.ETIMEOUT:
-        if error is None:
-            return False, None, None, None
-        if give_up(seg, slot, gen, error) is not None:
-            return True, None, error, None
-        code, stamps, value = _take(seg, slot, gen, out)
-    if code == ring.OK:
-        return True, value, None, stamps
-    return True, None, failed(seg, slot, gen, code), None
-
-
-def _take(seg, slot: int, gen: int, out):
-    """(code, stamps, answer) of one take that does not wait."""
-    if seg.named:
-        code, answer = take_named(seg, slot, gen, out)
-        return code, None, answer  # no stamps: the fused take reads them
-    code, stamps = seg.ring.take_timed(slot, gen, out)
-    return code, stamps, out
-
-
-def take_named(seg, slot: int, gen: int, out: Optional[dict]):
-    """(code, answer) of a named-tensor ticket, without waiting: answered, a
-    dict of its outputs (read_named); else the code (ETIMEOUT: not yet;
-    EFAILED: the slot is left to failed())."""
-    code = seg.ring.wait_slot(slot, gen, 0, 0)
-    return code, read_named(seg, slot, gen, out) if code == ring.OK else None
-
-
-def read_named(seg, slot: int, gen: int, out: Optional[dict]) -> dict:
-    """An answered named-tensor ticket's outputs, copied into out's arrays (or
-    new ones); the slot freed."""
-    answer = {}
-    for name, region in seg.output_regions.items():
-        if out is None:
-            answer[name] = region[slot].copy()
-        else:
-            answer[name] = out[name]
-            np.copyto(answer[name], region[slot])
-    seg.ring.release_slot(slot, gen)
-    return answer

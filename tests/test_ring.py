@@ -62,7 +62,7 @@ def test_an_output_of_the_input_spec_overwrites_its_input_row(segment):
     assert geo.in_place == 1 and segment.in_place
     assert geo.off_tensor[1] == geo.off_tensor[0]
     assert geo.total_bytes >= geo.off_tensor[0] + 64 * 16
-    assert np.shares_memory(segment.inputs[3], segment.outputs[3])
+    assert np.shares_memory(segment.in_regions[0][3], segment.out_regions[0][3])
     assert attach(segment, geo.total_bytes - 1) == ring.ECORRUPT
 
 
@@ -98,8 +98,8 @@ def test_named_tensors_get_one_aligned_region_each_inputs_first():
         for t in range(3):  # each region aligned, after the whole of the one before it
             assert offsets[t] % 4096 == 0 and offsets[t + 1] >= offsets[t] + 64 * rows[t]
         assert geo.total_bytes >= offsets[3] + 64 * rows[3]
-        assert seg.input_regions["ids"].shape == (64, 7) and seg.input_regions["ids"].dtype == np.int64
-        assert seg.output_regions["emb"].shape == (64, 9)
+        assert seg.in_regions[0].shape == (64, 7) and seg.in_regions[0].dtype == np.int64
+        assert seg.out_regions[1].shape == (64, 9)
         assert seg.lengths.shape == (64, 2)
         assert attach(seg, geo.total_bytes) == ring.OK
     finally:
@@ -128,10 +128,10 @@ def test_submit_and_take_move_a_request_through_in_one_call_each(segment):
     r = segment.ring
     x = np.arange(4, dtype=np.float32)
     code, slot, gen = r.submit(os.getpid(), 0, x, 0)
-    assert code == ring.OK and segment.inputs[slot].tolist() == x.tolist()
+    assert code == ring.OK and segment.in_regions[0][slot].tolist() == x.tolist()
     assert ready_slots(r)[0] == 1  # published
     claim_all(r)
-    segment.outputs[slot] = x * 3
+    segment.out_regions[0][slot] = x * 3
     out = np.zeros(4, np.float32)
     assert r.take(slot, gen, 0, 0, out) == ring.ETIMEOUT  # claimed, not answered: untouched
     assert out.tolist() == [0, 0, 0, 0]
@@ -278,7 +278,7 @@ def _killed_between_bit_and_publish(name, out):
     bit is set, its CAS to READY never made (the slot stays WRITING)."""
     seg = Segment.attach(name)
     code, slot, gen = seg.ring.acquire(os.getpid(), liveness.start_ticks(os.getpid()))
-    seg.inputs[slot][:] = -1
+    seg.in_regions[0][slot][:] = -1
     seg.ready_words[0, slot // 64] |= np.uint64(1 << (slot % 64))  # publish's first step
     out.put((code, slot, gen))
     signal.pause()  # SIGKILLed here
@@ -300,7 +300,7 @@ def test_a_client_killed_between_its_ready_bit_and_publish_loses_nor_doubles_a_s
     assert reaper.reap_dead_clients(r, census) == [(slot, child.pid)]  # not lost: reclaimed
     code, again, new_gen = r.acquire(os.getpid(), 0)
     assert (code, again, new_gen) == (ring.OK, slot, gen + 1)  # the slot comes back, once
-    segment.inputs[slot][:] = 7
+    segment.in_regions[0][slot][:] = 7
     assert r.publish(slot, new_gen, 0) == ring.OK
     assert r.claim(0, 8, 1, ring.MAX_NS, b)[:1] == (1,) and b.slots[0] == slot
     assert r.claim(0, 8, 1, ring.MAX_NS, b)[0] == 0  # claimed once, not twice
@@ -365,11 +365,11 @@ def _ring_client(name, client_id, n, results):
             code, slot, gen = r.acquire(os.getpid(), 0)
             if code == ring.OK:
                 break
-        seg.inputs[slot][:] = client_id * 1_000_000 + k
+        seg.in_regions[0][slot][:] = client_id * 1_000_000 + k
         r.publish(slot, gen, 0)
         assert r.wait_slot(slot, gen, 10_000_000_000) == ring.OK
         # the whole row is this request's answer (in place: it overwrote the input)
-        wrong += not (seg.outputs[slot] == (client_id * 1_000_000 + k) * 2 + 1).all()
+        wrong += not (seg.out_regions[0][slot] == (client_id * 1_000_000 + k) * 2 + 1).all()
         r.release_slot(slot, gen)
     results.put(wrong)
 
@@ -385,7 +385,7 @@ def _ring_batcher(name, batcher, stop):
             r.wait_work(seen, 50_000_000)
             continue
         for s in b.slots[:n].tolist():
-            seg.outputs[s] = seg.inputs[s] * 2 + 1
+            seg.out_regions[0][s] = seg.in_regions[0][s] * 2 + 1
         assert r.complete(batcher, b, n) == n
         r.finish_batch(b, n, claim_ns, ring.now_ns(), False)
 

@@ -106,7 +106,7 @@ def test_a_header_rewritten_after_attach_changes_no_address(seg):
         slots = [submit(seg, k) for k in range(3)]  # client: acquire, copy in, publish
         b, n = claim(seg)                            # batcher: scan and claim
         assert n == 3
-        seg.outputs[b.slots[:n]] = seg.inputs[b.slots[:n]] * 2
+        seg.out_regions[0][b.slots[:n]] = seg.in_regions[0][b.slots[:n]] * 2
         assert seg.ring.complete(0, b, n, ring.STATUS_BACKEND, b"x" * 300) == 3
         for k, (slot, gen) in enumerate(slots):     # client: the failure, read and freed
             assert seg.ring.slot_error(slot) == (ring.STATUS_BACKEND, "x" * 256)
@@ -285,9 +285,10 @@ def test_a_length_past_the_padding_bound_reaches_the_backend_clamped(make_engine
     try:
         code, slot, gen = seg.ring.acquire(os.getpid(), 0)
         assert code == ring.OK
-        assert seg.ring.publish(slot, gen, 2**31) == ring.OK  # as a stray write would
+        seg.lengths[slot, 0] = 2**31  # as a stray write would
+        assert seg.ring.publish(slot, gen, 2**31) == ring.OK
         assert seg.ring.wait_slot(slot, gen, 10 * 10**9) == ring.OK
-        assert seg.outputs[slot].tolist() == [8.0]
+        assert seg.out_regions[0][slot].tolist() == [8.0]
         seg.ring.release_slot(slot, gen)
     finally:
         seg.close()
