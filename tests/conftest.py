@@ -17,6 +17,8 @@ import multiprocessing
 import os
 import pathlib
 import selectors
+import signal
+import subprocess
 import time
 
 import posix_ipc
@@ -106,6 +108,23 @@ def wait_for_line(stream, needle: str, timeout_s: float = 60.0, count: int = 1) 
         seen += needle in line
     sel.close()
     return lines
+
+
+def reap(proc: subprocess.Popen, sig=signal.SIGTERM) -> int:
+    """Ends proc if it still runs (sig: a serve drains and removes its segment;
+    SIGKILL if it has not exited within 60 s), closes its pipes; its exit code."""
+    try:
+        if proc.poll() is None:
+            proc.send_signal(sig)
+        try:
+            return proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait(10)
+    finally:
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
 
 
 def wait_for(predicate, what: str, timeout_s: float = 60.0) -> None:

@@ -102,6 +102,13 @@ def test_tune_fits_the_cost_model_and_recommends_within_the_slo():
     assert n > 1  # batching pays with a 2 ms fixed cost
 
 
+def test_tune_says_batching_pays_only_with_a_fixed_cost_above_a_round_trip():
+    from engine.tools import tune
+    sizes = tune.batch_sizes(64)
+    assert tune.recommend({n: 2.0 + 0.1 * n for n in sizes}, 20.0)["batching_pays"]
+    assert not tune.recommend({n: 0.045 * n for n in sizes}, 20.0)["batching_pays"]  # per row only
+
+
 def test_tune_never_recommends_a_delay_that_lone_requests_would_wait_for_nothing():
     from engine.tools import tune
     service = {n: 2.0 + 0.1 * n for n in tune.batch_sizes(64)}

@@ -11,7 +11,7 @@ import numpy as np
 import psutil
 
 import engine
-from conftest import unique_name, wait_for_line
+from conftest import reap, unique_name, wait_for_line
 from test_sidecar import ENV, shmbatch
 
 X = np.arange(16, dtype=np.float32)
@@ -24,16 +24,6 @@ def serve(name, *flags, backend="helpers:affine", env=ENV, cwd=None, command=Non
                              "--input-shape", "16", "--output-shape", "16", *flags],
                             env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, **popen)
-
-
-def finish(proc, sig=signal.SIGTERM):
-    if proc.poll() is None:
-        proc.send_signal(sig)
-    try:
-        return proc.wait(60)
-    finally:
-        proc.stdout.close()
-        proc.stderr.close()
 
 
 def test_serve_tells_a_notify_socket_it_is_ready_once_clients_can_attach(tmp_path):
@@ -52,7 +42,7 @@ def test_serve_tells_a_notify_socket_it_is_ready_once_clients_can_attach(tmp_pat
             proc.send_signal(signal.SIGTERM)
             assert "STOPPING=1" in sock.recv(4096).decode().splitlines()
         finally:
-            rc = finish(proc)
+            rc = reap(proc)
     assert rc == 0
 
 
@@ -65,7 +55,7 @@ def test_status_ready_exits_zero_only_while_the_engine_serves():
         probe = shmbatch("status", name, "--ready")
         assert probe.returncode == 0 and "running" in probe.stdout
     finally:
-        rc = finish(proc)
+        rc = reap(proc)
     assert rc == 0
     assert shmbatch("status", name, "--ready").returncode == 1  # stopped
 
@@ -89,7 +79,7 @@ def test_ctrl_c_to_the_process_group_drains_without_a_traceback_and_leaves_nothi
         assert not alive
         assert not os.path.exists(f"/dev/shm/shmbatch-{name}")
     finally:
-        finish(proc, signal.SIGKILL)
+        reap(proc)
 
 
 def shmbatch_stats(name) -> dict:
@@ -110,5 +100,5 @@ def test_serve_imports_a_backend_module_from_its_working_directory(tmp_path):
         with engine.Client(name) as c:
             assert np.array_equal(c.infer(X, timeout=10), X * 3)
     finally:
-        rc = finish(proc)
+        rc = reap(proc)
     assert rc == 0

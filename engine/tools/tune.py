@@ -16,6 +16,11 @@ S(n) = F + n c, and recommends:
   SLO would still allow (SLO - 2 S(n) - margin) is reported as the delay
   budget: spend it only to trade the latency of every request at low load
   for fewer, fuller batches (less compute per request).
+
+It also says whether batching pays at all: it shares the fixed cost F of a
+call among a batch, so a model whose F is below an engine round trip (tens of
+µs) saves less than the sidecar's hop costs; a copy of the model in each
+worker then serves more (if one per worker fits).
 """
 import os
 import time
@@ -83,7 +88,18 @@ def fit(service_ms: Dict[int, float]):
     return float(f), float(c)
 
 
+# About an engine round trip, client to batcher and back (bench/RESULTS.md:
+# p50 13-16 us, p99 ~50 us): the least fixed cost per call that batching repays.
+ROUND_TRIP_MS = 0.05
+
+
 def recommend(service_ms: Dict[int, float], slo_ms: float) -> dict:
+    rec = _recommend(service_ms, slo_ms)
+    rec["batching_pays"] = fit(service_ms)[0] >= ROUND_TRIP_MS
+    return rec
+
+
+def _recommend(service_ms: Dict[int, float], slo_ms: float) -> dict:
     margin_ms = max(1.0, 0.1 * slo_ms)
     throughput = {n: n / (s / 1000.0) for n, s in service_ms.items()}
     fitting = [n for n in sorted(service_ms) if 2 * service_ms[n] + margin_ms <= slo_ms]
@@ -123,6 +139,10 @@ def run(backend, backend_args, specs, slo_ms, limit=64, out_dir=None, log=print)
     else:
         log(f"no batch size fits SLO {slo_ms:g} ms (2 S(1) + margin > SLO): "
             f"max_batch_size={rec['max_batch_size']} max_delay_ms=0, and add instances")
+    if not rec["batching_pays"]:
+        log(f"note: the fixed cost per call, F = {f_ms:.3f} ms, is below an engine round trip "
+            f"(~{ROUND_TRIP_MS:g} ms): batching shares little of it, and a copy of the model in "
+            f"each worker serves more requests, if one per worker fits")
     result = {"service_ms": service, "fit": {"fixed_ms": f_ms, "per_item_ms": c_ms},
               "slo_ms": slo_ms, "recommendation": rec}
     if out_dir:
