@@ -11,22 +11,36 @@ def affine():
     return lambda batch, lengths=None: batch * 2 + 1
 
 
+def behind_gate(gate, inner, holds=None):
+    """The backend `inner` behind `gate` (conftest.Gate): its first batch, or
+    (with `holds`) every batch for which holds(batch) is true, first waits (at
+    most 60 s) for the test to open the gate. The one gate wrapper of the tests."""
+    import posix_ipc
+    sem = posix_ipc.Semaphore(gate)
+    opened = []
+
+    def run(batch, *lengths):
+        if holds is None:
+            if not opened:
+                opened.append(True)
+                sem.acquire(60)  # BusyError after 60 s: this batch fails, and the test with it
+                sem.close()
+        elif holds(batch):
+            sem.acquire(60)
+        return inner(batch, *lengths)
+    return run
+
+
+def negative(batch) -> bool:
+    """A batch holding a negative value: the ones a test marks to be held."""
+    return bool((batch < 0).any())
+
+
 def gated(gate, then="affine", **then_args):
     """The backend `then`, whose first batch first waits (at most 60 s) for
     the test to open `gate` (conftest.Gate): the requests sent meanwhile
     queue up, so they batch together on any machine."""
-    import posix_ipc
-    sem = posix_ipc.Semaphore(gate)
-    inner = globals()[then](**then_args)
-    opened = []
-
-    def run(batch, *lengths):
-        if not opened:
-            opened.append(True)
-            sem.acquire(60)  # BusyError after 60 s: this batch fails, and the test with it
-            sem.close()
-        return inner(batch, *lengths)
-    return run
+    return behind_gate(gate, globals()[then](**then_args))
 
 
 def in_place_affine():
@@ -110,15 +124,7 @@ def holds_on_negative(gate, fixed_ms=100.0):
     """2x + 1 after fixed_ms; a batch holding a negative value first waits (at
     most 60 s) for the test to open `gate`: the batcher busy for as long as
     the test needs."""
-    import posix_ipc
-    sem = posix_ipc.Semaphore(gate)
-
-    def run(batch, lengths=None):
-        if (batch < 0).any():
-            sem.acquire(60)
-        ring.spin_ns(int(fixed_ms * 1e6))
-        return batch * 2 + 1
-    return run
+    return behind_gate(gate, slow_affine(fixed_ms), holds=negative)
 
 
 def starts_on_gate(gate):

@@ -1,6 +1,7 @@
 """Backends of tests/test_reload.py (importable by batchers): answers that tell
 which backend args the batcher serving them was started with."""
 from engine import ring
+from helpers import behind_gate, negative
 
 
 def offset(bias=0.0, scale=1.0, fixed_ms=0.0):
@@ -21,11 +22,4 @@ def held(gate, bias=0.0):
     """x + bias; a batch holding a negative value first waits (at most 60 s)
     for the test to open `gate` (conftest.Gate): a batcher busy in a batch
     for as long as the test needs."""
-    import posix_ipc
-    sem = posix_ipc.Semaphore(gate)
-
-    def run(batch, lengths=None):
-        if (batch < 0).any():
-            sem.acquire(60)
-        return batch + bias
-    return run
+    return behind_gate(gate, offset(bias=bias), holds=negative)

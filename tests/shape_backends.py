@@ -4,6 +4,8 @@ import json
 
 import numpy as np
 
+from helpers import behind_gate
+
 
 def token_stats():
     """inputs ids int64[*] (padded with zeros) and scale float32[2]; answers
@@ -41,30 +43,9 @@ def logged_rows(log_path):
 def gated_log(gate, log_path, fixed=False):
     """logged_rows (fixed) or logged_lengths, whose first batch first waits (at
     most 60 s) for the test to open `gate`, as helpers.gated does."""
-    import posix_ipc
-    sem = posix_ipc.Semaphore(gate)
-    inner = logged_rows(log_path) if fixed else logged_lengths(log_path)
-    opened = []
-
-    def run(batch, *lengths):
-        if not opened:
-            opened.append(True)
-            sem.acquire(60)
-            sem.close()
-        return inner(batch, *lengths)
-    return run
+    return behind_gate(gate, logged_rows(log_path) if fixed else logged_lengths(log_path))
 
 
 def gated_named(gate):
     """token_stats, whose first batch first waits (at most 60 s) for `gate`."""
-    import posix_ipc
-    sem = posix_ipc.Semaphore(gate)
-    inner, opened = token_stats(), []
-
-    def run(batch, lengths):
-        if not opened:
-            opened.append(True)
-            sem.acquire(60)
-            sem.close()
-        return inner(batch, lengths)
-    return run
+    return behind_gate(gate, token_stats())
