@@ -20,13 +20,51 @@ old ones serving.
 import dataclasses
 import logging
 import threading
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
-from engine import batchers, ring
-from engine.batchers import Instance
-from engine.errors import BackendError, EngineUnavailable
+from engine import processes, ring
+from engine.restarts import Instance
+from engine.errors import BackendError, EngineError, EngineUnavailable
 
 log = logging.getLogger("shmbatch")
+
+
+def options_for(current, instances: int, backend, backend_args: Optional[dict],
+                merge: bool):
+    """The EngineOptions a reload runs with: `backend` (None: the current one)
+    and `backend_args` (None: the current ones; else they replace them, or
+    with merge are merged over them). ValueError for a malformed spec or more
+    instances than two banks of batcher numbers hold."""
+    limit = ring.MAX_INSTANCES // 2
+    if instances > limit:
+        raise ValueError(f"reload needs instances <= {limit} (the new batchers start beside "
+                         f"the old ones, and the ring numbers at most {ring.MAX_INSTANCES} "
+                         f"batchers); this engine has {instances}")
+    if backend_args is not None and not isinstance(backend_args, dict):
+        raise ValueError(f"backend_args must be a dict, got {type(backend_args).__name__}")
+    args = current.backend_args
+    if backend_args is not None:
+        args = {**args, **backend_args} if merge else backend_args
+    return dataclasses.replace(  # checks the spec (ValueError), copies the args
+        current, backend=current.backend if backend is None else backend, backend_args=args)
+
+
+def retire_bound_s(options) -> float:
+    """How long a retiring batcher may take to finish its batch before it is killed."""
+    return min(t for t in (options.drain_timeout_s, options.batch_timeout_s) if t is not None)
+
+
+def control_request(request: dict, reload_with: Callable[..., dict]) -> dict:
+    """One request of the control socket (engine.control), as `shmbatch reload`
+    sends it: {"op": "reload", "backend": None or "MOD:FACTORY", "backend_args":
+    {...} merged over the current args}; reload_with(backend, args, merge) runs it."""
+    if request.get("op") != "reload":
+        return {"ok": False, "error": f"unknown op {request.get('op')!r} (expected 'reload')"}
+    try:
+        result = reload_with(request.get("backend"), request.get("backend_args"), merge=True)
+    except (EngineError, ValueError, TypeError) as e:
+        return {"ok": False, "error": str(e)}
+    return {"ok": True, **result}
 
 
 @dataclasses.dataclass(eq=False)
@@ -56,7 +94,7 @@ class Reload:
                  [b.index for b in self.new], self.epoch)
         for b in self.new:
             seg.mark_batch(b.index, 0)
-            b.proc, self.readers[b.index] = batchers.launch(
+            b.proc, self.readers[b.index] = processes.launch(
                 engine, b, self.options.backend, self.options.backend_args, cpus[b.position],
                 gpus[b.position], self.epoch)
 
@@ -69,7 +107,7 @@ class Reload:
                 if reader.poll(0):
                     del self.readers[b.index]
                     try:
-                        batchers.await_ready(engine, b, b.proc, reader)
+                        processes.await_ready(engine, b, b.proc, reader)
                     finally:
                         reader.close()
             elif not b.proc.is_alive():
@@ -82,6 +120,26 @@ class Reload:
                                    f"{sorted(self.readers)} not ready within "
                                    f"{self.options.start_timeout_s:g} s")
             return False
+        return True
+
+    def step(self, seg, engine: str, old: list, bound_s: float, batch_timeout_s,
+             set_epoch: Callable[[int], None]) -> bool:
+        """Moves the reload on, if it can: all new batchers ready -> the old
+        ones retire (epoch E+1); all old ones gone -> the new ones serve (E+2):
+        True then. A new batcher that failed to start aborts the reload (done
+        is set, the old batchers keep serving)."""
+        if self.phase == "start":
+            try:
+                if not self.ready(engine):
+                    return False
+            except BaseException as e:
+                self.abort(seg, engine, e)
+                return False
+            self.retire(bound_s)
+            set_epoch(self.epoch - 1)  # the old ones exit after the batch they hold
+        if not self.retired(seg, engine, old, bound_s, batch_timeout_s):
+            return False
+        set_epoch(self.epoch)  # the new ones serve
         return True
 
     def retire(self, bound_s: float) -> None:
@@ -122,7 +180,7 @@ class Reload:
             if reader is not None:
                 reader.close()
             if b.proc is not None:
-                batchers.kill(b.proc)
+                processes.kill(b.proc)
                 b.proc = None
             seg.ring.set_word(ring.W_BATCHER_PID + b.index, 0)
         if isinstance(error, EngineUnavailable):

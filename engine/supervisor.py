@@ -19,7 +19,7 @@ beside the old ones and hands the ring over without overlap, by the header's
 epoch word; the monitor thread runs it step by step (engine.reloading says
 how). `shmbatch reload NAME` reaches a running engine through its control
 socket (engine.control). The batcher processes themselves (handles, launch,
-readiness) are engine.batchers'.
+readiness) are engine.processes', the restart policy engine.restarts'.
 
 stop() refuses new requests (EngineUnavailable), serves what is queued,
 stops the batchers and unlinks the segment.
@@ -33,19 +33,19 @@ import threading
 import weakref
 from typing import Any, Dict, Optional, Union
 
-from engine import backends, batchers, control, liveness, metrics, reaper, ring
-from engine.batchers import BatcherProcess as BatcherProcess  # re-exported: its old home
-from engine.batchers import Instance
-from engine.errors import BackendError, EngineError, EngineUnavailable
+from engine import backends, control, liveness, metrics, processes, reaper, restarts, ring
+from engine.processes import BatcherProcess
+from engine.restarts import Instance
+from engine.errors import BackendError, EngineUnavailable
 from engine.config import REAP_INTERVAL_S, EngineConfig, per_instance
 from engine.config import EngineOptions
 from engine.layout import Segment
+from engine import reloading
 from engine.reloading import Reload
 
 log = logging.getLogger("shmbatch")
 
 CORRUPT_LOG_INTERVAL_S = 10.0  # a writer into the segment is logged at most this often
-_RESTART_BACKOFF_MAX_S = 10.0
 _live_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 
 
@@ -141,7 +141,8 @@ class Engine:
             raise self._start_error
         seg.own_word(ring.W_ENGINE_STATE, ring.ENGINE_RUNNING)
         try:
-            self._control = control.Server(self.name, self._control_request)
+            self._control = control.Server(
+                self.name, lambda request: reloading.control_request(request, self._reload_with))
         except OSError as e:  # the engine serves; only `shmbatch reload` cannot reach it
             log.warning("engine %s: no control socket (%s); `shmbatch reload %s` will not "
                         "reach this engine", self.name, e, self.name)
@@ -201,7 +202,7 @@ class Engine:
             proc.join(timeout=10)
             if proc.is_alive():
                 log.warning("engine %s: batcher pid %d did not stop; killing it", self.name, proc.pid)
-                batchers.kill(proc)
+                processes.kill(proc)
             else:
                 proc.close()
         for fd in (self._wake_r, self._wake_w):
@@ -245,23 +246,11 @@ class Engine:
         return self._reload_with(backend, backend_args, merge=False)
 
     def _reload_with(self, backend, backend_args: Optional[dict], merge: bool) -> dict:
-        limit = ring.MAX_INSTANCES // 2
-        if self.config.instances > limit:
-            raise ValueError(f"reload needs instances <= {limit} (the new batchers start beside "
-                             f"the old ones, and the ring numbers at most {ring.MAX_INSTANCES} "
-                             f"batchers); engine {self.name!r} has {self.config.instances}")
-        if backend_args is not None and not isinstance(backend_args, dict):
-            raise ValueError(f"backend_args must be a dict, got {type(backend_args).__name__}")
+        options = reloading.options_for(self.options, self.config.instances, backend,
+                                        backend_args, merge)
         with self._reload_lock:
             if self._seg is None or self._stopping.is_set():
                 raise EngineUnavailable(f"engine {self.name!r} is not running")
-            current = self.options
-            args = current.backend_args
-            if backend_args is not None:
-                args = {**args, **backend_args} if merge else backend_args
-            options = dataclasses.replace(  # checks the spec (ValueError), copies the args
-                current, backend=current.backend if backend is None else backend,
-                backend_args=args)
             request = Reload(options)
             with self._post_lock:
                 if self._monitor_ended:
@@ -273,7 +262,7 @@ class Engine:
                     self._reload_posted = None
                     raise EngineUnavailable(f"engine {self.name!r} is not running") from None
             # the monitor may first finish a restart, then starts (start_timeout_s) and retires
-            bound = 2 * options.start_timeout_s + self._retire_bound_s() + 10
+            bound = 2 * request.options.start_timeout_s + reloading.retire_bound_s(self.options) + 10
             if not request.done.wait(bound):
                 if self._reload_posted is request:
                     self._reload_posted = None
@@ -283,24 +272,6 @@ class Engine:
                 raise request.error
             return dict(request.result)
 
-    def _retire_bound_s(self) -> float:
-        """How long a retiring batcher may take to finish its batch before it is killed."""
-        return min(t for t in (self.options.drain_timeout_s, self.options.batch_timeout_s)
-                   if t is not None)
-
-    def _control_request(self, request: dict) -> dict:
-        """One request of the control socket (engine.control), as `shmbatch reload` sends it:
-        {"op": "reload", "backend": None or "MOD:FACTORY", "backend_args": {...} merged
-        over the current args}."""
-        if request.get("op") != "reload":
-            return {"ok": False, "error": f"unknown op {request.get('op')!r} (expected 'reload')"}
-        try:
-            result = self._reload_with(request.get("backend"), request.get("backend_args"),
-                                       merge=True)
-        except (EngineError, ValueError, TypeError) as e:
-            return {"ok": False, "error": str(e)}
-        return {"ok": True, **result}
-
     def _begin_reload(self, request: Reload) -> None:
         self._reload = request
         try:
@@ -309,25 +280,17 @@ class Engine:
             self._abort_reload(e)
 
     def _step_reload(self) -> None:
-        """Moves the reload on, if it can: all new batchers ready -> the old ones
-        retire (epoch E+1); all old ones gone -> the new ones serve (E+2)."""
+        """Moves the reload on, if it can (Reload.step); once the new batchers
+        serve, they are the engine's."""
         request = self._reload
-        if request.phase == "start":
-            try:
-                if not request.ready(self.name):
-                    return
-            except BaseException as e:
-                self._abort_reload(e)
-                return
-            request.retire(self._retire_bound_s())
-            self._set_epoch(request.epoch - 1)  # the old ones exit after the batch they hold
-        if not request.retired(self._seg, self.name, self._instances, self._retire_bound_s(),
-                               self.options.batch_timeout_s):
-            return
-        self._instances, self.options = request.new, request.options
-        self._set_epoch(request.epoch)  # the new ones serve
-        self._reload = None
-        request.finish(self.name)
+        if request.step(self._seg, self.name, self._instances,
+                        reloading.retire_bound_s(self.options), self.options.batch_timeout_s,
+                        self._set_epoch):
+            self._instances, self.options = request.new, request.options
+            self._reload = None
+            request.finish(self.name)
+        elif request.done.is_set():  # aborted: the old batchers keep serving
+            self._reload = None
 
     def _abort_reload(self, error: BaseException) -> None:
         request, self._reload = self._reload, None
@@ -343,7 +306,7 @@ class Engine:
         """Starts b's batcher (current options and epoch) and waits until it serves
         (or its factory fails)."""
         o = self.options
-        return batchers.start(self.name, b, o.backend, o.backend_args, self.cpus[b.position],
+        return processes.start(self.name, b, o.backend, o.backend_args, self.cpus[b.position],
                               self.gpus[b.position], self._epoch, o.start_timeout_s)
 
     def _monitor_main(self) -> None:
@@ -399,13 +362,11 @@ class Engine:
             self._guard_segment()
 
     def _kill_if_hung(self, b: Instance) -> None:
-        started_ns, now_ns = self._seg.batch_started_ns(b.index), ring.now_ns()
-        if not self._started_ns <= started_ns <= now_ns:
-            return  # idle (0), or no batch's start: a stray write, not a hung model
-        if now_ns - started_ns > self.options.batch_timeout_s * 1e9:
+        timeout_s = self.options.batch_timeout_s
+        if restarts.hung(self._seg.batch_started_ns(b.index), ring.now_ns(), self._started_ns,
+                         timeout_s):
             log.error("engine %s: batcher %d (pid %d) ran one batch over batch_timeout_s=%g; "
-                      "killing it", self.name, b.index, b.proc.pid,
-                      self.options.batch_timeout_s)
+                      "killing it", self.name, b.index, b.proc.pid, timeout_s)
             b.hung = True
             b.proc.kill()  # the next pass sees it dead: its batch fails, a new one starts
 
@@ -413,17 +374,13 @@ class Engine:
         r, i, proc = self._seg.ring, b.index, b.proc
         if proc is not None:
             proc.join(0)
-            why = (f"killed by signal {-proc.exitcode}" if proc.exitcode and proc.exitcode < 0
-                   else f"exit code {proc.exitcode}")
-            if b.hung:
-                why = f"hung: its batch ran over batch_timeout_s={self.options.batch_timeout_s:g}"
-                b.hung = False
+            why = restarts.why_died(b, proc.exitcode, self.options.batch_timeout_s)
             self._seg.mark_batch(i, 0)
             # an engine that answers in place may have written answers over the
             # batch's inputs before its batcher died: never retried
             retry = self.config.isolate_failures and not self._seg.in_place
             retried = r.word(ring.W_RETRIED)
-            failed, kept = r.reap_batcher(i, *batchers.reap_terms(b, proc.pid, why, retried,
+            failed, kept = r.reap_batcher(i, *restarts.reap_terms(b, proc.pid, why, retried,
                                                                   retry))
             b.kept, b.retried_at_keep = kept, retried
             r.set_word(ring.W_BATCHER_PID + i, 0)
@@ -440,12 +397,11 @@ class Engine:
             b.backoff_s = 0.0
         except Exception as e:
             # no successor to retry what the dead one kept: those fail now
-            failed, _ = r.reap_batcher(i, f"batcher {i} died while serving this request, and "
-                                          f"no batcher could restart to retry it ({e})".encode())
+            failed, _ = r.reap_batcher(i, restarts.no_successor(b, e))
             b.kept = 0
             if not isinstance(e, BackendError):
                 raise
-            backoff = b.backoff_s = min(_RESTART_BACKOFF_MAX_S, 2 * b.backoff_s or 0.5)
+            backoff = restarts.back_off(b)
             b.restart_at_ns = ring.now_ns() + int(backoff * 1e9)
             log.error("engine %s: batcher %d did not restart (%s); failed %d kept request(s); "
                       "next try in %.1f s", self.name, i, e, failed, backoff)

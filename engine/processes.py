@@ -7,57 +7,17 @@ sys.path and its arguments, pickled, from stdin and answers once on a pipe:
 traceback). The loop it then runs is engine.batcher.Batcher; this module
 never imports it (the child does).
 """
-import dataclasses
 import logging
 import multiprocessing.connection
 import os
 import pickle
 import subprocess
 import sys
-from typing import Optional
 
 from engine.errors import BackendError
+from engine.restarts import Instance
 
 log = logging.getLogger("shmbatch")
-
-
-@dataclasses.dataclass
-class Instance:
-    """One of the engine's instances: its batcher number in the ring `index`
-    (position + instances * bank, the bank flipping on each reload), its
-    `position` (which cpus/gpus entry it takes), its batcher process (None
-    between a death and the restart) and its restart state."""
-    index: int
-    position: int
-    proc: Optional["BatcherProcess"] = None
-    restart_at_ns: int = 0  # no restart before this (backoff after failed starts)
-    backoff_s: float = 0.0
-    hung: bool = False  # killed by the watchdog (batch_timeout_s), not crashed
-    # a dead batcher's batch kept for its successor, and the engine's retry
-    # count then: a successor that dies before it retries anything has not helped
-    kept: int = 0
-    retried_at_keep: int = 0
-    futile_restarts: int = 0
-
-
-def reap_terms(b: Instance, pid: int, why: str, retried_total: int, isolate: bool):
-    """(message, retry) for reaping b's dead batcher (ring.reap_batcher).
-    With isolate (isolate_failures, on an engine whose answers do not
-    overwrite its inputs) its batch is kept for the successor to retry, each
-    request alone (one then being retried alone fails, as poison), unless the
-    last two successors died before they retried anything (retried_total,
-    the engine's count, did not move: a batcher that dies on start); then the
-    batch fails."""
-    futile = b.kept and retried_total == b.retried_at_keep
-    b.futile_restarts = b.futile_restarts + 1 if futile else 0
-    head = f"batcher {b.index} (pid {pid}) died ({why})"
-    if not isolate:
-        return f"{head} while serving this request".encode(), False
-    if b.futile_restarts >= 2:
-        return (f"{head}; its batch was kept for a retry, but {b.futile_restarts} successors "
-                f"died before retrying it: failed").encode(), False
-    return (f"{head} while retrying this request alone, after its batch had lost a "
-            f"batcher: failed as poison").encode(), True
 
 
 class BatcherProcess(subprocess.Popen):

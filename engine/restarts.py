@@ -1,0 +1,88 @@
+"""The restart policy: why a batcher died, what becomes of its batch, and
+when its successor starts.
+
+The supervisor's monitor thread applies it: a batch that ran longer than
+batch_timeout_s is a hung model (hung()), whose batcher it kills; a dead
+batcher's batch is kept for its successor to retry each request alone, or
+failed (reap_terms()); a successor that cannot start is tried again after a
+doubling back-off (back_off()). Every text a failed request carries about
+its batcher's death is written here.
+"""
+import dataclasses
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from engine.processes import BatcherProcess
+
+RESTART_BACKOFF_MAX_S = 10.0
+
+
+@dataclasses.dataclass
+class Instance:
+    """One of the engine's instances: its batcher number in the ring `index`
+    (position + instances * bank, the bank flipping on each reload), its
+    `position` (which cpus/gpus entry it takes), its batcher process (None
+    between a death and the restart) and its restart state."""
+    index: int
+    position: int
+    proc: Optional["BatcherProcess"] = None
+    restart_at_ns: int = 0  # no restart before this (backoff after failed starts)
+    backoff_s: float = 0.0
+    hung: bool = False  # killed by the watchdog (batch_timeout_s), not crashed
+    # a dead batcher's batch kept for its successor, and the engine's retry
+    # count then: a successor that dies before it retries anything has not helped
+    kept: int = 0
+    retried_at_keep: int = 0
+    futile_restarts: int = 0
+
+
+def reap_terms(b: Instance, pid: int, why: str, retried_total: int, isolate: bool):
+    """(message, retry) for reaping b's dead batcher (ring.reap_batcher).
+    With isolate (isolate_failures, on an engine whose answers do not
+    overwrite its inputs) its batch is kept for the successor to retry, each
+    request alone (one then being retried alone fails, as poison), unless the
+    last two successors died before they retried anything (retried_total,
+    the engine's count, did not move: a batcher that dies on start); then the
+    batch fails."""
+    futile = b.kept and retried_total == b.retried_at_keep
+    b.futile_restarts = b.futile_restarts + 1 if futile else 0
+    head = f"batcher {b.index} (pid {pid}) died ({why})"
+    if not isolate:
+        return f"{head} while serving this request".encode(), False
+    if b.futile_restarts >= 2:
+        return (f"{head}; its batch was kept for a retry, but {b.futile_restarts} successors "
+                f"died before retrying it: failed").encode(), False
+    return (f"{head} while retrying this request alone, after its batch had lost a "
+            f"batcher: failed as poison").encode(), True
+
+
+def hung(started_ns: int, now_ns: int, engine_started_ns: int, timeout_s: float) -> bool:
+    """Whether a batch that started at started_ns (the batcher's stamp in the
+    segment; 0: idle) has run over timeout_s. A stamp from before the engine
+    started, or from the future, is no batch's: a stray write, not a hang."""
+    if not engine_started_ns <= started_ns <= now_ns:
+        return False
+    return now_ns - started_ns > timeout_s * 1e9
+
+
+def why_died(b: Instance, exitcode: Optional[int], batch_timeout_s: Optional[float]) -> str:
+    """How b's batcher ended, in words (its hung mark cleared)."""
+    if b.hung:
+        b.hung = False
+        return f"hung: its batch ran over batch_timeout_s={batch_timeout_s:g}"
+    if exitcode is not None and exitcode < 0:
+        return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+def no_successor(b: Instance, error: Exception) -> bytes:
+    """The failure of what b's dead batcher kept, when no successor starts."""
+    return (f"batcher {b.index} died while serving this request, and no batcher could "
+            f"restart to retry it ({error})").encode()
+
+
+def back_off(b: Instance) -> float:
+    """The wait before b's next start, after one failed: doubling from 0.5 s
+    to RESTART_BACKOFF_MAX_S."""
+    b.backoff_s = min(RESTART_BACKOFF_MAX_S, 2 * b.backoff_s or 0.5)
+    return b.backoff_s
