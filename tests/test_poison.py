@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 import engine
-from engine import batchers
-from engine.batchers import Instance
+from engine import restarts
+from engine.restarts import Instance
 from conftest import wait_for
 
 X = np.arange(16, dtype=np.float32)
@@ -41,16 +41,16 @@ def test_an_input_that_kills_its_batcher_fails_alone_as_poison_and_its_batch_mat
 
 def test_a_dead_batchers_batch_is_kept_unless_two_successors_died_before_retrying_it():
     b = Instance(0, 0)
-    message, retry = batchers.reap_terms(b, 11, "exit code 70", 0, True)
+    message, retry = restarts.reap_terms(b, 11, "exit code 70", 0, True)
     assert retry and b"failed as poison" in message  # the words for one retried alone
     b.kept, b.retried_at_keep = 3, 0  # kept 3; the engine had retried none then
-    assert batchers.reap_terms(b, 12, "exit code 1", 0, True)[1]  # its successor retried none
+    assert restarts.reap_terms(b, 12, "exit code 1", 0, True)[1]  # its successor retried none
     b.kept = 3
-    message, retry = batchers.reap_terms(b, 13, "exit code 1", 0, True)  # nor did the next
+    message, retry = restarts.reap_terms(b, 13, "exit code 1", 0, True)  # nor did the next
     assert not retry and b"2 successors died before retrying it" in message
     b.kept = 3
-    assert batchers.reap_terms(b, 14, "exit code 70", 1, True)[1] and b.futile_restarts == 0
-    assert batchers.reap_terms(Instance(0, 0), 15, "exit code 70", 0, False)[1] is False
+    assert restarts.reap_terms(b, 14, "exit code 70", 1, True)[1] and b.futile_restarts == 0
+    assert restarts.reap_terms(Instance(0, 0), 15, "exit code 70", 0, False)[1] is False
 
 
 @pytest.mark.parametrize("knobs", [{"isolate_failures": False, "output_dtype": "float64"},
