@@ -47,7 +47,6 @@ STOPPED, RETIRED = "stopped", "retired"
 # After a batch, a batcher that finds nothing queued spins up to ring.SPIN_NS
 # before it sleeps: under steady load the next request comes within it. One
 # spin per batch at most: an idle batcher sleeps.
-SPIN_NS = ring.SPIN_NS  # read at import, before any pinning
 
 
 def _message(e: Exception) -> bytes:
@@ -143,7 +142,7 @@ class Batcher:
                                                      now_ns + self.expire_lead_ns)
             if n:
                 serve(n, claim_ns)
-                spin_ns = SPIN_NS
+                spin_ns = ring.SPIN_NS
             elif ready == 0:
                 if state == ring.ENGINE_STOPPED:
                     return STOPPED

@@ -43,11 +43,6 @@ from engine.attaching import attach
 from engine.layout import Segment
 from engine.lent import SlotRequest
 
-# A blocking wait first spins up to ring.SPIN_NS if the client's previous
-# wait ended within it: a fast backend's answer then costs no kernel wake-up.
-# After a longer wait the next one sleeps at once, so a slow backend's
-# clients burn no CPU.
-SPIN_NS = ring.SPIN_NS
 
 # Priority shares: a request of priority p > 0 is refused while the requests
 # queued at p or less urgent fill (SHARE_STEPS - p) / SHARE_STEPS of the queue.
@@ -89,7 +84,7 @@ class Client:
         self._start_ticks = liveness.start_ticks(self._pid) or 0
         self._lock = threading.Lock()
         self._completer: Optional[futures.Completer] = None
-        self._spin_ns = SPIN_NS  # see SPIN_NS; shared by threads, a hint only
+        self._spin_ns = ring.SPIN_NS  # see _wait_slice; shared by threads, a hint only
         self._futures_lock = threading.RLock()  # see futures.Request
         self._futures_cond = threading.Condition(self._futures_lock)
         self._held: Dict[int, Any] = {}  # slot -> weakref of the pending submit() Future
@@ -383,13 +378,16 @@ class Client:
     def _wait_slice(self, r, slot, gen, into, slice_ns: int) -> int:
         """One C wait of at most slice_ns for the ticket; with into (an array),
         on OK its answer is copied there and the slot freed in the same call.
-        Spins first only if the last wait ended within SPIN_NS."""
+        Spins first only if the last wait ended within ring.SPIN_NS: a fast
+        backend's answer then costs no kernel wake-up, and after a longer wait
+        the next one sleeps at once, so a slow backend's clients burn no CPU."""
         started_ns = ring.now_ns()
         if into is not None:
             code = r.take(slot, gen, slice_ns, self._spin_ns, into)
         else:
             code = r.wait_slot(slot, gen, slice_ns, self._spin_ns)
-        self._spin_ns = SPIN_NS if ring.now_ns() - started_ns <= SPIN_NS else 0
+        spin_ns = ring.SPIN_NS
+        self._spin_ns = spin_ns if ring.now_ns() - started_ns <= spin_ns else 0
         return code
 
     def _completer_for(self) -> futures.Completer:
