@@ -87,6 +87,41 @@ static void fill(sb_ring *r, char *base, uint64_t mapped, uint32_t capacity,
 	}
 }
 
+/* one field of the header set to the creator's value: 1 if it had another.
+ * relaxed: the release store of the magic after them orders them for attachers */
+#define RESTORE(field, value)                                                  \
+	((sb_load_relaxed(&(field)) != (value))                                 \
+		 ? (sb_store_relaxed(&(field), (value)), 1) : 0)
+
+/* The header's geometry written from r (the creator's): at init, and at
+ * each restore; returns how many fields had another value. */
+static int put_geometry(sb_header *h, const sb_ring *r)
+{
+	int changed = 0;
+	changed += RESTORE(h->layout_version, (uint32_t)SB_LAYOUT_VERSION);
+	changed += RESTORE(h->header_bytes, (uint32_t)SB_HEADER_BYTES);
+	changed += RESTORE(h->incarnation, r->incarnation);
+	changed += RESTORE(h->capacity, r->capacity);
+	changed += RESTORE(h->max_batch, r->max_batch);
+	changed += RESTORE(h->tensors, r->tensors);
+	changed += RESTORE(h->inputs, r->inputs);
+	changed += RESTORE(h->slot_bytes, r->slot_bytes);
+	changed += RESTORE(h->total_bytes, r->total_bytes);
+	changed += RESTORE(h->in_place, r->in_place);
+	changed += RESTORE(h->levels, r->levels);
+	changed += RESTORE(h->off_ctl, r->off_ctl);
+	changed += RESTORE(h->off_ready, r->off_ready);
+	changed += RESTORE(h->off_meta, r->off_meta);
+	changed += RESTORE(h->off_errmsg, r->off_errmsg);
+	changed += RESTORE(h->off_lengths, r->off_lengths);
+	for (uint32_t t = 0; t < SB_MAX_TENSORS; t++) {
+		changed += RESTORE(h->off_tensor[t], t < r->tensors ? r->off_tensor[t] : 0);
+		changed += RESTORE(h->tensor_slot_bytes[t],
+				   t < r->tensors ? r->tensor_slot_bytes[t] : 0);
+	}
+	return changed;
+}
+
 int sb_init(sb_ring *r, void *base, uint64_t total_bytes, uint32_t capacity,
 	    uint32_t max_batch, uint32_t tensors, uint32_t inputs,
 	    const uint64_t *slot_bytes, uint32_t in_place, uint32_t levels,
@@ -97,30 +132,10 @@ int sb_init(sb_ring *r, void *base, uint64_t total_bytes, uint32_t capacity,
 	if (compute_offsets(capacity, tensors, inputs, slot_bytes, in_place, levels, &o) ||
 	    o.total > total_bytes || max_batch == 0 || max_batch > capacity)
 		return SB_EBADARG;
-	/* the caller holds the only mapping (created O_EXCL): plain stores */
 	memset(base, 0, o.tensor[0]);
-	h->layout_version = SB_LAYOUT_VERSION;
-	h->header_bytes = SB_HEADER_BYTES;
-	h->incarnation = incarnation;
-	h->capacity = capacity;
-	h->max_batch = max_batch;
-	h->tensors = tensors;
-	h->inputs = inputs;
-	h->slot_bytes = o.slot_bytes;
-	h->in_place = in_place;
-	h->levels = levels;
-	h->total_bytes = o.total;
-	h->off_ctl = o.ctl;
-	h->off_ready = o.ready;
-	h->off_meta = o.meta;
-	h->off_errmsg = o.errmsg;
-	h->off_lengths = o.lengths;
-	for (uint32_t t = 0; t < tensors; t++) {
-		h->off_tensor[t] = o.tensor[t];
-		h->tensor_slot_bytes[t] = slot_bytes[t];
-	}
 	fill(r, base, total_bytes, capacity, max_batch, tensors, inputs, slot_bytes,
 	     in_place, levels, incarnation, &o);
+	put_geometry(h, r);
 	/* release: an attacher that acquires the magic sees the whole header */
 	sb_store_release(&h->magic, SB_MAGIC);
 	return SB_OK;
@@ -218,41 +233,12 @@ uint64_t sb_corrupt_total(const sb_ring *r)
 	return sb_load_relaxed(&hdr(r)->corrupt_total); /* relaxed: a count */
 }
 
-/* one field of the header back to the creator's value: 1 if it had changed.
- * relaxed: the magic's release store below orders them for new attachers */
-#define RESTORE(field, value)                                                  \
-	((sb_load_relaxed(&(field)) != (value))                                 \
-		 ? (sb_store_relaxed(&(field), (value)), 1) : 0)
-
 int sb_restore_header(sb_ring *r)
 {
 	sb_header *h = hdr(r);
-	int changed = 0;
 	if (r->capacity == 0)
 		return 0; /* a header-only view owns no geometry */
-	changed += RESTORE(h->layout_version, (uint32_t)SB_LAYOUT_VERSION);
-	changed += RESTORE(h->header_bytes, (uint32_t)SB_HEADER_BYTES);
-	changed += RESTORE(h->incarnation, r->incarnation);
-	changed += RESTORE(h->capacity, r->capacity);
-	changed += RESTORE(h->max_batch, r->max_batch);
-	changed += RESTORE(h->tensors, r->tensors);
-	changed += RESTORE(h->inputs, r->inputs);
-	changed += RESTORE(h->slot_bytes, r->slot_bytes);
-	changed += RESTORE(h->total_bytes, r->total_bytes);
-	changed += RESTORE(h->in_place, r->in_place);
-	changed += RESTORE(h->levels, r->levels);
-	changed += RESTORE(h->off_ctl, r->off_ctl);
-	changed += RESTORE(h->off_ready, r->off_ready);
-	changed += RESTORE(h->off_meta, r->off_meta);
-	changed += RESTORE(h->off_errmsg, r->off_errmsg);
-	changed += RESTORE(h->off_lengths, r->off_lengths);
-	for (uint32_t t = 0; t < SB_MAX_TENSORS; t++) {
-		changed += RESTORE(h->off_tensor[t], t < r->tensors ? r->off_tensor[t] : 0);
-		changed += RESTORE(h->tensor_slot_bytes[t],
-				   t < r->tensors ? r->tensor_slot_bytes[t] : 0);
-	}
-	if (sb_load_relaxed(&h->magic) != SB_MAGIC)
-		changed++;
+	int changed = put_geometry(h, r) + (sb_load_relaxed(&h->magic) != SB_MAGIC);
 	/* release: an attacher that acquires the magic sees the fields above */
 	sb_store_release(&h->magic, SB_MAGIC);
 	if (changed)
