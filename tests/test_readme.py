@@ -130,8 +130,11 @@ def test_every_flag_of_the_command_line_section_is_a_real_flag():
 
 def test_the_engine_and_client_examples_answer_and_ctrl_c_stops_the_engine(guide):
     folder, tag = guide
+    # Ctrl-C as in a terminal: a suite run in the background inherits SIGINT ignored,
+    # and Python then leaves it so (its KeyboardInterrupt needs the default)
     server = subprocess.Popen([sys.executable, "server.py"], cwd=folder, env=ENV,
-                              stderr=subprocess.PIPE, text=True)
+                              stderr=subprocess.PIPE, text=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         out = run_python(folder, "client.py")  # it waits for the engine (wait_s)
         assert f"label {expected_label(folder, X)}" in out
