@@ -28,6 +28,8 @@ import sys
 import traceback
 from multiprocessing.connection import Connection
 
+from typing import Optional
+
 import numpy as np
 
 from engine import admission, aimd, backends, liveness, policy, ring
@@ -105,6 +107,10 @@ class Batcher:
         self.out_checks = [(np.dtype(s.dtype), s.shape, s.name,
                             [(k, *s.shape) for k in range(rows + 1)]) for s in cfg.output_specs]
         self.gather_buffers = [np.zeros((rows, *s.max_shape), s.dtype) for s in cfg.input_specs]
+        # the first output's check, and whether it is the only one: most engines'
+        # results are checked without a loop
+        self.first_dtype, _, _, self.first_shapes = self.out_checks[0]
+        self.one_output = len(self.out_checks) == 1
 
     def run(self) -> str:
         """Serves until the engine is STOPPED and nothing is left to serve, or
@@ -174,7 +180,8 @@ class Batcher:
         words[self.batch_start_word] = claim_ns  # for the supervisor's watchdog (0: idle)
         slots = claimed.slots[:n]
         try:  # the real lengths only where a variable dim needs them
-            contiguous = self.compute(slots, claimed.lengths[:n], claimed.bucket)
+            contiguous = self.compute(slots, claimed.lengths[:n] if self.var_top else None,
+                                      claimed.bucket)
         except Exception as e:
             contiguous = False
             if self.isolate and n > 1:
@@ -191,15 +198,18 @@ class Batcher:
         if self.slo_ns is not None:
             self.adapt(done_ns - claim_ns)
 
-    def compute(self, slots: np.ndarray, lengths: np.ndarray, bucket: int) -> bool:
+    def compute(self, slots: np.ndarray, lengths: Optional[np.ndarray], bucket: int) -> bool:
         """Gather, call, check and scatter for these slots (a batch or part of
-        one); returns whether the batch was a view of the rows (zero copy)."""
+        one), lengths their real lengths (None: no variable dim); returns
+        whether the batch was a view of the rows (zero copy)."""
         n = len(slots)
         rows = policy.pad_size(n, self.allowed) if self.allowed else n
         batch, contiguous = self.gather(slots, rows)
-        outputs = self.check(self.call(batch, slots, rows, bucket), rows)
+        results = (self.call_cut(batch, slots, rows, bucket) if self.var_inputs
+                   else self.call_backend(batch, None))
+        outputs = self.check(results, rows)
         self.scatter(slots, batch, outputs, contiguous)
-        if self.var_top:  # padding waste, of answered requests only (each counted once)
+        if lengths is not None:  # padding waste, of answered requests only (each counted once)
             lengths = np.minimum(lengths, self.var_top)  # written by clients: bounded
             self.ring.add_word(ring.W_TOKENS, int(lengths.sum()))
             self.ring.add_word(ring.W_PADDED_TOKENS,
@@ -226,7 +236,8 @@ class Batcher:
         for half in np.array_split(failed, 2):
             self.ring.add_word(ring.W_RETRY_CALLS)
             try:
-                self.compute(self.claimed.slots[half], self.claimed.lengths[half],
+                self.compute(self.claimed.slots[half],
+                             self.claimed.lengths[half] if self.var_top else None,
                              self.claimed.bucket)
             except Exception as e:
                 self.isolate_failures(half, _message(e))
@@ -244,16 +255,18 @@ class Batcher:
         buffers (then, with allowed batch sizes, zero rows up to `rows`)."""
         first, n = int(slots[0]), len(slots)
         if int(slots[-1]) - first == n - 1 and rows == n:  # one run: the fast path
-            return [region[first:first + n] for region in self.in_regions], True
+            run = slice(first, first + n)
+            views = []  # (a loop, not a comprehension: no frame made per batch)
+            for region in self.in_regions:
+                views.append(region[run])
+            return views, True
         return [_rows(region, buffer, slots, rows)
                 for region, buffer in zip(self.in_regions, self.gather_buffers)], False
 
-    def call(self, batch: list, slots: np.ndarray, rows: int, bucket: int):
-        """The backend on the batch; with variable dims each such tensor is cut
-        to the bucket's bound or its longest request, and its real lengths
-        (0 for padding rows) passed too."""
-        if not self.var_inputs:
-            return self.call_backend(batch, None)
+    def call_cut(self, batch: list, slots: np.ndarray, rows: int, bucket: int):
+        """The backend on a batch with variable dims: each such tensor cut to
+        the bucket's bound or its longest request, its real lengths (0 for
+        padding rows) passed too."""
         lengths = []
         per_slot = self.seg.lengths[slots]  # (n, inputs): copied, the rows may be reused
         for t, axis, bound in self.var_inputs:
@@ -275,19 +288,23 @@ class Batcher:
         index[var_axis + 1] = slice(0, self._cut(bucket, int(real.max()), bound))
         return batch[tuple(index)]
 
-    def check(self, results: tuple, n: int) -> list:
+    def check(self, results: tuple, n: int) -> tuple:
         """The backend's results as n rows of each output's spec, or BadResult
         saying what came."""
-        outputs = []
-        for result, (dtype, shape, name, shapes) in zip(results, self.out_checks):
-            if (type(result) is np.ndarray and (result.dtype is dtype or result.dtype == dtype)
+        first, dtype, shapes = results[0], self.first_dtype, self.first_shapes
+        if (type(first) is np.ndarray and (first.dtype is dtype or first.dtype == dtype)
+                and first.shape == shapes[n] and self.one_output):
+            return results  # the common case, checked cheaply: one output as it came
+        for result, (dtype, _, _, shapes) in zip(results, self.out_checks):
+            if not (type(result) is np.ndarray and (result.dtype is dtype or result.dtype == dtype)
                     and result.shape == shapes[n]):
-                outputs.append(result)  # the common case, checked cheaply
-            else:
-                outputs.append(checked_result(result, n, dtype, shape, name))
-        return outputs
+                break
+        else:
+            return results  # every one as it came
+        return tuple(checked_result(result, n, dtype, shape, name)
+                     for result, (dtype, shape, name, _) in zip(results, self.out_checks))
 
-    def scatter(self, slots: np.ndarray, batch: list, outputs: list, contiguous: bool) -> None:
+    def scatter(self, slots: np.ndarray, batch: list, outputs, contiguous: bool) -> None:
         """Each answer into its request's output rows, by position (padding
         rows dropped)."""
         n = len(slots)
