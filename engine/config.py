@@ -143,7 +143,7 @@ class EngineConfig:
         put("_input_dtype", np.dtype(self.input_dtype))
         put("_out_shape", None if self.named else tuple(outs[0].shape))
         put("_out_dtype", np.dtype(outs[0].dtype))
-        put("_output_names", tuple(s.name for s in outs))
+        put("_output_names", tuple(s.name for s in outs) if self.named else None)  # None: bare
 
     def _check_batch_shapes(self, put, var) -> None:
         """allowed_batch_sizes, length_buckets and max_batch_tokens, validated."""
@@ -269,9 +269,9 @@ class EngineConfig:
 
     def answer(self, outputs: tuple):
         """The caller's form of an answer given in spec order."""
-        if self.named:
-            return dict(zip(self._output_names, outputs))
-        return outputs[0]
+        if self._output_names is None:
+            return outputs[0]
+        return dict(zip(self._output_names, outputs))
 
     def to_json(self) -> bytes:
         return json.dumps(dataclasses.asdict(self)).encode()
