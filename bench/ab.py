@@ -12,6 +12,10 @@ then the median and range of each round's own ratio.
 
 Measurements (--only picks some):
   rtt        1 client, 1 request at a time (identity backend): round trip p50
+  rtt_named  the same on a named engine, inputs {"x": float32 (16,)} and outputs
+             {"y": ...} (backend ab:named_identity, y = x), infer() with out=
+             in this process for the seconds after a warm-up: rtt_p50_us,
+             rtt_p99_us, and arr_p50_us, the same loop on a single-array engine
   peak8      8 client processes, 1 request at a time each: requests/s
   pipelined  2 clients x 256 submit() Futures in flight: requests/s
   cap=N      1 client, sequential infer() on an engine of queue_capacity N:
@@ -41,10 +45,34 @@ except ImportError:  # a tree from before the closed loops had modes: `window` (
     def closed_loop(system, clients, mode, load, seconds, depth=1):
         return bench.closed_loop(system, clients, depth, load, seconds)
 what, seconds = sys.argv[1], float(sys.argv[2])
+def sequential(x, out, **knobs):  # round trips (ns) of infer() after a warm-up, for the seconds
+    with engine.Engine("ab-seq", max_batch_size=32, queue_capacity=64, **knobs) as eng, \
+            engine.Client("ab-seq") as c:
+        for _ in range(2000):
+            c.infer(x, out=out)
+        times, end = [], ring.now_ns() + int(seconds * 1e9)
+        while ring.now_ns() < end:
+            t = ring.now_ns()
+            c.infer(x, out=out)
+            times.append(ring.now_ns() - t)
+    return np.array(times)
 load = Load(backend="engine.backends:identity", backend_args={})
 if what == "rtt":
     run = closed_loop("shmbatch", 1, "blocking", load, seconds)
     out = {"rtt_p50_us": run["rtt_p50_us"], "rtt_p99_us": run["rtt_p99_us"]}
+elif what == "rtt_named":
+    sys.path.append(sys.argv[3])  # where ab.py is: the batchers import its named_identity
+    x, y = np.arange(16, dtype=np.float32), np.empty(16, np.float32)
+    named = sequential({"x": x}, {"y": y}, backend="ab:named_identity",
+                       inputs={"x": ("float32", (16,))}, outputs={"y": ("float32", (16,))})
+    assert (y == x).all(), y
+    y[:] = -1
+    arr = sequential(x, y, backend="engine.backends:identity", input_shape=(16,),
+                     input_dtype="float32", output_shape=(16,), output_dtype="float32")
+    assert (y == x).all(), y
+    out = {"rtt_p50_us": float(np.percentile(named, 50) / 1e3),
+           "rtt_p99_us": float(np.percentile(named, 99) / 1e3),
+           "arr_p50_us": float(np.percentile(arr, 50) / 1e3)}
 elif what == "peak8":
     run = closed_loop("shmbatch", 8, "blocking", load, seconds)
     out = {"rps": run["rps"]}
@@ -70,10 +98,16 @@ print("RESULT " + json.dumps(out))
 """
 
 
+def named_identity():
+    """rtt_named's backend (imported by the batchers from this file): y = x."""
+    return lambda batch, lengths=None: {"y": batch["x"]}
+
+
 def measure(tree: str, what: str, seconds: float) -> dict:
     path = [os.path.abspath(tree)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
-    proc = subprocess.run([sys.executable, "-c", PROBE, what, str(seconds)], env=env,
+    proc = subprocess.run([sys.executable, "-c", PROBE, what, str(seconds),
+                           os.path.dirname(os.path.abspath(__file__))], env=env,
                           capture_output=True, text=True, timeout=600, cwd="/")
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
