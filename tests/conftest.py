@@ -16,10 +16,11 @@ import itertools
 import multiprocessing
 import os
 import pathlib
-import selectors
+import select
 import signal
 import subprocess
 import time
+import weakref
 
 import posix_ipc
 import psutil
@@ -91,23 +92,33 @@ def wait_until_no_slot_in_use(eng, timeout_s=10.0) -> bool:
     return False
 
 
+# What wait_for_line read of a stream past the last line it returned: it reads
+# the pipe's fd itself (select, then a buffered readline, would leave lines that
+# came in one chunk in the stream's buffer, where select cannot see them).
+_unread = weakref.WeakKeyDictionary()
+
+
 def wait_for_line(stream, needle: str, timeout_s: float = 60.0, count: int = 1) -> list:
-    """Reads lines (bounded in time) until `count` of them contain needle."""
-    seen, lines = 0, []
-    sel = selectors.DefaultSelector()
-    sel.register(stream, selectors.EVENT_READ)
+    """Reads lines (bounded in time) until `count` of them contain needle. The
+    stream is this function's alone to read."""
+    fd, seen, lines = stream.fileno(), 0, []
+    pending = _unread.pop(stream, b"")
     deadline = time.monotonic() + timeout_s
-    while seen < count:
+    while True:
+        while b"\n" in pending and seen < count:
+            line, pending = pending.split(b"\n", 1)
+            lines.append(line.decode("utf-8", "replace") + "\n")
+            seen += needle in lines[-1]
+        if seen >= count:
+            _unread[stream] = pending
+            return lines
         left = deadline - time.monotonic()
-        if left <= 0 or not sel.select(left):
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
             raise TimeoutError(f"no {needle!r} within {timeout_s} s; got {lines}")
-        line = stream.readline()
-        if not line:
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
             raise EOFError(f"stream closed before {needle!r}; got {lines}")
-        lines.append(line)
-        seen += needle in line
-    sel.close()
-    return lines
+        pending += chunk
 
 
 def reap(proc: subprocess.Popen, sig=signal.SIGTERM) -> int:
