@@ -65,6 +65,7 @@ class Segment:
         self.header_only = header_only  # the header page alone: figures and lock, no slots
         self._owned = {}  # the words only the creator writes, as it last wrote them (own_word)
         self._owned_lock = threading.Lock()  # a restore never writes back a value just replaced
+        self._settings = None  # the settings as the header holds them (restore)
         if created is not None:  # the creator's own geometry, from its sb_init
             self.ring = created
         else:
@@ -256,7 +257,9 @@ class Segment:
         values had changed. Slot fields are not restored: each is checked
         where it is used, and rewritten at the slot's next use."""
         changed = self.ring.restore_header()
-        blob = self.config.to_json().ljust(ring.CONFIG_BYTES, b"\0")
+        if self._settings is None:  # serialised once: this runs on every supervisor pass
+            self._settings = self.config.to_json().ljust(ring.CONFIG_BYTES, b"\0")
+        blob = self._settings
         if self._mapping[ring.OFF_CONFIG:ring.OFF_CONFIG + ring.CONFIG_BYTES] != blob:
             self._mapping[ring.OFF_CONFIG:ring.OFF_CONFIG + ring.CONFIG_BYTES] = blob
             changed += 1

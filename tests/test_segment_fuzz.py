@@ -46,9 +46,8 @@ CLIENTS = 3
 KNOBS = dict(backend="engine.backends:synthetic", backend_args={"fixed_ms": 0.2, "per_item_us": 20},
              input_shape=(16,), output_shape=(16,), max_batch_size=8, queue_capacity=256,
              instances=2, priority_levels=2, drain_timeout_s=1)
-# after these a client's handle may be useless: it attaches anew (EngineCorrupt, where it exists)
-REATTACH = tuple(getattr(errors, n) for n in ("EngineUnavailable", "EngineCorrupt")
-                 if hasattr(errors, n))
+# after these (EngineCorrupt is one) a client's handle may be useless: it attaches anew
+REATTACH = errors.EngineUnavailable
 # the supervisor's log lines that say a batcher died of a signal (supervisor._replace), or
 # that the engine SIGKILLed one (in stop(), or its batch_timeout_s watchdog, off here)
 SIGNAL_LINE = re.compile(r"killed by signal|killing it")
