@@ -125,14 +125,14 @@ class Stepper:
                 continue
             start_ns = ring.now_ns()
             self.drop_expired(start_ns)
-            # retiring: no new claims, but what it claimed still joins
-            joined = self.join(start_ns, state) if joins else self.admit()
+            # retiring: no new claims, but what it claimed (or inherited) still joins
+            joined = self.join(start_ns, state) if joins or self.retry else self.admit()
             if active.n:
                 self.step(joined, start_ns)
                 spin_ns = ring.SPIN_NS
                 continue
             r.set_active(self.instance, 0)
-            if epoch > self.epoch:
+            if epoch > self.epoch and not self.retry:  # a retry is its own: no one else's
                 return RETIRED
             if not joins or self.waiting.n or self.retry:
                 continue
