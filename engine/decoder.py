@@ -52,6 +52,8 @@ class Decoder:
     def prefill(self, tokens: np.ndarray, cache: np.ndarray) -> None:
         """Runs a prompt's tokens through the model, filling cache[:, :, :len]."""
         n = len(tokens)
+        if n == 0:
+            return
         if n > self.context:
             raise ValueError(f"a prompt of {n} tokens is longer than the context ({self.context})")
         x = self.embed[tokens] + self.position[:n]
