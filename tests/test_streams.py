@@ -463,12 +463,14 @@ def test_a_killed_batcher_fails_its_streams_with_chunks_and_its_successor_serves
         # the batch holds max_batch_size=3
         fresh = [c.stream(request(3, 4), timeout=60), c.stream(request(4, 4), timeout=60)]
         gate.open()
+        messages = []
         for s, tag, had in ((held, 1, 4), (killer, 2, 2)):
             got = []
             with pytest.raises(engine.BackendError, match="killed by signal 9") as info:
                 for chunk in s:
                     got.append(int(chunk))
             assert got == chunks(tag, had) and info.value.exc_type == "BatcherDied"
+            messages.append(str(info.value))
         for s, tag in zip(fresh, (3, 4)):
             assert ints(s) == chunks(tag, 4)  # in full, by the successor
         stats = wait_idle(eng)
@@ -480,6 +482,9 @@ def test_a_killed_batcher_fails_its_streams_with_chunks_and_its_successor_serves
     # one joined the dead batcher and was retried by the successor, the other was queued
     assert sorted([joined[3], joined[4]]) == [[first_pid, second_pid], [second_pid]]
     assert left(log, 3) == left(log, 4) == [4]  # each left once, by the successor
+    if any("poison" in m for m in messages):  # known: see the report on issue 21
+        pytest.xfail(f"a stream failed for its chunks is told it was retried alone and failed "
+                     f"as poison: {messages[0]!r}")
 
 
 def test_a_request_that_kills_two_batchers_fails_as_poison(make_engine, log):
@@ -591,9 +596,12 @@ def test_a_stream_that_outlasts_a_reloads_drain_timeout_fails_after_its_chunks(
         assert wait_until_no_slot_in_use(eng)
         stats = eng.stats()
     assert stats["batcher_pids"] == [new_pid] and stats["errors_total"] == 1
-    if stats["active"] != 0:  # known: see the report on issue 21
+    try:
+        wait_for(lambda: eng.stats()["active"] == 0, "no request in a running batch", timeout_s=5)
+    except TimeoutError:  # known: see the report on issue 21
         pytest.xfail(f"the killed batcher's running-batch size stays in `active` "
-                     f"({stats['active']}): nothing resets it when a retiring batcher is killed")
+                     f"({eng.stats()['active']}): nothing resets it when a retiring batcher "
+                     f"is killed")
 
 
 # -- the two kinds of engine ------------------------------------------------------------
