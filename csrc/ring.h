@@ -397,7 +397,9 @@ void sb_admission_figures(const sb_ring *r, uint32_t max_priority, uint32_t coun
 			  uint64_t *out);
 /* engine/admission.py's predicted_wait_ns on those figures, in integers
  * that saturate: how long a request of this priority, enqueued at now_ns,
- * would wait for its answer (0 before any batch is measured) */
+ * would wait for its answer (an iterative engine's: its first chunk, its
+ * batches being steps that also hold the running requests; 0 before any
+ * batch is measured) */
 uint64_t sb_predicted_wait_ns(sb_ring *r, uint32_t priority, uint64_t now_ns);
 /* admission by deadline: 1 when a request that would wait wait_ns for its
  * answer, with left_ns to its deadline, is refused (the one rule); and the
