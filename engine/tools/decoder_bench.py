@@ -30,6 +30,7 @@ from engine import Client, Engine, decoder, ring
 from engine.tools import load as loads
 
 STATIC, CONTINUOUS = "static", "continuous"
+MIN_REQUESTS = 32  # a row's requests at least
 
 
 @dataclasses.dataclass
@@ -73,24 +74,24 @@ def engine_settings(mode: str, setup: Setup, name: str) -> dict:
                 outputs={"tokens": ["int64", [setup.max_steps]]}, **common)
 
 
-def static_capacity_rps(setup: Setup, step_s: float, seed: int) -> float:
-    """The static way's capacity, estimated: a full batch takes its longest
-    request's steps at the full batch's step time."""
-    rng = np.random.default_rng(seed)
-    b = setup.max_batch_size
-    longest = np.minimum(rng.geometric(1 / setup.mean_output, (2000, b)), setup.max_steps).max(1)
-    return b / (float(longest.mean()) * step_s)
-
-
-def step_time_s(model: decoder.Decoder, n: int, reps: int = 10) -> float:
-    """The model's decode step at n requests, timed in this process."""
-    caches = [model.new_cache() for _ in range(n)]
-    tokens, positions = np.zeros(n, np.int64), np.full(n, 16, np.int64)
-    model.decode(tokens, positions, caches)
-    started = time.perf_counter()
-    for _ in range(reps):
-        model.decode(tokens, positions, caches)
-    return (time.perf_counter() - started) / reps
+def static_capacity_rps(setup: Setup, seed: int, batches: int = 2) -> float:
+    """The static way's capacity, measured in this process: full batches of
+    drawn requests through the one-shot generate loop, timed."""
+    run = decoder.generate(**setup.model, steps=setup.max_steps)
+    vocab = decoder.Decoder(**setup.model).vocab
+    b, took = setup.max_batch_size, 0.0
+    for k in range(batches):
+        offered = draw(setup, b, seed + k, vocab)
+        prompts = np.zeros((b, setup.max_prompt), np.int64)
+        for i, (p, _) in enumerate(offered):
+            prompts[i, :len(p)] = p
+        batch = {"prompt": prompts,
+                 "max_new_tokens": np.array([[o] for _, o in offered], np.int64)}
+        lengths = {"prompt": np.array([len(p) for p, _ in offered], np.int64)}
+        started = time.perf_counter()
+        run(batch, lengths)
+        took += time.perf_counter() - started
+    return b * batches / took
 
 
 # -- a client process ---------------------------------------------------------------
@@ -312,7 +313,7 @@ def cost_line(r: dict) -> str:
 def run(setup: Setup, out_dir: Optional[str] = None) -> dict:
     model = decoder.Decoder(**setup.model)
     step_s = step_time_s(model, setup.max_batch_size)
-    capacity = static_capacity_rps(setup, step_s, setup.seed)
+    capacity = static_capacity_rps(setup, setup.seed)
     rates = setup.rates or tuple(round(capacity * f, 1) for f in (0.25, 1.0, 2.0))
     print(f"shmbatch bench --model decoder: {model.layers} layers, d_model {model.d}, vocab "
           f"{model.vocab}; step {1e3 * step_s:.1f} ms at {setup.max_batch_size}; the static way's "
@@ -321,7 +322,7 @@ def run(setup: Setup, out_dir: Optional[str] = None) -> dict:
           f"{setup.mean_output:g}; capped {setup.max_prompt}, {setup.max_steps})", flush=True)
     result = {"setup": dataclasses.asdict(setup), "rows": []}
     for row, rate in enumerate(rates):
-        n = max(1, int(rate * setup.seconds))
+        n = max(MIN_REQUESTS, int(rate * setup.seconds))  # enough for a p99 at a low rate
         offered = draw(setup, n, setup.seed + 1000 * row, model.vocab)
         oracle = oracles(setup, offered)
         for mode in (STATIC, CONTINUOUS):
