@@ -49,7 +49,7 @@ def bench_parser(sub):
                         "a generative transformer served the static and the continuous way")
     p.add_argument("--rates", type=numbers(float),
                    help="--model decoder: offered requests/s of the rows (default: 0.25x, 1x "
-                        "and 2x the static way's capacity)")
+                        "and 3x the static way's capacity)")
     p.add_argument("--out", metavar="DIR", help="write DIR/bench.json and DIR/bench.png")
 
 

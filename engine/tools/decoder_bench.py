@@ -35,7 +35,7 @@ STATIC, CONTINUOUS = "static", "continuous"
 @dataclasses.dataclass
 class Setup:
     seconds: float = 8.0           # of arrivals per row
-    rates: Optional[tuple] = None  # offered requests/s; None: 0.25x, 1x, 2x the static capacity
+    rates: Optional[tuple] = None  # offered requests/s; None: 0.25x, 1x, 3x the static capacity
     max_batch_size: int = 16
     max_steps: int = 128
     max_prompt: int = 128
@@ -352,7 +352,7 @@ def run(setup: Setup, out_dir: Optional[str] = None) -> dict:
     model = decoder.Decoder(**setup.model)
     step_s = step_time_s(model, setup.max_batch_size)
     capacity = static_capacity_rps(setup, setup.seed)
-    rates = setup.rates or tuple(round(capacity * f, 1) for f in (0.25, 1.0, 2.0))
+    rates = setup.rates or tuple(round(capacity * f, 1) for f in (0.25, 1.0, 3.0))
     print(f"shmbatch bench --model decoder: {model.layers} layers, d_model {model.d}, vocab "
           f"{model.vocab}; step {1e3 * step_s:.1f} ms at {setup.max_batch_size}; the static way's "
           f"capacity about {capacity:.1f} req/s; {setup.seconds:g} s of Poisson arrivals a row, "
