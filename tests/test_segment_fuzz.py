@@ -33,19 +33,25 @@ import psutil
 import pytest
 
 import engine
-from engine import errors
+from engine import errors, ring
 from conftest import shm_entries, unique_name
+from step_models import chunks, request
 
 DURATION_S = float(os.environ.get("SHMBATCH_FUZZ_S", "2"))
 SEEDS = ([int(os.environ["SHMBATCH_FUZZ_SEED"])] if "SHMBATCH_FUZZ_SEED" in os.environ
          else list(range(1, int(os.environ.get("SHMBATCH_FUZZ_SEEDS", "2")) + 1)))
-HEADER_BYTES = 16384  # csrc/ring.h; the slot control words, bitmaps and meta follow it
+HEADER_BYTES = ring.HEADER_BYTES  # csrc/ring.h; the slot control words, bitmaps and meta follow it
 BOUNDARY = (0, 2**31, 2**32 - 1, 2**64 - 1)
 STOP_BOUND_S = 30
 CLIENTS = 3
 KNOBS = dict(backend="engine.backends:synthetic", backend_args={"fixed_ms": 0.2, "per_item_us": 20},
              input_shape=(16,), output_shape=(16,), max_batch_size=8, queue_capacity=256,
              instances=2, priority_levels=2, drain_timeout_s=1)
+# an iterative engine: streams whose every chunk names its request (step_models.scripted)
+ITERATIVE = dict(KNOBS, backend="step_models:scripted", backend_args={}, iterative=True,
+                 max_steps=8, input_shape=(4,), input_dtype="int64", output_shape=(),
+                 output_dtype="int64")
+KINDS = {"one-shot": KNOBS, "iterative": ITERATIVE}
 # after these (EngineCorrupt is one) a client's handle may be useless: it attaches anew
 REATTACH = errors.EngineUnavailable
 # the supervisor's log lines that say a batcher died of a signal (supervisor._replace), or
@@ -53,7 +59,7 @@ REATTACH = errors.EngineUnavailable
 SIGNAL_LINE = re.compile(r"killed by signal|killing it")
 
 
-def _supervise(name, conn):
+def _supervise(name, knobs, conn):
     """The engine's process: starts it, stops it when told, and sends back what
     it saw: warnings logged, exceptions escaped from its threads, whether stop() returned."""
     os.environ["PYTHONFAULTHANDLER"] = "1"  # in each batcher: a fatal signal prints its stack
@@ -64,7 +70,7 @@ def _supervise(name, conn):
     logging.getLogger("shmbatch").addHandler(handler)
     threading.excepthook = lambda a: escaped.append(
         f"thread {a.thread.name}: " + "".join(traceback.format_exception(a.exc_value)))
-    eng = engine.Engine(name, **KNOBS).start()
+    eng = engine.Engine(name, **knobs).start()
     conn.send("started")
     conn.poll(600)  # the test's "stop" (or its end: EOF)
     t0 = time.monotonic()
@@ -77,7 +83,25 @@ def _supervise(name, conn):
         os._exit(1)  # stop() hangs: leave without it
 
 
-def _client(name, cid, started, stop, conn):
+def _ask(c, cid, k, iterative, timeout=0.5) -> bool:
+    """One request, its answer checked against its own input: whether it was right."""
+    if iterative:  # a stream read to its end, or the chunks stacked (a Future's)
+        tag, length = cid * 10_000 + k % 10_000, 1 + k % 8
+        if k % 3:
+            got = [int(t) for t in c.stream(request(tag, length), timeout=timeout,
+                                            priority=k % 2)]
+        else:
+            got = c.submit(request(tag, length), timeout=timeout).result(timeout=10).tolist()
+        return got == chunks(tag, length)
+    x = np.full(16, cid * 1_000_000 + k, np.float32)  # 2x + 1 exact in float32
+    if k % 3:
+        y = c.infer(x, timeout=timeout, priority=k % 2)
+    else:  # its future resolves by the deadline; 10 s more is a hang (a TimeoutError)
+        y = c.submit(x, timeout=timeout, priority=k % 2).result(timeout=10)
+    return np.array_equal(y, x * 2 + 1)
+
+
+def _client(name, cid, iterative, started, stop, conn):
     """Sends requests until told to stop, each answer checked against its own
     request; sends back counts and the errors that are not EngineErrors."""
     ok = wrong = 0
@@ -85,15 +109,10 @@ def _client(name, cid, started, stop, conn):
     c, k, give_up = None, 0, time.monotonic() + DURATION_S + 120
     while not stop.is_set() and time.monotonic() < give_up:
         k += 1
-        x = np.full(16, cid * 1_000_000 + k, np.float32)  # 2x + 1 exact in float32
         try:
             if c is None:
                 c = engine.Client(name)
-            if k % 3:
-                y = c.infer(x, timeout=0.5, priority=k % 2)
-            else:  # its future resolves by the deadline; 10 s more is a hang (a TimeoutError)
-                y = c.submit(x, timeout=0.5, priority=k % 2).result(timeout=10)
-            right = np.array_equal(y, x * 2 + 1)
+            right = _ask(c, cid, k, iterative)
             ok, wrong = ok + right, wrong + (not right)  # wrong: a row overwritten in flight
             started.set()
             if k % 50 == 0:  # closing and attaching anew are client calls too
@@ -213,22 +232,24 @@ def _tagged(name):
     return [p for p in psutil.process_iter() if tag(p) == name]
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("seed", SEEDS)
-def test_random_words_in_a_live_segment_kill_no_process_and_leak_nothing(seed, tmp_path):
+def test_random_words_in_a_live_segment_kill_no_process_and_leak_nothing(seed, kind, tmp_path):
     """Words written anywhere in the segment while 3 clients send requests: every
     process lives, every client-side error is an EngineError, stop() returns
     and leaves /dev/shm empty, and the same name then serves right answers."""
     ctx = multiprocessing.get_context("fork")
-    name = unique_name(f"fuzz{seed}")
-    replay = f"seed {seed} (replay: SHMBATCH_FUZZ_SEED={seed} pytest {__file__})"
+    name, knobs, iterative = unique_name(f"fuzz{seed}"), KINDS[kind], kind == "iterative"
+    replay = f"{kind} seed {seed} (replay: SHMBATCH_FUZZ_SEED={seed} pytest {__file__})"
     failures, procs, t0 = [], [], time.monotonic()
     try:
-        procs.append(_started(ctx, tmp_path, "supervisor", _supervise, name))
+        procs.append(_started(ctx, tmp_path, "supervisor", _supervise, name, knobs))
         sup_conn = procs[0][2]
         assert sup_conn.poll(60) and _recv(sup_conn) == "started", \
             f"{replay}: the engine did not start (see {tmp_path})"
         stop, started = ctx.Event(), [ctx.Event() for _ in range(CLIENTS)]
-        clients = [_started(ctx, tmp_path, f"client {i}", _client, name, i, started[i], stop)
+        clients = [_started(ctx, tmp_path, f"client {i}", _client, name, i, iterative,
+                            started[i], stop)
                    for i in range(CLIENTS)]
         procs += clients
         for i, e in enumerate(started):  # load flows before the first write
@@ -257,10 +278,9 @@ def test_random_words_in_a_live_segment_kill_no_process_and_leak_nothing(seed, t
         failures += [f"batcher pid {p.pid} still running after stop()" for p in _tagged(name)]
         failures += [f"child pid {p.pid} left" for p in psutil.Process().children(recursive=True)]
         try:  # the same name serves again, right answers only
-            with engine.Engine(name, **KNOBS), engine.Client(name) as c:
+            with engine.Engine(name, **knobs), engine.Client(name) as c:
                 for k in range(50):
-                    x = np.full(16, k, np.float32)
-                    if not np.array_equal(c.infer(x, timeout=10), x * 2 + 1):
+                    if not _ask(c, 99, k, iterative, timeout=10):
                         failures.append(f"after the fuzz, request {k} got a wrong answer")
         except Exception as e:
             failures.append(f"after the fuzz, {name!r} did not serve: {type(e).__name__}: {e}")
