@@ -86,11 +86,8 @@ def serve_plan(args):
         if table.get("name", name) != name:
             raise ValueError(f"{where}: engine {name!r}: the table's name is the engine's, "
                              f"got name = {table['name']!r}")
-        try:
-            engines.append(_engine_settings({**table, "name": name}, None,
-                                            f"{where} [engines.{name}]"))
-        except ValueError as e:
-            raise ValueError(f"engine {name!r}: {e}") from None
+        engines.append(_engine_settings({**table, "name": name}, None,
+                                        f"{where}: engine {name!r}"))
     return engines, serve
 
 
@@ -115,9 +112,10 @@ def _engine_settings(settings: dict, args, where) -> dict:
     keys = [k.name for k in all_knobs]
     if where:
         unknown = sorted(set(settings) - set(keys))
-        if unknown:
+        if unknown:  # a table holds an engine's keys alone; a one-engine file serve's too
+            expected = keys if args is None else keys + list(SERVE_ONLY_KEYS)
             raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)}; "
-                             f"expected some of {', '.join(keys + list(SERVE_ONLY_KEYS))}")
+                             f"expected some of {', '.join(expected)}")
     for key in keys if args is not None else ():
         value = getattr(args, key, None)
         if value is not None and key != "backend_args":

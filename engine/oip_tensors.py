@@ -27,9 +27,10 @@ NUMPY = {datatype: np.dtype(name).newbyteorder("<") for name, datatype in DATATY
 # datatypes of the protocol that no engine tensor can hold (numbers of a fixed size only)
 UNHELD = ("BYTES", "BF16")
 
-# the JSON kinds each datatype takes: booleans for BOOL, integers for the
-# integer types, any number for the floating ones
-_JSON_KINDS = {"b": "b", "u": "iu", "i": "iu", "f": "iuf"}
+# the JSON values each kind of datatype takes: booleans for BOOL, integers for
+# the integer types, any number for the floating ones
+_JSON_TYPES = {"b": ({bool}, "booleans"), "u": ({int}, "integers"), "i": ({int}, "integers"),
+               "f": ({int, float}, "numbers")}
 
 
 class BadRequest(Exception):
@@ -164,24 +165,40 @@ def _from_binary(binary: memoryview, offset: int, size, datatype: str, shape, na
 
 def _from_json(data, datatype: str, shape, name: str) -> np.ndarray:
     dtype, count = NUMPY[datatype], math.prod(shape)
-    try:
-        values = np.asarray(data)
-    except ValueError:  # ragged nesting
-        values = None
-    kinds = _JSON_KINDS[dtype.kind]
-    if values is None or values.dtype.kind not in kinds or values.size != count:
-        got = (json_text(data) if values is None or values.dtype.kind not in "biuf" else
-               f"{values.size} {'booleans' if values.dtype.kind == 'b' else 'numbers'}")
-        what = {"b": "booleans", "iu": "integers", "iuf": "numbers"}[kinds]
+    types, what = _JSON_TYPES[dtype.kind]
+    values = _flat(data)
+    # the types are checked on the JSON's own values: numpy would read 2**64 - 1
+    # beside 0 as a float, and "1" or 1.5 as integers
+    found = set(map(type, values)) if values is not None else None
+    if found is None or not found <= types or len(values) != count:
+        got = (f"{len(values)} {_JSON_TYPES['f' if found <= {int, float} else 'b'][1]}"
+               if found is not None and (found <= {int, float} or found == {bool}) else
+               json_text(data))
         raise BadRequest(f"input {name!r}: expected {count} {what} ({datatype}{list(shape)}), "
                          f"got {got}")
-    if dtype.kind in "iu" and values.size:
-        info = np.iinfo(dtype)
-        low, high = values.min(), values.max()
+    if dtype.kind != "b" and values:
+        info = np.iinfo(dtype) if dtype.kind in "iu" else np.finfo(dtype)
+        low, high = min(values), max(values)
         if low < info.min or high > info.max:
             raise BadRequest(f"input {name!r}: expected {datatype} values in {info.min}.."
                              f"{info.max}, got {low}..{high}")
-    return values.astype(dtype).reshape(shape)
+    return np.array(values, dtype).reshape(shape)
+
+
+def _flat(data):
+    """The values of flat or nested lists, in row-major order; None if data
+    is not a list."""
+    if not isinstance(data, list):
+        return None
+    if not any(isinstance(item, list) for item in data):
+        return data
+    out = []
+    for item in data:
+        sub = _flat(item) if isinstance(item, list) else [item]
+        if sub is None:
+            return None
+        out.extend(sub)
+    return out
 
 
 def response(model: str, request_id, outputs, version: str = "1") -> Tuple[bytes, Optional[int]]:
