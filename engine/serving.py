@@ -51,6 +51,9 @@ class Serving:
         self.http_port, self.http_host = http_port, http_host or "127.0.0.1"
         self.http_workers = 1 if http_workers is None else int(http_workers)
         if http_port is not None:
+            import importlib.util
+            if importlib.util.find_spec("uvicorn") is None:
+                raise ValueError("--http-port needs uvicorn: pip install 'shmbatch[http]'")
             from engine import openinference
             self.http_timeout_s = openinference.DEFAULT_TIMEOUT_S if http_timeout_s is None \
                 else float(http_timeout_s)
