@@ -15,6 +15,8 @@
 #define sb_load_seq_cst(p)      __atomic_load_n((p), __ATOMIC_SEQ_CST)
 #define sb_store_relaxed(p, v)  __atomic_store_n((p), (v), __ATOMIC_RELAXED)
 #define sb_store_release(p, v)  __atomic_store_n((p), (v), __ATOMIC_RELEASE)
+#define sb_store_seq_cst(p, v)  __atomic_store_n((p), (v), __ATOMIC_SEQ_CST)
+#define sb_or_seq_cst(p, v)     __atomic_fetch_or((p), (v), __ATOMIC_SEQ_CST)
 #define sb_fence_acquire()      __atomic_thread_fence(__ATOMIC_ACQUIRE)
 #define sb_fence_seq_cst()      __atomic_thread_fence(__ATOMIC_SEQ_CST)
 #define sb_add_relaxed(p, v)    __atomic_fetch_add((p), (v), __ATOMIC_RELAXED)

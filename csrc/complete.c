@@ -1,7 +1,7 @@
 /*
  * complete.c - a batcher's answers: CLAIMED -> DONE or FAILED (or, for a
- * request withdrawn meanwhile, ABANDONED -> FREE), and a dead batcher's
- * successor taking over what it left.
+ * request withdrawn meanwhile, ABANDONED -> FREE; a stream's end with
+ * either), and a dead batcher's successor taking over what it left.
  */
 #include "segment.h"
 
@@ -47,6 +47,7 @@ int complete_one(sb_ring *r, uint32_t slot, uint32_t gen, uint32_t batcher,
 			sb_store_relaxed(&meta_at(r, slot)->done_ns, now); /* ours while CLAIMED */
 			if (status != SB_STATUS_OK)
 				put_error(r, slot, status, msg, msg_len);
+			end_stream(r, slot);
 		} else {
 			want = freed(cur); /* nobody waits: drop the answer */
 		}
@@ -61,6 +62,7 @@ int complete_one(sb_ring *r, uint32_t slot, uint32_t gen, uint32_t batcher,
 					 : status == SB_STATUS_EXPIRED ? SB_W_EXPIRED
 					 : SB_W_ERRORS], 1);
 		wake_owner(c, cur);
+		wake_stream(r, slot);
 		return SB_OK;
 	}
 	corrupt(r);

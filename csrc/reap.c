@@ -53,9 +53,11 @@ uint32_t sb_reap_batcher(sb_ring *r, uint32_t batcher, uint32_t retry,
 			continue;
 		/* kept as it is, CLAIMED(g, b), for b's successor: unless b died
 		 * retrying it alone (the successor's mark, written before b died,
-		 * which the caller saw: its exit) */
+		 * which the caller saw: its exit), or its stream had begun (its
+		 * client holds chunks a retry would send again) */
 		if (st == SB_CLAIMED && retry &&
-		    sb_load_relaxed(&meta_at(r, i)->retry) != SB_RETRY_ALONE) {
+		    sb_load_relaxed(&meta_at(r, i)->retry) != SB_RETRY_ALONE &&
+		    !(r->steps && sb_load_relaxed(&stream_at(r, i)->chunks))) {
 			(*kept)++;
 			continue;
 		}

@@ -11,7 +11,7 @@
  * SEGMENT LAYOUT (byte offsets from base; C = capacity, the number of slots)
  *
  *   0      +-----------------------------------------------------------+
- *          | sb_header                                 16384 B, 64-al. |
+ *          | sb_header                                 20480 B, 64-al. |
  *          |    0 magic "SHMBATCH" (u64, stored last with release)     |
  *          |    8 layout_version u32     12 header_bytes u32           |
  *          |   16 incarnation u64 (random per creation)                |
@@ -20,7 +20,8 @@
  *          |   40 slot_bytes u64: one slot's rows of all T, summed     |
  *          |   48 total_bytes u64  56 in_place u32  60 levels u32      |
  *          |   64 off_ctl  72 off_meta  80 off_errmsg  88 off_lengths  |
- *          |  104 off_ready   (u64 each)                               |
+ *          |   96 off_stream  104 off_ready   (u64 each)               |
+ *          |  112 steps u32: chunks per slot (iterative; 0: one-shot)  |
  *          |  128 config: 2048 B of UTF-8 JSON (the engine's settings) |
  *          | 2176 work_seq u32 (futex)  2180 batchers_sleeping u32     |
  *          | 2240 done_seq u32 (futex)  2244 done_waiters u32          |
@@ -33,7 +34,12 @@
  *          | 6720 off_tensor[16] u64   6848 tensor_slot_bytes[16] u64  |
  *          | 6976 corrupt_total u64: values that failed a check, summed |
  *          | 8192 level_hist[8][128] u64: queue wait per priority      |
- *  16384   +-----------------------------------------------------------+
+ *          |16384 steps_total u64  16392 chunks_total u64              |
+ *          |16400 stream_sum[2] u64  16416 stream_max[2] u64 (ns)      |
+ *          |16448 active[32] u64: each batcher's running batch size    |
+ *          |16896 stream_hist[2][128] u64: time to first chunk, and    |
+ *          |      between chunks (SB_H_TTFT, SB_H_CHUNK)               |
+ *  20480   +-----------------------------------------------------------+
  *          | ctl[C]      u64 per slot: each slot's one control word    |
  *          +------------------------------------------- 64-aligned ----+
  *          | ready[L][ceil(C/64)] u64, L = priority levels: bit s%64   |
@@ -46,6 +52,10 @@
  *          +------------------------------------------- 64-aligned ----+
  *          | lengths[C][I] u32: each input tensor's real length along  |
  *          |             its variable dim (0: fixed), set while WRITING|
+ *          +------------------------------------------- 64-aligned ----+
+ *          | stream[C]   sb_slot_stream, 64 B per slot (steps > 0 only):|
+ *          |             chunks written (the client's futex word; bit  |
+ *          |             31 SB_CHUNKS_END), sleepers, its max_steps    |
  *          +------------------------------------------- 4096-aligned --+
  *          | tensor 0    tensor_slot_bytes[0] per slot: ONE C-order    |
  *          |             array [C, *max_shape] of its dtype            |
@@ -53,6 +63,7 @@
  *          | tensor 1 .. tensor I-1: the other inputs, each the same   |
  *          +------------------------------------------- 4096-aligned --+
  *          | tensor I .. tensor T-1: the outputs, [C, *output_shape]   |
+ *          |             (iterative: [C, steps, *chunk_shape])         |
  *          |             (none when in_place: one input, one output of |
  *          |             its spec; an answer overwrites its input row) |
  *          +-----------------------------------------------------------+
@@ -84,6 +95,13 @@
  *
  *   A dead batcher b's CLAIMED(g, b) slots may instead stay CLAIMED(g, b) for
  *   b's successor (same number), which retries each alone (meta.retry).
+ *
+ *   STREAMS (an iterative engine): a slot stays CLAIMED(g, b) while its
+ *   batcher writes one chunk per step and publishes the count in the slot's
+ *   chunk word; the client reads chunks [seen, count) meanwhile. Settling it
+ *   (DONE, FAILED, or FREE once withdrawn) ends the stream: SB_CHUNKS_END is
+ *   set before that CAS, the client woken after it. A dead batcher's slots
+ *   that had a chunk fail; those that had none are kept for its successor.
  *
  *   Every transition that leaves a slot FREE bumps the generation, so a late
  *   actor holding an old ticket fails its CAS and changes nothing. Each state
@@ -157,8 +175,8 @@
 #include <stdint.h>
 
 /* --- cdef: everything from here to "cdef end" is read by cffi --------- */
-#define SB_LAYOUT_VERSION 8 /* 6: tensors, control; 7: retry; 8: corrupt_total */
-#define SB_HEADER_BYTES 16384
+#define SB_LAYOUT_VERSION 9 /* 7: retry; 8: corrupt_total; 9: streamed answers */
+#define SB_HEADER_BYTES 20480
 #define SB_CONFIG_BYTES 2048
 #define SB_OFF_CONFIG 128
 #define SB_OFF_WORDS 2368
@@ -170,6 +188,8 @@
 #define SB_MAX_BUCKETS 16
 #define SB_MAX_TAKE 1024
 #define SB_HIST_BUCKETS 128
+#define SB_MAX_STEPS 65536      /* an iterative engine's chunks per slot */
+#define SB_CHUNKS_END 0x80000000u /* a slot's chunk count is final */
 
 /* the control word's fields (drawn above) that Python reads too */
 #define SB_STATE_MASK 0xF
@@ -244,6 +264,8 @@
 #define SB_H_QUEUE_WAIT 0
 #define SB_H_SERVICE 1
 #define SB_H_BATCH_SIZE 2
+#define SB_H_TTFT 3       /* an iterative request's arrival to its first chunk */
+#define SB_H_CHUNK 4      /* ... and between its chunks */
 
 /* error status of a FAILED slot */
 #define SB_STATUS_OK 0
@@ -260,8 +282,9 @@ typedef struct {
 	uint64_t mapped_bytes;
 	uint64_t total_bytes, slot_bytes, incarnation;
 	uint32_t capacity, max_batch, tensors, inputs, in_place, levels;
+	uint32_t steps;           /* an iterative engine's chunks per slot; 0: one-shot */
 	uint32_t ready_words;     /* u64 words of one level's bitmap */
-	uint64_t off_ctl, off_ready, off_meta, off_errmsg, off_lengths;
+	uint64_t off_ctl, off_ready, off_meta, off_errmsg, off_lengths, off_stream;
 	uint64_t off_tensor[SB_MAX_TENSORS];
 	uint64_t tensor_slot_bytes[SB_MAX_TENSORS];
 	uint64_t corrupt;         /* values this process found failing a check */
@@ -275,11 +298,12 @@ typedef struct {
  * magic and version and fills base alone (capacity 0): for the header
  * figures and lock of a dead engine, whose data regions are never mapped. */
 uint64_t sb_layout_bytes(uint32_t capacity, uint32_t tensors, uint32_t inputs,
-			 const uint64_t *slot_bytes, uint32_t in_place, uint32_t levels);
+			 const uint64_t *slot_bytes, uint32_t in_place, uint32_t levels,
+			 uint32_t steps);
 int sb_init(sb_ring *r, void *base, uint64_t total_bytes, uint32_t capacity,
 	    uint32_t max_batch, uint32_t tensors, uint32_t inputs,
 	    const uint64_t *slot_bytes, uint32_t in_place, uint32_t levels,
-	    uint64_t incarnation);
+	    uint32_t steps, uint64_t incarnation);
 int sb_attach(sb_ring *r, void *base, uint64_t mapped_bytes);
 int sb_attach_header(sb_ring *r, void *base, uint64_t mapped_bytes);
 uint64_t sb_word_get(const sb_ring *r, int word);
@@ -465,14 +489,49 @@ void sb_level_wait(const sb_ring *r, uint32_t level, uint64_t *buckets,
 /* the lowest value (ns) that lands in a time histogram's bucket */
 uint64_t sb_bucket_lower_ns(uint32_t bucket);
 
+/* streamed answers (stream.c), of an engine with steps > 0: each output's
+ * row of a slot holds `steps` chunks, and the slot's chunk word counts those
+ * its batcher has written. The client, while WRITING (before publish): the
+ * request's own bound (0: the engine's). Then it follows the word:
+ * sb_wait_chunks returns SB_OK once the word is not `seen` (its value in
+ * *chunks: the count, | SB_CHUNKS_END when final) or the slot is settled,
+ * SB_ETIMEOUT, SB_ESTALE (not the ticket's slot), SB_ECORRUPT (a count
+ * beyond steps). A spinning reader costs its batcher no wake. */
+int sb_stream_open(sb_ring *r, uint32_t slot, uint32_t gen, uint32_t max_steps);
+int sb_wait_chunks(sb_ring *r, uint32_t slot, uint32_t gen, uint32_t seen,
+		   int64_t timeout_ns, uint64_t spin_ns, uint32_t *chunks);
+/* the batcher, at join: each slot's own bound, within [1, steps], and its
+ * deadline (CLOCK_MONOTONIC ns, 0: none) */
+void sb_stream_limits(sb_ring *r, const uint32_t *slots, uint32_t n, uint32_t *max_steps,
+		      uint64_t *deadlines);
+/* the batcher, after a step wrote chunk counts[k] - 1 of slots[k]: publishes
+ * the counts (a wake only for a client asleep) and their time figures;
+ * states[k] receives the slot's state (SB_CLAIMED; SB_ABANDONED: withdrawn;
+ * -1: no longer this batcher's). Returns how many were published. */
+uint32_t sb_stream_put(sb_ring *r, uint32_t batcher, const uint32_t *slots,
+		       const uint32_t *gens, uint32_t n, const uint32_t *counts,
+		       int32_t *states);
+/* a step's figures: the queue wait of the k requests it joined (claimed at
+ * start_ns), its service time and its `active` requests (the batch size),
+ * and with fit (else NULL) the fit of step time by active requests: 1 when
+ * solved anew and published (as sb_finish_batch) */
+int sb_finish_step(sb_ring *r, const uint32_t *joined, uint32_t k, uint32_t active,
+		   uint64_t start_ns, uint64_t done_ns, sb_fit *fit);
+/* batcher `batcher`'s running batch size, for the figures; and the figures:
+ * out[0] steps, out[1] chunks, out[2] requests in every running batch */
+void sb_set_active(sb_ring *r, uint32_t batcher, uint32_t active);
+void sb_stream_counts(const sb_ring *r, uint64_t *out);
+/* the sum and maximum (ns) of SB_H_TTFT's or SB_H_CHUNK's times */
+void sb_stream_times(const sb_ring *r, int which, uint64_t *sum_ns, uint64_t *max_ns);
+
 /* reaper (reap.c): the supervisor, and a client making room */
 /* every slot's ctl and (if its owner has written it) owner start, up to n
  * of them; returns how many it wrote */
 uint32_t sb_snapshot(const sb_ring *r, uint64_t *ctl, uint64_t *owner_start, uint32_t n);
 int sb_reap_slot(sb_ring *r, uint32_t slot, uint64_t expected_ctl);
 /* a dead batcher's CLAIMED slots: with retry, those not being retried alone
- * stay CLAIMED under its number for its successor (counted in *kept), and
- * one being retried alone (SB_RETRY_ALONE) fails with msg; without retry all
+ * and (iterative) without a chunk yet stay CLAIMED under its number for its
+ * successor (counted in *kept), and the others fail with msg; without retry all
  * fail with msg. Its ABANDONED slots are freed. Returns how many failed. */
 uint32_t sb_reap_batcher(sb_ring *r, uint32_t batcher, uint32_t retry,
 			 const char *msg, uint32_t msg_len, uint32_t *kept);

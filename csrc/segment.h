@@ -47,8 +47,9 @@ typedef struct {
 	uint64_t total_bytes;
 	uint32_t in_place;    /* 1: the output region is the input's */
 	uint32_t levels;      /* priority levels: ready[] has one bitmap each */
-	uint64_t off_ctl, off_meta, off_errmsg, off_lengths, _pad0, off_ready;
-	uint64_t _pad1[2];
+	uint64_t off_ctl, off_meta, off_errmsg, off_lengths, off_stream, off_ready;
+	uint32_t steps;       /* an iterative engine's chunks per slot; 0: one-shot */
+	uint32_t _pad1[3];
 	char config[SB_CONFIG_BYTES];
 	/* each futex word on its own cache line: clients and batchers both
 	 * write them, and they must not false-share with the counters */
@@ -66,7 +67,27 @@ typedef struct {
 	uint64_t corrupt_total; /* every process's corrupt() counts, summed */
 	uint64_t _pad7[(8192 - 6984) / 8];
 	uint64_t level_hist[SB_MAX_PRIORITIES][SB_HIST_BUCKETS];
+	uint64_t steps_total, chunks_total;
+	uint64_t stream_sum[2], stream_max[2]; /* ns: time to first chunk, between chunks */
+	uint64_t _pad8[2];
+	uint64_t active[SB_MAX_INSTANCES]; /* each batcher's running batch: its own word */
+	uint64_t _pad9[(16896 - 16704) / 8];
+	uint64_t stream_hist[2][SB_HIST_BUCKETS]; /* time to first chunk, between chunks */
+	uint64_t _pad10[(SB_HEADER_BYTES - 18944) / 8];
 } sb_header;
+
+/* An iterative engine's slot: how many of its chunks are written. chunks
+ * is the futex word its client follows; only the slot's batcher writes it
+ * while CLAIMED (and SB_CHUNKS_END when it answers or fails the slot), its
+ * client resets it while WRITING. */
+typedef struct {
+	uint32_t chunks;      /* chunks written (bits 0-30), | SB_CHUNKS_END */
+	uint32_t waiters;     /* clients asleep on chunks */
+	uint32_t max_steps;   /* the request's own bound (0: the engine's), set while WRITING */
+	uint32_t _pad;
+	uint64_t last_ns;     /* the batcher's: when it wrote the last chunk (0: none yet) */
+	uint64_t _pad2[5];
+} sb_slot_stream;
 
 typedef struct {
 	uint64_t arrival_ns;  /* CLOCK_MONOTONIC, stamped at publish */
@@ -103,7 +124,13 @@ _Static_assert(offsetof(sb_header, level_wait_max) == 6656, "layout drawing");
 _Static_assert(offsetof(sb_header, off_tensor) == 6720, "layout drawing");
 _Static_assert(offsetof(sb_header, tensor_slot_bytes) == 6848, "layout drawing");
 _Static_assert(offsetof(sb_header, corrupt_total) == 6976, "layout drawing");
+_Static_assert(offsetof(sb_header, off_stream) == 96, "layout drawing");
+_Static_assert(offsetof(sb_header, steps) == 112, "layout drawing");
 _Static_assert(offsetof(sb_header, level_hist) == 8192, "layout drawing");
+_Static_assert(offsetof(sb_header, steps_total) == 16384, "layout drawing");
+_Static_assert(offsetof(sb_header, active) == 16448, "layout drawing");
+_Static_assert(offsetof(sb_header, stream_hist) == 16896, "layout drawing");
+_Static_assert(sizeof(sb_slot_stream) == 64, "one cache line per slot");
 _Static_assert(sizeof(sb_slot_meta) == 64, "one cache line per slot");
 _Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
 	       "the futex word is the low half of ctl at its own address");
@@ -133,6 +160,11 @@ static inline sb_slot_meta *meta_at(const sb_ring *r, uint32_t slot)
 static inline uint64_t *ready_word(const sb_ring *r, uint32_t level, uint32_t word)
 {
 	return (uint64_t *)(r->base + r->off_ready) + (uint64_t)level * r->ready_words + word;
+}
+
+static inline sb_slot_stream *stream_at(const sb_ring *r, uint32_t slot)
+{
+	return (sb_slot_stream *)(r->base + r->off_stream) + slot;
 }
 
 static inline char *errmsg_at(const sb_ring *r, uint32_t slot)
@@ -260,6 +292,24 @@ static inline void wake_owner(uint64_t *ctl, uint64_t cur)
 	if (cur & SB_WAITING_BIT)
 		futex_wake(futex_word(ctl), 0x7fffffff);
 }
+/* An iterative engine's slot being answered or failed: END is set before
+ * the CAS that settles it (the slot is still its settler's), the wake made
+ * after it. seq_cst, as seq_bump: either the settler sees the client's
+ * waiter count, or the client's futex_wait sees the word moved on. */
+static inline void end_stream(sb_ring *r, uint32_t slot)
+{
+	if (r->steps)
+		sb_or_seq_cst(&stream_at(r, slot)->chunks, SB_CHUNKS_END);
+}
+
+static inline void wake_stream(sb_ring *r, uint32_t slot)
+{
+	if (r->steps && sb_load_seq_cst(&stream_at(r, slot)->waiters))
+		futex_wake(&stream_at(r, slot)->chunks, 0x7fffffff);
+}
+
+/* a stream's time figure (SB_H_TTFT or SB_H_CHUNK) in its histogram */
+void record_stream_time(sb_ring *r, int which, uint64_t ns);
 /* a finished batch, or requests failed unstarted: their async waiters sleep
  * on done_seq */
 static inline void bump_done_seq(sb_ring *r)

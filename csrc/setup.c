@@ -9,7 +9,7 @@
 #include <string.h>
 
 struct offsets {
-	uint64_t ctl, ready, meta, errmsg, lengths, tensor[SB_MAX_TENSORS], total, slot_bytes;
+	uint64_t ctl, ready, meta, errmsg, lengths, stream, tensor[SB_MAX_TENSORS], total, slot_bytes;
 };
 
 static uint64_t align_up(uint64_t x, uint64_t a) { return (x + a - 1) & ~(a - 1); }
@@ -18,20 +18,22 @@ static uint32_t ready_words(uint32_t capacity) { return (capacity + 63) / 64; }
 
 static int compute_offsets(uint32_t cap, uint32_t tensors, uint32_t inputs,
 			   const uint64_t *slot_bytes, uint32_t in_place, uint32_t levels,
-			   struct offsets *o)
+			   uint32_t steps, struct offsets *o)
 {
 	/* caps keep every product below 2^60: no overflow in the sums */
 	if (cap == 0 || cap > SB_MAX_CAPACITY || tensors > SB_MAX_TENSORS ||
 	    inputs == 0 || inputs >= tensors || in_place > 1 ||
 	    (in_place && (tensors != 2 || slot_bytes[0] != slot_bytes[1])) ||
-	    levels == 0 || levels > SB_MAX_PRIORITIES)
+	    levels == 0 || levels > SB_MAX_PRIORITIES || steps > SB_MAX_STEPS ||
+	    (steps && in_place))
 		return SB_EBADARG;
 	o->ctl = SB_HEADER_BYTES;
 	o->ready = align_up(o->ctl + 8ull * cap, 64);
 	o->meta = align_up(o->ready + 8ull * levels * ready_words(cap), 64);
 	o->errmsg = align_up(o->meta + sizeof(sb_slot_meta) * cap, 64);
 	o->lengths = align_up(o->errmsg + (uint64_t)SB_ERRMSG_BYTES * cap, 64);
-	uint64_t at = align_up(o->lengths + 4ull * inputs * cap, 4096);
+	o->stream = align_up(o->lengths + 4ull * inputs * cap, 64);
+	uint64_t at = align_up(o->stream + (steps ? sizeof(sb_slot_stream) * cap : 0), 4096);
 	o->slot_bytes = 0;
 	for (uint32_t t = 0; t < tensors; t++) {
 		if (slot_bytes[t] == 0 || slot_bytes[t] > (1ull << 36))
@@ -49,10 +51,11 @@ static int compute_offsets(uint32_t cap, uint32_t tensors, uint32_t inputs,
 }
 
 uint64_t sb_layout_bytes(uint32_t capacity, uint32_t tensors, uint32_t inputs,
-			 const uint64_t *slot_bytes, uint32_t in_place, uint32_t levels)
+			 const uint64_t *slot_bytes, uint32_t in_place, uint32_t levels,
+			 uint32_t steps)
 {
 	struct offsets o;
-	if (compute_offsets(capacity, tensors, inputs, slot_bytes, in_place, levels, &o))
+	if (compute_offsets(capacity, tensors, inputs, slot_bytes, in_place, levels, steps, &o))
 		return 0;
 	return o.total;
 }
@@ -61,7 +64,7 @@ uint64_t sb_layout_bytes(uint32_t capacity, uint32_t tensors, uint32_t inputs,
 static void fill(sb_ring *r, char *base, uint64_t mapped, uint32_t capacity,
 		 uint32_t max_batch, uint32_t tensors, uint32_t inputs,
 		 const uint64_t *slot_bytes, uint32_t in_place, uint32_t levels,
-		 uint64_t incarnation, const struct offsets *o)
+		 uint32_t steps, uint64_t incarnation, const struct offsets *o)
 {
 	memset(r, 0, sizeof(*r));
 	r->base = base;
@@ -75,12 +78,14 @@ static void fill(sb_ring *r, char *base, uint64_t mapped, uint32_t capacity,
 	r->inputs = inputs;
 	r->in_place = in_place;
 	r->levels = levels;
+	r->steps = steps;
 	r->ready_words = ready_words(capacity);
 	r->off_ctl = o->ctl;
 	r->off_ready = o->ready;
 	r->off_meta = o->meta;
 	r->off_errmsg = o->errmsg;
 	r->off_lengths = o->lengths;
+	r->off_stream = o->stream;
 	for (uint32_t t = 0; t < tensors; t++) {
 		r->off_tensor[t] = o->tensor[t];
 		r->tensor_slot_bytes[t] = slot_bytes[t];
@@ -109,11 +114,13 @@ static int put_geometry(sb_header *h, const sb_ring *r)
 	changed += RESTORE(h->total_bytes, r->total_bytes);
 	changed += RESTORE(h->in_place, r->in_place);
 	changed += RESTORE(h->levels, r->levels);
+	changed += RESTORE(h->steps, r->steps);
 	changed += RESTORE(h->off_ctl, r->off_ctl);
 	changed += RESTORE(h->off_ready, r->off_ready);
 	changed += RESTORE(h->off_meta, r->off_meta);
 	changed += RESTORE(h->off_errmsg, r->off_errmsg);
 	changed += RESTORE(h->off_lengths, r->off_lengths);
+	changed += RESTORE(h->off_stream, r->off_stream);
 	for (uint32_t t = 0; t < SB_MAX_TENSORS; t++) {
 		changed += RESTORE(h->off_tensor[t], t < r->tensors ? r->off_tensor[t] : 0);
 		changed += RESTORE(h->tensor_slot_bytes[t],
@@ -125,16 +132,16 @@ static int put_geometry(sb_header *h, const sb_ring *r)
 int sb_init(sb_ring *r, void *base, uint64_t total_bytes, uint32_t capacity,
 	    uint32_t max_batch, uint32_t tensors, uint32_t inputs,
 	    const uint64_t *slot_bytes, uint32_t in_place, uint32_t levels,
-	    uint64_t incarnation)
+	    uint32_t steps, uint64_t incarnation)
 {
 	struct offsets o;
 	sb_header *h = base;
-	if (compute_offsets(capacity, tensors, inputs, slot_bytes, in_place, levels, &o) ||
+	if (compute_offsets(capacity, tensors, inputs, slot_bytes, in_place, levels, steps, &o) ||
 	    o.total > total_bytes || max_batch == 0 || max_batch > capacity)
 		return SB_EBADARG;
 	memset(base, 0, o.tensor[0]);
 	fill(r, base, total_bytes, capacity, max_batch, tensors, inputs, slot_bytes,
-	     in_place, levels, incarnation, &o);
+	     in_place, levels, steps, incarnation, &o);
 	put_geometry(h, r);
 	/* release: an attacher that acquires the magic sees the whole header */
 	sb_store_release(&h->magic, SB_MAGIC);
@@ -180,12 +187,13 @@ int sb_attach(sb_ring *r, void *base, uint64_t mapped_bytes)
 	uint32_t inputs = sb_load_relaxed(&h->inputs);
 	uint32_t in_place = sb_load_relaxed(&h->in_place);
 	uint32_t levels = sb_load_relaxed(&h->levels);
+	uint32_t steps = sb_load_relaxed(&h->steps);
 	uint64_t total = sb_load_relaxed(&h->total_bytes);
 	uint64_t incarnation = sb_load_relaxed(&h->incarnation);
-	uint64_t off[5] = {
+	uint64_t off[6] = {
 		sb_load_relaxed(&h->off_ctl), sb_load_relaxed(&h->off_ready),
 		sb_load_relaxed(&h->off_meta), sb_load_relaxed(&h->off_errmsg),
-		sb_load_relaxed(&h->off_lengths),
+		sb_load_relaxed(&h->off_lengths), sb_load_relaxed(&h->off_stream),
 	};
 	uint64_t slot_bytes[SB_MAX_TENSORS], off_tensor[SB_MAX_TENSORS];
 	struct offsets o;
@@ -195,17 +203,17 @@ int sb_attach(sb_ring *r, void *base, uint64_t mapped_bytes)
 		slot_bytes[t] = sb_load_relaxed(&h->tensor_slot_bytes[t]);
 		off_tensor[t] = sb_load_relaxed(&h->off_tensor[t]);
 	}
-	if (compute_offsets(capacity, tensors, inputs, slot_bytes, in_place, levels, &o) ||
+	if (compute_offsets(capacity, tensors, inputs, slot_bytes, in_place, levels, steps, &o) ||
 	    max_batch == 0 || max_batch > capacity ||
 	    o.ctl != off[0] || o.ready != off[1] || o.meta != off[2] ||
-	    o.errmsg != off[3] || o.lengths != off[4] ||
+	    o.errmsg != off[3] || o.lengths != off[4] || o.stream != off[5] ||
 	    o.total != total || o.total > mapped_bytes)
 		return SB_ECORRUPT;
 	for (uint32_t t = 0; t < tensors; t++)
 		if (o.tensor[t] != off_tensor[t])
 			return SB_ECORRUPT;
 	fill(r, base, mapped_bytes, capacity, max_batch, tensors, inputs, slot_bytes,
-	     in_place, levels, incarnation, &o);
+	     in_place, levels, steps, incarnation, &o);
 	return SB_OK;
 }
 

@@ -37,10 +37,13 @@ static void record_max(uint64_t *word, uint64_t v)
 
 void sb_histogram(const sb_ring *r, int which, uint64_t *buckets)
 {
-	if (which < 0 || which > SB_H_BATCH_SIZE)
+	const sb_header *h = hdr(r);
+	if (which < 0 || which > SB_H_CHUNK)
 		return;
+	const uint64_t *from = which <= SB_H_BATCH_SIZE ? h->hist[which]
+				: h->stream_hist[which - SB_H_TTFT];
 	for (uint32_t b = 0; b < SB_HIST_BUCKETS; b++)
-		buckets[b] = sb_load_relaxed(&hdr(r)->hist[which][b]);
+		buckets[b] = sb_load_relaxed(&from[b]);
 }
 
 void sb_level_wait(const sb_ring *r, uint32_t level, uint64_t *buckets,
@@ -55,12 +58,12 @@ void sb_level_wait(const sb_ring *r, uint32_t level, uint64_t *buckets,
 	*max_ns = sb_load_relaxed(&h->level_wait_max[level]);
 }
 
-int sb_finish_batch(sb_ring *r, const uint32_t *slots, uint32_t n,
-		    uint64_t claim_ns, uint64_t done_ns, uint32_t zero_copy,
-		    sb_fit *fit)
+/* The queue waits of n requests claimed at claim_ns; their worst and sum
+ * in *worst, *total. */
+static inline void record_waits(sb_ring *r, const uint32_t *slots, uint32_t n,
+				uint64_t claim_ns, uint64_t *worst, uint64_t *total)
 {
 	sb_header *h = hdr(r);
-	uint64_t worst = 0, total_wait = 0;
 	for (uint32_t k = 0; k < n; k++) {
 		if (slots[k] >= r->capacity)
 			continue;
@@ -78,18 +81,25 @@ int sb_finish_batch(sb_ring *r, const uint32_t *slots, uint32_t n,
 		sb_add_relaxed(&h->level_hist[level][bucket_of(wait)], 1);
 		sb_add_relaxed(&h->level_wait_sum[level], wait);
 		record_max(&h->level_wait_max[level], wait);
-		total_wait += wait;
-		if (wait > worst)
-			worst = wait;
+		*total += wait;
+		if (wait > *worst)
+			*worst = wait;
 	}
-	uint64_t service = done_ns > claim_ns ? done_ns - claim_ns : 0;
+}
+
+/* A backend call's figures: n requests in service_ns; the fit's, with fit */
+static inline int record_call(sb_ring *r, uint32_t n, uint64_t service, uint64_t worst,
+			      uint64_t total_wait, int which, sb_fit *fit)
+{
+	sb_header *h = hdr(r);
 	sb_add_relaxed(&h->hist[SB_H_SERVICE][bucket_of(service)], 1);
 	sb_add_relaxed(&h->hist[SB_H_BATCH_SIZE][n < SB_HIST_BUCKETS ? n : SB_HIST_BUCKETS - 1], 1);
 	record_max(&h->words[SB_W_QUEUE_WAIT_MAX_NS], worst);
 	record_max(&h->words[SB_W_SERVICE_MAX_NS], service);
 	sb_add_relaxed(&h->words[SB_W_QUEUE_WAIT_SUM_NS], total_wait);
 	sb_add_relaxed(&h->words[SB_W_SERVICE_SUM_NS], service);
-	sb_add_relaxed(&h->words[zero_copy ? SB_W_ZERO_COPY : SB_W_GATHERED], 1);
+	if (which >= 0)
+		sb_add_relaxed(&h->words[which], 1);
 	sb_add_relaxed(&h->words[SB_W_BATCHES], 1);
 	sb_add_relaxed(&h->words[SB_W_ITEMS], n);
 	bump_done_seq(r);
@@ -99,4 +109,59 @@ int sb_finish_batch(sb_ring *r, const uint32_t *slots, uint32_t n,
 	sb_store_relaxed(&h->words[SB_W_FIT_FIXED_NS], (uint64_t)fit->fixed_ns);
 	sb_store_relaxed(&h->words[SB_W_FIT_ITEM_PS], (uint64_t)(fit->per_item_ns * 1000));
 	return 1;
+}
+
+int sb_finish_batch(sb_ring *r, const uint32_t *slots, uint32_t n,
+		    uint64_t claim_ns, uint64_t done_ns, uint32_t zero_copy,
+		    sb_fit *fit)
+{
+	uint64_t worst = 0, total_wait = 0;
+	record_waits(r, slots, n, claim_ns, &worst, &total_wait);
+	uint64_t service = done_ns > claim_ns ? done_ns - claim_ns : 0;
+	return record_call(r, n, service, worst, total_wait,
+			   zero_copy ? SB_W_ZERO_COPY : SB_W_GATHERED, fit);
+}
+
+int sb_finish_step(sb_ring *r, const uint32_t *joined, uint32_t k, uint32_t active,
+		   uint64_t start_ns, uint64_t done_ns, sb_fit *fit)
+{
+	uint64_t worst = 0, total_wait = 0;
+	record_waits(r, joined, k, start_ns, &worst, &total_wait);
+	sb_add_relaxed(&hdr(r)->steps_total, 1);
+	uint64_t service = done_ns > start_ns ? done_ns - start_ns : 0;
+	return record_call(r, active, service, worst, total_wait, -1, fit);
+}
+
+void sb_set_active(sb_ring *r, uint32_t batcher, uint32_t active)
+{
+	if (batcher < SB_MAX_INSTANCES) /* relaxed: a figure */
+		sb_store_relaxed(&hdr(r)->active[batcher], active);
+}
+
+void sb_stream_counts(const sb_ring *r, uint64_t *out)
+{
+	const sb_header *h = hdr(r);
+	out[0] = sb_load_relaxed(&h->steps_total);
+	out[1] = sb_load_relaxed(&h->chunks_total);
+	out[2] = 0;
+	for (uint32_t b = 0; b < SB_MAX_INSTANCES; b++) /* each at most 2^32: no overflow */
+		out[2] += (uint32_t)sb_load_relaxed(&h->active[b]);
+}
+
+/* a stream's time figure (SB_H_TTFT or SB_H_CHUNK), for stream.c */
+void record_stream_time(sb_ring *r, int which, uint64_t ns)
+{
+	sb_header *h = hdr(r);
+	sb_add_relaxed(&h->stream_hist[which - SB_H_TTFT][bucket_of(ns)], 1);
+	sb_add_relaxed(&h->stream_sum[which - SB_H_TTFT], ns);
+	record_max(&h->stream_max[which - SB_H_TTFT], ns);
+}
+
+void sb_stream_times(const sb_ring *r, int which, uint64_t *sum_ns, uint64_t *max_ns)
+{
+	*sum_ns = *max_ns = 0;
+	if (which == SB_H_TTFT || which == SB_H_CHUNK) {
+		*sum_ns = sb_load_relaxed(&hdr(r)->stream_sum[which - SB_H_TTFT]);
+		*max_ns = sb_load_relaxed(&hdr(r)->stream_max[which - SB_H_TTFT]);
+	}
 }

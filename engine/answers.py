@@ -30,13 +30,26 @@ def take(seg, slot: int, gen: int, outs: Optional[tuple]):
 def read(seg, slot: int, gen: int, outs: Optional[tuple]) -> tuple:
     """An answered ticket's outputs, copied into outs' arrays (or new ones);
     the slot freed."""
-    if outs is None:
+    if seg.steps:  # an iterative engine's: the chunks its batcher wrote
+        steps = chunk_count(seg, slot, gen)
+        outs = tuple(region[slot, :steps].copy() for region in seg.out_regions)
+    elif outs is None:
         outs = tuple(region[slot].copy() for region in seg.out_regions)
     else:
         for out, region in zip(outs, seg.out_regions):
             np.copyto(out, region[slot])
     seg.ring.release_slot(slot, gen)
     return outs
+
+
+def chunk_count(seg, slot: int, gen: int) -> int:
+    """How many chunks a settled iterative request's batcher wrote (checked
+    in C against the engine's max_steps; EngineCorrupt beyond it)."""
+    code, word = seg.ring.wait_chunks(slot, gen, ring.CHUNKS_END - 1, 0)
+    if code != ring.OK:
+        raise EngineCorrupt(f"engine {seg.name!r}: expected the request's chunk count within "
+                            f"max_steps {seg.steps}, got one beyond it (code {code})")
+    return word & (ring.CHUNKS_END - 1)
 
 
 def settle_now(seg, slot: int, gen: int, outs: Optional[tuple],

@@ -32,7 +32,7 @@ from typing import Optional
 
 import numpy as np
 
-from engine import admission, aimd, backends, liveness, policy, ring
+from engine import admission, aimd, backends, liveness, policy, ring, stepping
 from engine.tensors import checked_result
 from engine.layout import Segment
 
@@ -356,7 +356,14 @@ def main(name: str, instance: int, backend, backend_args: dict, cpus, gpu, conn,
             # (the single-array form's one tensor is named "")
             fn.check_tensors({t.name: (t.dtype, t.shape) for t in cfg.input_specs},
                              {t.name: (t.dtype, t.shape) for t in cfg.output_specs})
-        batcher = Batcher(segment, instance, fn, epoch)
+        if cfg.iterative:
+            missing = [m for m in ("join", "step", "leave") if not callable(getattr(fn, m, None))]
+            if missing:
+                raise TypeError(f"an iterative engine's factory returns a step model with join, "
+                                f"step and leave; got {type(fn).__name__} without {missing}")
+            batcher = stepping.Stepper(segment, instance, fn, epoch)
+        else:
+            batcher = Batcher(segment, instance, fn, epoch)
         pid = os.getpid()
         segment.ring.set_word(ring.W_BATCHER_START + instance, liveness.start_ticks(pid) or 0)
         segment.ring.set_word(ring.W_BATCHER_PID + instance, pid)

@@ -33,11 +33,11 @@ import concurrent.futures
 import functools
 import os
 import threading
-from typing import Any, Dict, Optional, TypeVar
+from typing import Any, AsyncIterator, Dict, Iterator, Optional, TypeVar
 
 import numpy as np
 
-from engine import answers, futures, liveness, ring, room, waiting
+from engine import answers, futures, liveness, ring, room, streams, waiting
 from engine.errors import EngineError, EngineUnavailable, InvalidInput, Overloaded, QueueFull
 from engine.attaching import attach
 from engine.layout import Segment
@@ -92,34 +92,36 @@ class Client:
 
     # -- public API ---------------------------------------------------------
     def infer(self, x: Tensors, timeout: Optional[float] = 1.0, out: Optional[Tensors] = None,
-              priority: int = 0) -> Tensors:
+              priority: int = 0, max_steps: Optional[int] = None) -> Tensors:
         """Blocks until the answer to x comes; returns it as a new array, or
         in out (a writable C-contiguous array of the output's dtype and shape,
         reused by the caller: a large answer then lands in warm memory). The
         timeout is also the request's deadline inside the engine; priority 0
-        is the most urgent."""
+        is the most urgent. An iterative engine's answer is its chunks
+        stacked, (steps, *chunk_shape), at most max_steps of them."""
         deadline = waiting.deadline_ns(timeout)
-        seg, slot, gen, outs = self._enqueue(x, deadline, out, priority)
+        seg, slot, gen, outs = self._enqueue(x, deadline, out, priority, max_steps)
         return self._await(seg, slot, gen, deadline, timeout, outs)
 
     def submit(self, x: Tensors, timeout: Optional[float] = 1.0, out: Optional[Tensors] = None,
-               priority: int = 0) -> "concurrent.futures.Future[Tensors]":
+               priority: int = 0, max_steps: Optional[int] = None
+               ) -> "concurrent.futures.Future[Tensors]":
         """Enqueues x now; the Future resolves to its answer (or error), in
         out if given (as for infer). cancel() withdraws the request while no
         batch has answered it."""
         deadline = waiting.deadline_ns(timeout)
-        seg, slot, gen, outs = self._enqueue(x, deadline, out, priority)
+        seg, slot, gen, outs = self._enqueue(x, deadline, out, priority, max_steps)
         if self._evictor is None:
             self._start_evictor()
         return futures.Request(self, seg, slot, gen, deadline, timeout, outs)
 
     async def infer_async(self, x: Tensors, timeout: Optional[float] = 1.0,
-                          priority: int = 0) -> Tensors:
+                          priority: int = 0, max_steps: Optional[int] = None) -> Tensors:
         """infer() for asyncio: awaits the answer without blocking the loop."""
         deadline = waiting.deadline_ns(timeout)
         loop = asyncio.get_running_loop()
         future: "asyncio.Future[Tensors]" = loop.create_future()
-        seg, slot, gen, _ = self._enqueue(x, deadline, None, priority)
+        seg, slot, gen, _ = self._enqueue(x, deadline, None, priority, max_steps)
 
         def settle(value, error):
             if not future.done():
@@ -130,6 +132,39 @@ class Client:
             lambda v: loop.call_soon_threadsafe(settle, v, None),
             lambda e: loop.call_soon_threadsafe(settle, None, e)))
         return await future
+
+    def stream(self, x: Tensors, timeout: Optional[float] = 1.0, max_steps: Optional[int] = None,
+               priority: int = 0) -> Iterator[Tensors]:
+        """The answer to x chunk by chunk as the engine writes them, each a new
+        array (iterative engines: one per step, at most max_steps; a one-shot
+        engine's answer comes once). timeout bounds the whole answer. Leaving
+        the loop early (break, close(), or dropping it) withdraws the request."""
+        deadline = waiting.deadline_ns(timeout)
+        seg = self._segment()
+        if not seg.steps:
+            return streams.Answered(self.submit(x, timeout, priority=priority))
+        seg, slot, gen, _ = self._enqueue(x, deadline, None, priority, max_steps)
+        return streams.Stream(self, seg, slot, gen, deadline, timeout)
+
+    async def stream_async(self, x: Tensors, timeout: Optional[float] = 1.0,
+                           max_steps: Optional[int] = None,
+                           priority: int = 0) -> AsyncIterator[Tensors]:
+        """stream() for asyncio: ``async for chunk in client.stream_async(x)``;
+        the loop is never blocked."""
+        deadline = waiting.deadline_ns(timeout)
+        seg = self._segment()
+        if not seg.steps:
+            yield await self.infer_async(x, timeout, priority)
+            return
+        seg, slot, gen, _ = self._enqueue(x, deadline, None, priority, max_steps)
+        chunks = streams.AsyncStream(streams.Stream(self, seg, slot, gen, deadline, timeout),
+                                     asyncio.get_running_loop())
+        self._completer_for().add(chunks)
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            await chunks.aclose()
 
     def request(self) -> "SlotRequest":
         """Takes a slot now (QueueFull at once if none) and lends its rows, so
@@ -244,7 +279,7 @@ class Client:
         self.close()
 
     # -- the request path ---------------------------------------------------
-    def _validated(self, x, many=False, out=None, priority=0):
+    def _validated(self, x, many=False, out=None, priority=0, max_steps=None):
         """(segment, arrays, real lengths, outs): the running engine's segment,
         and x (and out, and priority) checked against its spec before anything
         is enqueued; arrays and outs in spec order (outs None without out)."""
@@ -255,19 +290,22 @@ class Client:
             if priority and not (type(priority) is int and 0 <= priority < seg.config.priority_levels):
                 raise InvalidInput(f"priority: expected an int in [0, "
                                    f"{seg.config.priority_levels}), got {priority!r}")
+            if seg.steps and (outs is not None or max_steps is not None):
+                _check_steps(seg.config, outs, max_steps)
         except EngineError:
             seg.ring.add_word(ring.W_INVALID)
             raise
         return seg, arrays, lengths, outs
 
-    def _enqueue(self, x, deadline, out=None, priority=0):
+    def _enqueue(self, x, deadline, out=None, priority=0, max_steps=None):
         """(segment, slot, generation, outs) of x enqueued."""
-        seg, arrays, lengths, outs = self._validated(x, False, out, priority)
+        seg, arrays, lengths, outs = self._validated(x, False, out, priority, max_steps)
         r = seg.ring
         if priority:
             self._check_share(seg, priority)
         admit = deadline is not None and seg.admit_by_deadline
-        fused = seg.fused_in and arrays[0].flags.c_contiguous
+        # an iterative request's stream is opened between its write and its publish
+        fused = seg.fused_in and arrays[0].flags.c_contiguous and not seg.steps
         if fused:  # one C call: admit, take, copy, publish
             code, slot, gen = r.submit(self._pid, self._start_ticks, arrays[0], 0,
                                        deadline or 0, priority, admit)
@@ -285,6 +323,8 @@ class Client:
         if code == ring.OK and not fused:
             try:
                 _write_rows(seg, slot, arrays, lengths)
+                if seg.steps:
+                    r.stream_open(slot, gen, max_steps or 0)
             except BaseException:
                 r.cancel(slot, gen)
                 raise
@@ -397,6 +437,17 @@ class Client:
                 self._completer.start()
             return self._completer
 
+
+
+def _check_steps(cfg, outs, max_steps) -> None:
+    """An iterative request's own max_steps, in [1, the engine's]; and no
+    out (its answer's length is known only at its end)."""
+    if outs is not None:
+        raise InvalidInput("out: an iterative engine's answer has as many chunks as it takes; "
+                           "expected out=None")
+    if not (type(max_steps) is int and 1 <= max_steps <= cfg.max_steps):
+        raise InvalidInput(f"max_steps: expected an int in [1, {cfg.max_steps}] (the engine's "
+                           f"max_steps), got {max_steps!r}")
 
 
 def _write_rows(seg, slot: int, arrays: tuple, lengths: tuple) -> None:

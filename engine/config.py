@@ -60,7 +60,12 @@ class EngineConfig:
     length_buckets: Optional[Tuple] = knob(None, "ints", "bounds of the variable dim: a batch "
                                            "holds one bucket, padded to its bound")
     max_batch_tokens: Optional[int] = knob(None, "int", "a batch's padded size along the "
-                                           "variable dim, summed, at most this")
+                                           "variable dim, summed, at most this (iterative: "
+                                           "the running batch's input lengths + max_steps)")
+    iterative: bool = knob(False, "bool", "the factory returns a step model: requests join and "
+                           "leave the running batch at every step, answers stream in chunks")
+    max_steps: int = knob(256, "int", "iterative: the most chunks (steps) one request's answer "
+                          "holds")
 
     def __post_init__(self):
         put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen)
@@ -108,6 +113,12 @@ class EngineConfig:
             ins = (TensorSpec("", self.input_dtype, self.input_shape,
                               self.max_input_shape or self.input_shape),)
             outs = (TensorSpec("", self.output_dtype, self.output_shape, self.output_shape),)
+        put("iterative", bool(self.iterative))
+        if not 1 <= int(self.max_steps) <= ring.MAX_STEPS:
+            raise ValueError(f"max_steps must be in 1..{ring.MAX_STEPS}, got {self.max_steps}")
+        put("max_steps", int(self.max_steps))
+        if self.iterative:  # an output's row holds every chunk of an answer
+            outs = tuple(dataclasses.replace(t, max_shape=(self.max_steps, *t.shape)) for t in outs)
         var = [t for t in ins if t.var_axis is not None]
         self._check_batch_shapes(put, var)
         for key, low in (("max_batch_size", 1), ("queue_capacity", 1), ("instances", 1)):
@@ -156,6 +167,18 @@ class EngineConfig:
                 raise ValueError(f"allowed_batch_sizes must be sizes in 1..max_batch_size "
                                  f"({self.max_batch_size}), got {list(self.allowed_batch_sizes)}")
             put("allowed_batch_sizes", sizes)
+        if self.iterative:
+            if self.allowed_batch_sizes is not None or self.length_buckets is not None:
+                raise ValueError("an iterative engine's running batch takes any size: "
+                                 "allowed_batch_sizes and length_buckets are for one-shot ones")
+            top = max((t.max_shape[t.var_axis] for t in var), default=0)
+            if self.max_batch_tokens is not None:
+                if int(self.max_batch_tokens) < top + int(self.max_steps):
+                    raise ValueError(f"max_batch_tokens must be >= {top + int(self.max_steps)} "
+                                     f"(one request's longest input {top} + max_steps), got "
+                                     f"{self.max_batch_tokens}")
+                put("max_batch_tokens", int(self.max_batch_tokens))
+            return
         if self.length_buckets is None and self.max_batch_tokens is None:
             return
         if not var:
@@ -201,7 +224,7 @@ class EngineConfig:
         """Answers overwrite their own input rows (one region, not two): the
         output spec equals a fixed input spec."""
         return (not self.named and self.var_axis is None and self.input_shape == self.output_shape
-                and self.input_dtype == self.output_dtype)
+                and self.input_dtype == self.output_dtype and not self.iterative)
 
     @property
     def padded_shape(self) -> Tuple:
@@ -272,6 +295,11 @@ class EngineConfig:
         if self._output_names is None:
             return outputs[0]
         return dict(zip(self._output_names, outputs))
+
+    @property
+    def steps(self) -> int:
+        """Chunks per slot: max_steps for an iterative engine, 0 for a one-shot one."""
+        return self.max_steps if self.iterative else 0
 
     def to_json(self) -> bytes:
         return json.dumps(dataclasses.asdict(self)).encode()

@@ -244,8 +244,8 @@ class Completer(threading.Thread):
             seg.ring.poll(slots, gens, codes)
             lives = None
             for (key, t), code in zip(group, codes.tolist()):
-                if code != ring.EBUSY:
-                    settled = t.try_settle()
+                if code != ring.EBUSY or getattr(t, "streams", False):
+                    settled = t.try_settle()  # (a stream: has its chunk word moved?)
                 elif t.deadline is not None and now >= t.deadline:
                     settled = t.try_settle(waiting.timed_out(t.timeout))
                 else:

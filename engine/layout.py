@@ -42,7 +42,8 @@ def check_geometry(cfg: EngineConfig, geo, where: str) -> None:
     n_in = len(cfg.input_specs)
     expected = {"capacity": cfg.queue_capacity, "levels": cfg.priority_levels,
                 "max_batch": cfg.max_batch_size, "inputs": n_in,
-                "tensors": n_in + len(cfg.output_specs), "in_place": int(cfg.in_place)}
+                "tensors": n_in + len(cfg.output_specs), "in_place": int(cfg.in_place),
+                "steps": cfg.steps}
     got = {k: getattr(geo, k) for k in expected}
     rows = [int(geo.tensor_slot_bytes[t]) for t in range(geo.tensors)]
     if got != expected or rows != [int(b) for b in cfg.slot_bytes]:
@@ -114,7 +115,8 @@ class Segment:
         # the fused calls: one C call copies a request in (one input of a fixed
         # shape, C-contiguous), one copies its answer out (one output)
         self.fused_in = n_in == 1 and cfg.input_specs[0].var_axis is None
-        self.fused_out = len(cfg.output_specs) == 1
+        self.fused_out = len(cfg.output_specs) == 1 and not cfg.iterative
+        self.steps = cfg.steps  # an iterative engine's chunks per slot (0: one-shot)
         spec = cfg.output_specs[0]
         self.out_shape, self.out_dtype = tuple(spec.shape), np.dtype(spec.dtype)  # the first's
         self.admit_by_deadline = cfg.admission == "deadline"  # read per request
@@ -127,7 +129,7 @@ class Segment:
         name = segment_name(config.name)
         n_in = len(config.input_specs)
         size = ring.layout_bytes(config.queue_capacity, n_in, config.slot_bytes,
-                                 config.in_place, config.priority_levels)
+                                 config.in_place, config.priority_levels, config.steps)
         if size == 0:
             raise ValueError(f"an engine of {config.queue_capacity} slots of "
                              f"{config.input_slot_bytes} B input is too large")
@@ -161,7 +163,7 @@ class Segment:
             raw = ring.Ring(mapping)
             code = raw.init(size, config.queue_capacity, config.max_batch_size, n_in,
                             config.slot_bytes, config.in_place, config.priority_levels,
-                            secrets.randbits(64))
+                            config.steps, secrets.randbits(64))
             blob = config.to_json()
             if code != ring.OK or len(blob) > ring.CONFIG_BYTES:
                 raise ValueError(f"cannot lay out engine {config.name!r} (code {code})")

@@ -120,7 +120,19 @@ def read_stats(segment) -> dict:
         "priority": [_summary_ms(*r.level_wait(level)) for level in range(levels)],
         # values in the segment that failed their checks: another process writes into it
         "corrupt_total": r.corrupt_total(),
+        **_stream_stats(r),
     }
+
+
+def _stream_stats(r: ring.Ring) -> dict:
+    """An iterative engine's figures (all 0 for a one-shot one)."""
+    steps, chunks, active = r.stream_counts()
+    times = {}
+    for key, which in (("ttft_ms", ring.H_TTFT), ("chunk_ms", ring.H_CHUNK)):
+        sum_ns, max_ns = r.stream_times(which)
+        summary = _summary_ms(r.histogram(which), max_ns, sum_ns)
+        times[key] = {k: summary[k] for k in ("p50", "p99", "max")}
+    return {"steps_total": steps, "chunks_total": chunks, "active": active, **times}
 
 
 # -- Prometheus ---------------------------------------------------
@@ -153,6 +165,9 @@ FAMILIES = (
     ("gauge", "queue_depth", "shmbatch_queue_depth", "Requests queued, not yet in a batch."),
     ("gauge", "slots_in_use", "shmbatch_slots_in_use", "Slots queued or in flight."),
     ("gauge", "instances_alive", "shmbatch_instances_alive", "Live batcher processes."),
+    ("counter", "chunks_total", "shmbatch_chunks", "Chunks streamed (iterative engines)."),
+    ("counter", "steps_total", "shmbatch_steps", "Steps run (iterative engines)."),
+    ("gauge", "active", "shmbatch_active", "Requests in the running batches (iterative)."),
 )
 # The time histograms: (name, help, ring histogram, header word of its sum)
 TIME_HISTOGRAMS = (
@@ -160,6 +175,9 @@ TIME_HISTOGRAMS = (
      ring.H_QUEUE_WAIT, ring.W_QUEUE_WAIT_SUM_NS),
     ("shmbatch_service_seconds", "Dispatch to answers, per batch.",
      ring.H_SERVICE, ring.W_SERVICE_SUM_NS),
+    ("shmbatch_ttft_seconds", "Arrival to first chunk, per request (iterative).",
+     ring.H_TTFT, None),
+    ("shmbatch_chunk_seconds", "Between a request's chunks (iterative).", ring.H_CHUNK, None),
 )
 
 
@@ -200,7 +218,8 @@ class Collector:
             h = HistogramMetricFamily(name, doc, labels=["engine"])
             h.add_metric([engine], _cumulative(r.histogram(which), _UPPER_NS / 1e9,
                                                LATENCY_BUCKETS_S),
-                         sum_value=r.word(sum_word) / 1e9)
+                         sum_value=(r.word(sum_word) if sum_word is not None
+                                    else r.stream_times(which)[0]) / 1e9)
             yield h
         by_level = HistogramMetricFamily("shmbatch_queue_wait_by_priority_seconds",
                                          "Arrival to dispatch, per request, by priority level.",

@@ -49,8 +49,11 @@ def options_for(current, instances: int, backend, backend_args: Optional[dict],
         current, backend=current.backend if backend is None else backend, backend_args=args)
 
 
-def retire_bound_s(options) -> float:
-    """How long a retiring batcher may take to finish its batch before it is killed."""
+def retire_bound_s(options, iterative: bool = False) -> float:
+    """How long a retiring batcher may take to finish its batch (an iterative
+    engine's: its running streams) before it is killed."""
+    if iterative:
+        return options.drain_timeout_s
     return min(t for t in (options.drain_timeout_s, options.batch_timeout_s) if t is not None)
 
 

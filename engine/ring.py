@@ -63,11 +63,13 @@ fit_add = lib.sb_fit_add
 refuses = lib.sb_refuses  # (wait_ns, left_ns): admission's rule, the C's
 
 
-def layout_bytes(capacity: int, inputs: int, slot_bytes, in_place: bool, levels: int = 1) -> int:
+def layout_bytes(capacity: int, inputs: int, slot_bytes, in_place: bool, levels: int = 1,
+                 steps: int = 0) -> int:
     """The segment's size for tensors of slot_bytes each (the first `inputs`
-    of them inputs); 0 if the C refuses the layout."""
+    of them inputs; steps: an iterative engine's chunks per slot); 0 if the C
+    refuses the layout."""
     table = ffi.new("uint64_t[]", [int(b) for b in slot_bytes])
-    return lib.sb_layout_bytes(capacity, len(slot_bytes), inputs, table, in_place, levels)
+    return lib.sb_layout_bytes(capacity, len(slot_bytes), inputs, table, in_place, levels, steps)
 
 
 def _ptr(array: np.ndarray, ctype: str):
@@ -124,10 +126,10 @@ class Ring:
 
     # -- setup ------------------------------------------------------------
     def init(self, total_bytes, capacity, max_batch, inputs, slot_bytes, in_place, levels,
-             incarnation):
+             steps, incarnation):
         table = ffi.new("uint64_t[]", [int(b) for b in slot_bytes])
         return lib.sb_init(self.r, self._base_buf, total_bytes, capacity, max_batch,
-                           len(slot_bytes), inputs, table, in_place, levels, incarnation)
+                           len(slot_bytes), inputs, table, in_place, levels, steps, incarnation)
 
     def attach(self, mapped_bytes: int) -> int:
         """Fills this process's geometry from the header, checked (OK,
@@ -342,6 +344,55 @@ class Ring:
         """The batch's figures; with a ServiceFit's c_fit, also the fit (1: solved
         anew and published for admission)."""
         return lib.sb_finish_batch(self.r, batch.c_slots, n, claim_ns, done_ns, zero_copy, fit)
+
+    # -- streams (an iterative engine) --------------------------------------
+    def stream_open(self, slot: int, gen: int, max_steps: int) -> int:
+        """While WRITING: the request's own bound on its chunks (0: the engine's)."""
+        return lib.sb_stream_open(self.r, slot, gen, max_steps)
+
+    def wait_chunks(self, slot: int, gen: int, seen: int, timeout_ns: int, spin_ns: int = 0):
+        """(code, chunk word): OK once the word is not `seen` or the slot is
+        settled; the word counts the chunks written (| CHUNKS_END when final)."""
+        out = self._buffer("chunks", "uint32_t[1]")
+        code = lib.sb_wait_chunks(self.r, slot, gen, seen, timeout_ns, spin_ns, out)
+        return code, out[0]
+
+    def stream_limits(self, slots: np.ndarray, max_steps: np.ndarray,
+                      deadlines: np.ndarray) -> None:
+        """Each claimed slot's own bound on its chunks (uint32, within [1,
+        steps]) and deadline (uint64 ns, 0: none)."""
+        lib.sb_stream_limits(self.r, _ptr(slots, "uint32_t *"), len(slots),
+                             _ptr(max_steps, "uint32_t *"), _ptr(deadlines, "uint64_t *"))
+
+    def stream_put(self, batcher: int, slots: np.ndarray, gens: np.ndarray, counts: np.ndarray,
+                   states: np.ndarray) -> int:
+        """Publishes counts[k] chunks of slots[k] (uint32 arrays); states (int32)
+        receives each slot's state (CLAIMED, ABANDONED, or -1: not ours)."""
+        return lib.sb_stream_put(self.r, batcher, _ptr(slots, "uint32_t *"),
+                                 _ptr(gens, "uint32_t *"), len(slots),
+                                 _ptr(counts, "uint32_t *"), _ptr(states, "int32_t *"))
+
+    def finish_step(self, joined: np.ndarray, active: int, start_ns: int, done_ns: int,
+                    fit=ffi.NULL) -> int:
+        """A step's figures (joined: the slots it joined, uint32); with a fit, 1
+        when solved anew and published for admission."""
+        return lib.sb_finish_step(self.r, _ptr(joined, "uint32_t *"), len(joined), active,
+                                  start_ns, done_ns, fit)
+
+    def set_active(self, batcher: int, active: int) -> None:
+        lib.sb_set_active(self.r, batcher, active)
+
+    def stream_counts(self):
+        """(steps, chunks, requests in the running batches)."""
+        out = self._buffer("stream_counts", "uint64_t[3]")
+        lib.sb_stream_counts(self.r, out)
+        return tuple(ffi.unpack(out, 3))
+
+    def stream_times(self, which: int):
+        """(sum_ns, max_ns) of H_TTFT's or H_CHUNK's times."""
+        out = self._buffer("stream_times", "uint64_t[2]")
+        lib.sb_stream_times(self.r, which, out, out + 1)
+        return out[0], out[1]
 
     # -- reaper -----------------------------------------------------------
     def snapshot(self, ctl: np.ndarray, owner_start: np.ndarray) -> int:

@@ -262,7 +262,7 @@ class Engine:
                     self._reload_posted = None
                     raise EngineUnavailable(f"engine {self.name!r} is not running") from None
             # the monitor may first finish a restart, then starts (start_timeout_s) and retires
-            bound = 2 * request.options.start_timeout_s + reloading.retire_bound_s(self.options) + 10
+            bound = 2 * request.options.start_timeout_s + reloading.retire_bound_s(self.options, self.config.iterative) + 10
             if not request.done.wait(bound):
                 if self._reload_posted is request:
                     self._reload_posted = None
@@ -284,7 +284,7 @@ class Engine:
         serve, they are the engine's."""
         request = self._reload
         if request.step(self._seg, self.name, self._instances,
-                        reloading.retire_bound_s(self.options), self.options.batch_timeout_s,
+                        reloading.retire_bound_s(self.options, self.config.iterative), self.options.batch_timeout_s,
                         self._set_epoch):
             self._instances, self.options = request.new, request.options
             self._reload = None

@@ -1,0 +1,336 @@
+"""The running batch of an iterative engine: requests join and leave at every step.
+
+A step model (what the factory returns with iterative=True) keeps each
+request's state between steps, by request id:
+
+    join(ids, batch, lengths=None)   new requests enter (prefill)
+    step(ids) -> (out, done)         one step of every active request, in order
+    leave(ids)                       finished, withdrawn, expired or failed
+
+Each iteration of a Stepper:
+1. drops what is over before its next step: requests past their deadline
+   (failed as expired after the chunks they had) and, seen by the last
+   step's publish, requests withdrawn by their client: leave(), then each
+   slot settled (failed, or freed);
+2. joins the READY requests, most urgent first, up to max_batch_size active
+   and the max_batch_tokens budget (a request reserves its input length +
+   its max_steps from join to leave); join() is their prefill;
+3. steps every active request once, writes each one's chunk into its own
+   slot (row k of its outputs is chunk k) and publishes the counts;
+4. answers the requests done (step said so, or at their max_steps) and
+   leaves them.
+
+With nothing running it sleeps on the ring's work word, and the flush rule
+decides when the first requests start (batcher.py). A request stays with
+the batcher that joined it. A join or step that raises fails the requests it
+named, after the chunks they had; the others go on. A batcher's successor
+(it died) starts the requests that had no chunk yet again, each alone in its
+first step: one that kills that batcher too fails as poison.
+"""
+import logging
+from typing import Optional
+
+import numpy as np
+
+from engine import admission, policy, ring
+from engine.tensors import BadResult, checked_result
+
+log = logging.getLogger("shmbatch")
+
+# Why run() returned (batcher.py's).
+STOPPED, RETIRED = "stopped", "retired"
+
+IDLE_CHECK_NS = 1_000_000_000  # the idle wait's bound (a lost parent is noticed)
+ACTIVATION_CHECK_NS = 2_000_000
+
+_STOP_MESSAGE = (b"the engine stopped (drain_timeout_s passed) before this request's answer "
+                 b"ended")
+
+
+def _message(e: BaseException) -> bytes:
+    return f"{type(e).__name__}: {e}".encode("utf-8", "replace")[:ring.ERRMSG_BYTES]
+
+
+class Running:
+    """The requests of the running batch, in join order, as parallel arrays."""
+
+    def __init__(self, size: int):
+        self.n = 0
+        self.slots = np.zeros(size, np.uint32)
+        self.gens = np.zeros(size, np.uint32)
+        self.ids = np.zeros(size, np.int64)
+        self.steps = np.zeros(size, np.uint32)      # chunks written
+        self.limits = np.zeros(size, np.uint32)     # its max_steps
+        self.deadlines = np.zeros(size, np.uint64)  # 0: none
+        self.tokens = np.zeros(size, np.int64)      # its reservation
+        self.fields = (self.slots, self.gens, self.ids, self.steps, self.limits,
+                       self.deadlines, self.tokens)
+
+    def add(self, slots, gens, ids, limits, deadlines, tokens) -> None:
+        n, k = self.n, len(slots)
+        for field, values in zip(self.fields, (slots, gens, ids, 0, limits, deadlines, tokens)):
+            field[n:n + k] = values
+        self.n = n + k
+
+    def keep(self, mask: np.ndarray) -> None:
+        """Keeps the requests where mask (over the first n) is True, in order."""
+        k = int(mask.sum())
+        for field in self.fields:
+            field[:k] = field[:self.n][mask]
+        self.n = k
+
+
+class Stepper:
+    """The loop of one batcher process of an iterative engine."""
+
+    def __init__(self, segment, instance: int, model, epoch: int = 0):
+        cfg = segment.config
+        self.seg, self.ring, self.instance, self.model = segment, segment.ring, instance, model
+        self.epoch = epoch
+        self.cfg = cfg
+        self.rule = policy.FlushRule(cfg.max_batch_size, int(cfg.max_delay_ms * 1e6))
+        self.max_active = cfg.max_batch_size
+        self.budget = cfg.max_batch_tokens  # None: no token budget
+        self.words = segment.words
+        self.batch_start_word = ring.W_BATCH_START + instance
+        self.fit = admission.ServiceFit(warmup=1)
+        self.claimed = ring.ClaimBuffers(segment.capacity, cfg.max_batch_size)
+        self.active = Running(cfg.max_batch_size)
+        self.waiting = Running(cfg.max_batch_size)  # claimed, not joined: over the budget
+        self.retry: list = []  # a dead predecessor's requests, each to start alone
+        self.states = np.zeros(cfg.max_batch_size, np.int32)
+        self.last_claim = (0, 0, 0)  # (ready, oldest_ns, cutoff_ns) the last claim saw
+        self.var_inputs = [(t, s.var_axis, s.max_shape[s.var_axis])
+                           for t, s in enumerate(cfg.input_specs) if s.var_axis is not None]
+        self.in_names = [s.name for s in cfg.input_specs]
+        self.out_checks = [(np.dtype(s.dtype), s.shape, s.name) for s in cfg.output_specs]
+
+    # -- the loop -----------------------------------------------------------------
+    def run(self) -> str:
+        """Serves until the engine is STOPPED with nothing left, or until a
+        reload retires it and its running requests have ended. A reload's
+        new batchers (epoch E+2) join new requests from the moment the word
+        reaches E+1, while the old ones (E) finish theirs and exit."""
+        r, words, active = self.ring, self.words, self.active
+        self.retry = list(zip(*r.inherit(self.instance, ring.now_ns(), self.seg.capacity)))
+        spin_ns = 0
+        while True:
+            seen = r.work_seq()
+            epoch, state = words[ring.W_EPOCH], words[ring.W_ENGINE_STATE]
+            joins = self.epoch - 1 <= epoch <= self.epoch
+            if state == ring.ENGINE_STOPPED and (active.n or self.waiting.n):
+                self.fail_all(ring.STATUS_BATCHER_DIED, _STOP_MESSAGE)
+            if epoch < self.epoch - 1:  # a reload's batcher, not let in yet
+                r.wait_done_seq(r.done_seq(), ACTIVATION_CHECK_NS)
+                continue
+            start_ns = ring.now_ns()
+            self.drop_expired(start_ns)
+            # retiring: no new claims, but what it claimed still joins
+            joined = self.join(start_ns, state) if joins else self.admit()
+            if active.n:
+                self.step(joined, start_ns)
+                spin_ns = ring.SPIN_NS
+                continue
+            r.set_active(self.instance, 0)
+            if epoch > self.epoch:
+                return RETIRED
+            if not joins or self.waiting.n or self.retry:
+                continue
+            ready, oldest_ns, cutoff_ns = self.last_claim
+            if ready == 0:
+                if state == ring.ENGINE_STOPPED:
+                    return STOPPED
+                r.wait_work(seen, IDLE_CHECK_NS, spin_ns)
+                spin_ns = 0
+            elif oldest_ns > cutoff_ns:  # not due yet: sleep until it is
+                r.wait_work(seen, self.rule.wait_ns(oldest_ns, start_ns))
+
+    # -- 1. what is over before the step ------------------------------------------------
+    def drop_expired(self, now_ns: int) -> None:
+        for group in (self.active, self.waiting):
+            n = group.n
+            if not n:
+                continue
+            deadlines = group.deadlines[:n]
+            expired = (deadlines != 0) & (deadlines <= now_ns)
+            if expired.any():
+                self.settle(group, expired, ring.STATUS_EXPIRED,
+                            b"its deadline passed while its answer streamed")
+
+    def settle(self, group: Running, mask: np.ndarray, status: int, message: bytes,
+               left: bool = True) -> None:
+        """The requests of group where mask is True: answered (status OK) or
+        failed, freed if withdrawn; left (if they joined); dropped from group."""
+        n = group.n
+        slots, gens = group.slots[:n][mask], group.gens[:n][mask]
+        if left and group is self.active:
+            self.leave(group.ids[:n][mask])
+        self.ring.complete_some(self.instance, slots, gens, status, message)
+        group.keep(~mask)
+
+    def leave(self, ids: np.ndarray) -> None:
+        if len(ids):
+            try:
+                self.model.leave(ids.copy())
+            except Exception as e:  # its state may leak; nothing else is at stake
+                log.error("engine %s: the step model's leave(%d ids) raised %s", self.seg.name,
+                          len(ids), _message(e).decode())
+
+    def fail_all(self, status: int, message: bytes) -> None:
+        for group in (self.active, self.waiting):
+            if group.n:
+                self.settle(group, np.ones(group.n, bool), status, message)
+
+    # -- 2. join ------------------------------------------------------------------------
+    def join(self, now_ns: int, state: int) -> np.ndarray:
+        """Claims and joins what the running batch has room for; returns the
+        joined slots (for the queue-wait figures)."""
+        active, waiting, claimed = self.active, self.waiting, self.claimed
+        self.last_claim = (0, 0, 0)
+        room = self.max_active - active.n
+        if room <= 0:
+            return np.zeros(0, np.uint32)
+        if self.retry:  # a dead predecessor's request, alone in its first step
+            if active.steps[:active.n].min(initial=1) == 0:
+                return np.zeros(0, np.uint32)
+            slot, gen, length = self.retry.pop(0)
+            if self.ring.retry_alone(self.instance, int(slot), int(gen)) != ring.OK:
+                self.ring.complete_some(self.instance, np.array([slot], np.uint32),
+                                        np.array([gen], np.uint32), ring.STATUS_OK, b"")
+                return np.zeros(0, np.uint32)
+            self.stage(np.array([slot], np.uint32), np.array([gen], np.uint32),
+                       np.array([length], np.uint32))
+        elif not waiting.n:
+            if active.n:  # running: anything READY joins at this step
+                max_n, flush_n, cutoff_ns = room, 1, ring.MAX_NS
+            else:  # idle: the flush rule decides when the first ones start
+                max_n, flush_n, cutoff_ns = self.rule.thresholds(
+                    now_ns, state != ring.ENGINE_RUNNING, room)
+            n, _, ready, oldest_ns, _ = self.ring.claim(
+                self.instance, min(max_n, room), flush_n, cutoff_ns, claimed,
+                now_ns + self.fit.estimate()[0])
+            self.last_claim = (ready, oldest_ns, cutoff_ns)
+            if not n:
+                return np.zeros(0, np.uint32)
+            self.stage(claimed.slots[:n].copy(), claimed.gens[:n].copy(),
+                       claimed.lengths[:n].copy())
+        return self.admit()
+
+    def stage(self, slots: np.ndarray, gens: np.ndarray, lengths: np.ndarray) -> None:
+        """Claimed requests into the waiting group, with their bounds."""
+        limits, deadlines = np.zeros(len(slots), np.uint32), np.zeros(len(slots), np.uint64)
+        self.ring.stream_limits(slots, limits, deadlines)
+        top = max((bound for _, _, bound in self.var_inputs), default=0)
+        tokens = np.minimum(lengths, top).astype(np.int64) + limits
+        ids = ((gens.astype(np.int64) & 0x7FFFFFFF) << 32) | slots
+        self.waiting.add(slots, gens, ids, limits, deadlines, tokens)
+
+    def admit(self) -> np.ndarray:
+        """Joins the waiting requests that fit the budget, oldest first."""
+        waiting, active = self.waiting, self.active
+        n = waiting.n
+        if not n:
+            return np.zeros(0, np.uint32)
+        take = min(n, self.max_active - active.n)
+        if self.budget is not None:
+            free = self.budget - int(active.tokens[:active.n].sum())
+            fits = np.cumsum(waiting.tokens[:take]) <= free
+            take = int(fits.sum()) if fits.all() else int(np.argmin(fits))
+        if take == 0:
+            return np.zeros(0, np.uint32)
+        mask = np.zeros(n, bool)
+        mask[:take] = True
+        slots, gens = waiting.slots[:take].copy(), waiting.gens[:take].copy()
+        ids = waiting.ids[:take].copy()
+        try:
+            batch, lengths = self.gather(slots)
+            self.model.join(ids, *self.call_form(batch, lengths))
+        except Exception as e:
+            self.leave(ids)  # whatever state the failed join made for them
+            self.settle(waiting, mask, ring.STATUS_BACKEND, _message(e), left=False)
+            return np.zeros(0, np.uint32)
+        active.add(slots, gens, ids, waiting.limits[:take], waiting.deadlines[:take],
+                   waiting.tokens[:take])
+        waiting.keep(~mask)
+        return slots
+
+    def gather(self, slots: np.ndarray):
+        """The joining requests' inputs (copies: a model may keep them), each
+        variable dim cut to its longest real length; and those lengths."""
+        batch = [region[slots] for region in self.seg.in_regions]
+        if not self.var_inputs:
+            return batch, None
+        per_slot = self.seg.lengths[slots]
+        lengths = []
+        for t, axis, bound in self.var_inputs:
+            real = np.minimum(per_slot[:, t], bound).astype(np.int64)  # from the segment
+            index = [slice(None)] * batch[t].ndim
+            index[axis + 1] = slice(0, max(1, int(real.max())))
+            batch[t] = batch[t][tuple(index)]
+            lengths.append(real)
+        return batch, lengths
+
+    def call_form(self, batch: list, lengths: Optional[list]):
+        """(batch, lengths) as a one-shot backend takes them: one array, or dicts."""
+        if not self.cfg.named:
+            return batch[0], (None if lengths is None else lengths[0])
+        named = dict(zip(self.in_names, batch))
+        if lengths is None:
+            return named, None
+        var = [self.in_names[t] for t, _, _ in self.var_inputs]
+        return named, dict(zip(var, lengths))
+
+    # -- 3. step, and 4. leave ----------------------------------------------------------
+    def step(self, joined: np.ndarray, start_ns: int) -> None:
+        active, r = self.active, self.ring
+        n = active.n
+        self.words[self.batch_start_word] = start_ns  # the watchdog's: a step is a batch
+        r.set_active(self.instance, n)
+        slots, steps = active.slots[:n], active.steps[:n]
+        try:
+            outputs, done = self.checked(self.model.step(active.ids[:n].copy()), n)
+            for region, out in zip(self.seg.out_regions, outputs):
+                region[slots, steps] = out
+        except Exception as e:
+            self.settle(active, np.ones(n, bool), ring.STATUS_BACKEND, _message(e))
+            self.finish(joined, n, start_ns)
+            return
+        steps += 1
+        states = self.states[:n]
+        r.stream_put(self.instance, slots, active.gens[:n], steps, states)
+        finished = done | (steps >= active.limits[:n])
+        over = finished | (states != ring.CLAIMED)
+        if over.any():
+            # withdrawn ones are freed by the same completion (ABANDONED -> FREE)
+            self.settle(active, over, ring.STATUS_OK, b"")
+        self.finish(joined, n, start_ns)
+
+    def finish(self, joined: np.ndarray, n: int, start_ns: int) -> None:
+        """The step's figures (and admission's fit of step time, published by the C)."""
+        self.ring.finish_step(joined, n, start_ns, ring.now_ns(), self.fit.c_fit)
+        self.ring.set_active(self.instance, self.active.n)
+        self.words[self.batch_start_word] = 0
+
+    def checked(self, result, n: int):
+        """step()'s (out, done) as each output's n chunks in spec order and
+        done as bool[n]; BadResult saying what came otherwise."""
+        if not (isinstance(result, tuple) and len(result) == 2):
+            raise BadResult(f"step() returns (out, done), got {type(result).__name__}")
+        out, done = result
+        if self.cfg.named:
+            if not isinstance(out, dict):
+                raise BadResult(f"expected a dict of outputs {[c[2] for c in self.out_checks]}, "
+                                f"got {type(out).__name__}")
+            missing = [name for _, _, name in self.out_checks if name not in out]
+            if missing:
+                raise BadResult(f"expected outputs {[c[2] for c in self.out_checks]}, got "
+                                f"{sorted(out, key=str)} (missing {missing})")
+            outs = [out[name] for _, _, name in self.out_checks]
+        else:
+            outs = [out]
+        outs = [checked_result(o, n, dtype, shape, name)
+                for o, (dtype, shape, name) in zip(outs, self.out_checks)]
+        done = np.asarray(done)
+        if done.shape != (n,):
+            raise BadResult(f"done: expected bool[{n}], got {done.dtype}{list(done.shape)}")
+        return outs, done.astype(bool, copy=False)
