@@ -98,6 +98,26 @@ def parameters(obj: dict, where: str, known: Tuple[str, ...]) -> dict:
     return params
 
 
+def timeout_s(micros, default_s: float) -> float:
+    """A request's `timeout` parameter (microseconds, as Triton's) in seconds."""
+    if type(micros) not in (int, float) or not micros >= 0:
+        raise BadRequest(f"timeout: expected microseconds >= 0 (0: the server's default of "
+                         f"{default_s:g} s), got {json_text(micros)}")
+    return micros / 1e6 if micros else default_s
+
+
+def value_array(value, datatype: str, name: str) -> np.ndarray:
+    """A tensor given as a bare JSON value (a number, or nested lists of the
+    tensor's shape) as an array of datatype."""
+    shape, inner = [], value
+    while isinstance(inner, list):
+        shape.append(len(inner))
+        if not inner:
+            break
+        inner = inner[0]
+    return _from_json(value if shape else [value], datatype, tuple(shape), name)
+
+
 def read_inputs(request: dict, binary: memoryview) -> List[Tensor]:
     """The request's input tensors, their data read from the JSON or from
     `binary`, which they must use up exactly."""

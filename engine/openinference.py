@@ -27,7 +27,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from engine import oip_tensors
+from engine import oip_generate, oip_tensors
 from engine.client import Client
 from engine.config import EngineConfig
 from engine.errors import (BackendError, EngineError, EngineUnavailable, InvalidInput, QueueFull,
@@ -39,7 +39,7 @@ log = logging.getLogger("shmbatch")
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_MAX_BODY_BYTES = 64 << 20
 VERSION = "1"  # every engine is one model of one version
-EXTENSIONS = ("binary_tensor_data", "model_configuration", "model_repository")
+EXTENSIONS = ("binary_tensor_data", "model_configuration", "model_repository", "generate")
 
 # the first class an error is an instance of decides its status
 STATUS = ((InvalidInput, 400), (QueueFull, 503), (EngineUnavailable, 503),
@@ -200,7 +200,10 @@ class App:
             return  # websockets are not served
         headers = []
         try:
-            status, body, headers = await self._route(scope, receive)
+            answered = await self._route(scope, receive, send)
+            if answered is None:  # a stream, written as it came
+                return
+            status, body, headers = answered
         except _Disconnected:
             return
         except BadRequest as e:
@@ -238,7 +241,9 @@ class App:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
-    async def _route(self, scope, receive):
+    async def _route(self, scope, receive, send):
+        """(status, body, headers) of the request; None once a route has
+        written its answer itself."""
         method, path = scope["method"], scope["path"]
         parts = path.strip("/").split("/")
         if parts[0] != "v2":
@@ -268,6 +273,14 @@ class App:
             return _get(method, model.triton_config)
         if rest == ["infer"]:
             return _allowed(method, "POST") or await self._infer(model, scope, receive)
+        if rest in (["generate"], ["generate_stream"]):
+            refused = _allowed(method, "POST")
+            if refused:
+                return refused
+            body = await _read_body(scope, receive, self.max_body_bytes)
+            if rest == ["generate"]:
+                return await oip_generate.generate(model, body, self.timeout_s)
+            return await oip_generate.generate_stream(model, body, self.timeout_s, receive, send)
         raise NotFound(f"no route {path}")
 
     def _model(self, name: str) -> Model:
@@ -310,11 +323,14 @@ class App:
         return states
 
     async def _infer(self, model: Model, scope, receive):
+        if model.config.iterative:  # answers of any length: no [k, ...] tensor holds them
+            raise BadRequest(f"model {model.name!r} is iterative: expected POST "
+                             f"/v2/models/{model.name}/generate or generate_stream, got infer")
         body = await _read_body(scope, receive, self.max_body_bytes)
         request, binary = oip_tensors.split(body, _header(scope, b"inference-header-content-length"))
         params = oip_tensors.parameters(request, "request",
                                         ("timeout", "priority", "binary_data_output"))
-        timeout_s = _timeout_s(params.get("timeout", 0), self.timeout_s)
+        timeout_s = oip_tensors.timeout_s(params.get("timeout", 0), self.timeout_s)
         priority = model.engine_priority(params.get("priority", 0))
         binary_default = params.get("binary_data_output", False)
         if not isinstance(binary_default, bool):
@@ -329,13 +345,6 @@ class App:
             return 200, out, []
         return 200, out, [(b"content-type", b"application/octet-stream"),
                           (b"inference-header-content-length", str(json_length).encode())]
-
-
-def _timeout_s(micros, default_s: float) -> float:
-    if type(micros) not in (int, float) or not micros >= 0:
-        raise BadRequest(f"timeout: expected microseconds >= 0 (0: the server's default of "
-                         f"{default_s:g} s), got {json_text(micros)}")
-    return micros / 1e6 if micros else default_s
 
 
 def _header(scope, name: bytes) -> Optional[str]:

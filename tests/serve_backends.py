@@ -26,3 +26,39 @@ def pid_file(path):
     with open(path, "w") as f:
         f.write(str(os.getpid()))
     return affine()
+
+
+class Counting:
+    """A step model: request (start, steps), int64[2], answers start, start + 1,
+    ... one chunk per step, `steps` chunks (steps 0: until it is stopped),
+    each step taking step_ms."""
+
+    def __init__(self, step_ms: float = 0.0):
+        self.step_ms = step_ms
+        self.state = {}  # id -> [next value, steps left or None]
+
+    def join(self, ids, batch, lengths=None):
+        for i, (start, steps) in zip(ids.tolist(), batch.tolist()):
+            self.state[i] = [start, steps or None]
+
+    def step(self, ids):
+        from engine import ring
+        if self.step_ms:
+            ring.spin_ns(int(self.step_ms * 1e6))
+        out, done = np.empty(len(ids), np.int64), np.zeros(len(ids), bool)
+        for k, i in enumerate(ids.tolist()):
+            s = self.state[i]
+            out[k] = s[0]
+            s[0] += 1
+            if s[1] is not None:
+                s[1] -= 1
+                done[k] = s[1] == 0
+        return out, done
+
+    def leave(self, ids):
+        for i in ids.tolist():
+            self.state.pop(i, None)
+
+
+def counting(step_ms: float = 0.0):
+    return Counting(step_ms)

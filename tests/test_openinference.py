@@ -1,5 +1,6 @@
 """The Open Inference Protocol (KServe v2 REST) of `shmbatch serve --http-port`, driven by
-tritonclient (sync and asyncio), and by raw HTTP for the bodies no client sends."""
+tritonclient (sync and asyncio), and by raw HTTP for the bodies no client sends and for
+Triton's generate extension (server-sent events)."""
 import asyncio
 import http.client
 import json
@@ -23,6 +24,8 @@ FIXED = dict(input_shape=[16], output_shape=[16])
 DTYPES = {"echo_a": ("bool", "uint8", "uint16", "uint32", "uint64", "int8"),
           "echo_b": ("int16", "int32", "int64", "float16", "float32", "float64")}
 MAX_BODY_BYTES = 1 << 20
+# a counting step model's request (start, steps) and its chunks, one int64 a step
+STEPS = dict(input_shape=[2], input_dtype="int64", output_shape=[], output_dtype="int64")
 
 
 class Server:
@@ -31,7 +34,8 @@ class Server:
     def __init__(self, folder):
         self.gates = {"held": Gate(), "full": Gate()}
         self.names = {tag: unique_name(tag) for tag in
-                      ("single", "named", "var", "slow", "held", "full", *DTYPES)}
+                      ("single", "named", "var", "slow", "held", "full", "gen", "endless",
+                       *DTYPES)}
         n = self.names
         tables = [
             table(n["single"], backend="helpers:failing", max_batch_size=8, queue_capacity=64,
@@ -48,6 +52,11 @@ class Server:
             table(n["full"], backend="helpers:gated",
                   backend_args={"gate": self.gates["full"].name}, max_batch_size=1,
                   queue_capacity=2, **FIXED),
+            table(n["gen"], backend="serve_backends:counting", iterative=True, max_steps=64,
+                  **STEPS),
+            table(n["endless"], backend="serve_backends:counting",
+                  backend_args={"step_ms": 20.0}, iterative=True, max_steps=65536,
+                  queue_capacity=4, max_batch_size=4, **STEPS),
             *(table(n[tag], backend="serve_backends:echo",
                     inputs={d: [d, [3]] for d in dtypes},
                     outputs={f"{d}_out": [d, [3]] for d in dtypes})
@@ -64,6 +73,13 @@ class Server:
         seg = Segment.attach(self.names[tag], header_only=True)
         try:
             return seg.ring.word(ring.W_REQUESTS)
+        finally:
+            seg.close()
+
+    def stats(self, tag: str) -> dict:
+        seg = Segment.attach(self.names[tag])
+        try:
+            return metrics.read_stats(seg)
         finally:
             seg.close()
 
@@ -192,11 +208,7 @@ def test_concurrent_asyncio_requests_on_both_workers_batch_together(server):
     results = asyncio.run(run())
     for k, result in enumerate(results):
         assert np.array_equal(result.as_numpy("OUTPUT"), (X + k)[None] * 2 + 1)
-    seg = Segment.attach(name)
-    try:
-        assert max(metrics.read_stats(seg)["batch_size_counts"]) > 1
-    finally:
-        seg.close()
+    assert max(server.stats("held")["batch_size_counts"]) > 1
 
 
 def test_the_timeout_and_priority_parameters_take_triton_meanings(server):
@@ -394,3 +406,87 @@ def test_sigterm_with_requests_in_flight_answers_them_or_fails_them_typed(tmp_pa
         else:
             assert np.array_equal(result.as_numpy("OUTPUT"), (X + k)[None] * 2 + 1)
     assert not [e for e in shm_entries() if name in e]
+
+
+def events(response) -> list:
+    """The server-sent events of a response, each one's JSON."""
+    text = response.read().decode()
+    assert response.getheader("content-type") == "text/event-stream"
+    return [json.loads(e[len("data: "):]) for e in text.split("\n\n") if e]
+
+
+def open_post(url: str, path: str, request: dict):
+    host, port = url.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", path, body=json.dumps(request).encode())
+    return conn, conn.getresponse()
+
+
+def test_generate_answers_the_whole_answer_and_generate_stream_each_chunk_as_an_event(server):
+    n = server.names
+    got, answer = post(server.url, f"/v2/models/{n['gen']}/generate",
+                       json.dumps({"INPUT": [10, 5], "id": "a"}).encode(), {})
+    assert (got, answer) == (200, {"model_name": n["gen"], "model_version": "1", "id": "a",
+                                   "OUTPUT": [10, 11, 12, 13, 14]})
+    got, answer = post(server.url, f"/v2/models/{n['gen']}/generate",
+                       json.dumps({"INPUT": [10, 5], "parameters": {"max_steps": 3}}).encode(), {})
+    assert answer["OUTPUT"] == [10, 11, 12]  # the request's own max_steps
+    conn, response = open_post(server.url, f"/v2/models/{n['gen']}/generate_stream",
+                               {"INPUT": [7, 4]})
+    try:
+        assert response.status == 200
+        assert [e["OUTPUT"] for e in events(response)] == [7, 8, 9, 10]
+    finally:
+        conn.close()
+    # a one-shot engine answers both with its one answer
+    got, answer = post(server.url, f"/v2/models/{n['single']}/generate",
+                       json.dumps({"INPUT": X.tolist()}).encode(), {})
+    assert answer["OUTPUT"] == (X * 2 + 1).tolist()
+    conn, response = open_post(server.url, f"/v2/models/{n['single']}/generate_stream",
+                               {"INPUT": X.tolist()})
+    try:
+        assert [e["OUTPUT"] for e in events(response)] == [(X * 2 + 1).tolist()]
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("path, request_, says", [
+    ("infer", {"inputs": []}, "is iterative: expected POST"),
+    ("generate", {"INPUT": [1, 2], "extra": 3}, "expected keys ['INPUT']"),
+    ("generate", {"INPUT": [1.5, 2]}, "expected 2 integers (INT64[2])"),
+    ("generate", {"INPUT": [1, 2, 3]}, "InvalidInput: expected int64[2], got int64[3]"),
+    ("generate_stream", {"INPUT": [1, 2], "parameters": {"max_steps": 0}},
+     "max_steps: expected an integer >= 1, got 0"),
+])
+def test_a_bad_generate_gets_a_400_naming_what_was_expected(server, path, request_, says):
+    got, answer = post(server.url, f"/v2/models/{server.names['gen']}/{path}",
+                       json.dumps(request_).encode(), {})
+    assert got == 400 and says in answer["error"], answer
+
+
+def test_a_stream_past_its_timeout_ends_with_a_typed_error_after_the_chunks_in_time(server):
+    conn, response = open_post(server.url, f"/v2/models/{server.names['endless']}/"
+                               "generate_stream", {"INPUT": [0, 0],
+                                                   "parameters": {"timeout": 500_000}})
+    try:
+        if response.status != 200:  # expired before its first chunk: an ordinary error
+            assert response.status == 504
+            return
+        *chunks, last = events(response)
+        assert [c["OUTPUT"] for c in chunks] == list(range(len(chunks)))
+        assert last.keys() == {"error"} and last["error"].startswith("RequestTimeout")
+    finally:
+        conn.close()
+
+
+def test_a_caller_that_disconnects_from_a_stream_withdraws_its_request(server):
+    conn, response = open_post(server.url, f"/v2/models/{server.names['endless']}/"
+                               "generate_stream", {"INPUT": [0, 0],  # never done by itself
+                                                   "parameters": {"timeout": 600_000_000}})
+    try:
+        assert response.status == 200
+        assert response.fp.readline()  # the first chunk came: the request runs
+    finally:
+        conn.close()
+    # withdrawn at the batcher's next step (its own end is 65536 steps of 20 ms away)
+    wait_for(lambda: server.stats("endless")["active"] == 0, "the request withdrawn")
