@@ -71,10 +71,16 @@ class Workers:
     def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Starts every worker; returns once all are ready. RuntimeError (every
         worker stopped) if one is not."""
-        launched = [self._launch() for _ in range(self.count)]
-        self.procs = [proc for proc, _ in launched]
-        for i, (proc, reader) in enumerate(launched):
-            _await_ready(i, proc, reader, timeout_s)
+        launched = []
+        try:
+            for _ in range(self.count):
+                launched.append(self._launch())
+                self.procs[len(launched) - 1] = launched[-1][0]
+            for i, (proc, reader) in enumerate(launched):
+                _await_ready(i, proc, reader, timeout_s)
+        finally:
+            for _, reader in launched:
+                reader.close()  # each is read once; closing twice is harmless
 
     def replace_dead(self) -> None:
         """Starts a new worker in place of each one that exited."""

@@ -3,7 +3,11 @@
 An ASGI application, run by each HTTP worker process of `shmbatch serve
 --http-port` (engine.http_workers) and usable under any ASGI server. Each
 engine is a model of its own name, reached through one Client per worker
-process, so the requests of every worker batch together in its queue.
+process, so the requests of every worker batch together in its queue. The
+routes: GET /v2/health/live, /v2/health/ready, /v2, /v2/models/NAME (also
+under /versions/1), .../ready, .../config; POST .../infer, and Triton's
+generate extension, .../generate and .../generate_stream (engine.oip_generate);
+POST /v2/repository/index.
 
 As Triton does for a model with max_batch_size > 0, a tensor's first dim
 counts requests: an infer of shape [k, *shape] is k engine requests, its

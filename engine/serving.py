@@ -43,32 +43,37 @@ class Serving:
             with _Naming(settings.get("name") if several else None):
                 self.engines.append(Engine(**settings))
         self.metrics_port, self.metrics_host = metrics_port, metrics_host or "0.0.0.0"
-        http = {"--http-host": http_host, "--http-workers": http_workers,
-                "--http-timeout-s": http_timeout_s, "--http-max-body-bytes": http_max_body_bytes}
-        if http_port is None and any(v is not None for v in http.values()):
-            raise ValueError(f"{', '.join(k for k, v in http.items() if v is not None)} "
-                             f"without --http-port (or http_port in --config)")
         self.http_port, self.http_host = http_port, http_host or "127.0.0.1"
-        self.http_workers = 1 if http_workers is None else int(http_workers)
-        if http_port is not None:
-            import importlib.util
-            if importlib.util.find_spec("uvicorn") is None:
-                raise ValueError("--http-port needs uvicorn: pip install 'shmbatch[http]'")
-            from engine import openinference
-            self.http_timeout_s = openinference.DEFAULT_TIMEOUT_S if http_timeout_s is None \
-                else float(http_timeout_s)
-            self.http_max_body_bytes = openinference.DEFAULT_MAX_BODY_BYTES \
-                if http_max_body_bytes is None else int(http_max_body_bytes)
-            if self.http_workers < 1 or not self.http_timeout_s > 0 or \
-                    self.http_max_body_bytes < 1:
-                raise ValueError(f"expected --http-workers >= 1, --http-timeout-s > 0 and "
-                                 f"--http-max-body-bytes >= 1, got {self.http_workers}, "
-                                 f"{self.http_timeout_s:g} and {self.http_max_body_bytes}")
-            for eng in self.engines:
-                with _Naming(eng.name):
-                    _check_protocol_types(eng)
+        given = {"--http-host": http_host, "--http-workers": http_workers,
+                 "--http-timeout-s": http_timeout_s, "--http-max-body-bytes": http_max_body_bytes}
+        if http_port is None:
+            if any(v is not None for v in given.values()):
+                raise ValueError(f"{', '.join(k for k, v in given.items() if v is not None)} "
+                                 f"without --http-port (or http_port in --config)")
+        else:
+            self._check_http(http_workers, http_timeout_s, http_max_body_bytes)
         self._sock = None
         self._workers = None
+
+    def _check_http(self, workers, timeout_s, max_body_bytes) -> None:
+        import importlib.util
+        if importlib.util.find_spec("uvicorn") is None:
+            raise ValueError("--http-port needs uvicorn: pip install 'shmbatch[http]'")
+        from engine import openinference
+        from engine.oip_tensors import datatype_of
+        self.http_workers = 1 if workers is None else int(workers)
+        self.http_timeout_s = float(openinference.DEFAULT_TIMEOUT_S if timeout_s is None
+                                    else timeout_s)
+        self.http_max_body_bytes = int(openinference.DEFAULT_MAX_BODY_BYTES
+                                       if max_body_bytes is None else max_body_bytes)
+        if self.http_workers < 1 or not self.http_timeout_s > 0 or self.http_max_body_bytes < 1:
+            raise ValueError(f"expected --http-workers >= 1, --http-timeout-s > 0 and "
+                             f"--http-max-body-bytes >= 1, got {self.http_workers}, "
+                             f"{self.http_timeout_s:g} and {self.http_max_body_bytes}")
+        for eng in self.engines:  # every tensor needs a datatype of the protocol
+            with _Naming(eng.name):
+                for spec in eng.config.input_specs + eng.config.output_specs:
+                    datatype_of(spec.dtype)
 
     @property
     def names(self) -> List[str]:
@@ -158,12 +163,6 @@ def _stop(eng: Engine) -> None:
         eng.stop()
     except Exception:
         log.exception("engine %s did not stop cleanly", eng.name)
-
-
-def _check_protocol_types(eng: Engine) -> None:
-    from engine.oip_tensors import datatype_of
-    for spec in eng.config.input_specs + eng.config.output_specs:
-        datatype_of(spec.dtype)
 
 
 class _Naming:

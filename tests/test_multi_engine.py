@@ -160,6 +160,7 @@ def test_a_table_that_fails_starts_nothing_and_names_its_engine(tmp_path, case):
     ("an engine key at the top level", "top-level key(s) max_batch_size"),
     ("no table at all", "expected [engines.NAME] tables"),
     ("an HTTP flag without a port", "--http-workers without --http-port"),
+    ("a dtype HTTP has no datatype for", "has no datatype for complex64"),
 ])
 def test_a_config_of_tables_refuses_what_it_cannot_place(tmp_path, case, reason):
     name = unique_name("place")
@@ -168,6 +169,8 @@ def test_a_config_of_tables_refuses_what_it_cannot_place(tmp_path, case, reason)
         "an engine key at the top level": (top(max_batch_size=4) + table(name, **AFFINE), []),
         "no table at all": ("[engines]\n", []),
         "an HTTP flag without a port": (table(name, **AFFINE), ["--http-workers", "2"]),
+        "a dtype HTTP has no datatype for": (
+            top(http_port=0) + table(name, **AFFINE, output_dtype="complex64"), []),
     }[case]
     rc, lines = failed_serve(tmp_path, config, *flags)
     assert rc != 0 and len(lines) == 1 and reason in lines[0], lines
