@@ -96,8 +96,13 @@ class Serving:
                     raise StartFailed(f"engine {eng.name!r} did not start: "
                                       f"{type(e).__name__}: {e}") from e
             if self.metrics_port is not None:
-                metrics.serve_http([eng.segment for eng in self.engines], self.metrics_port,
-                                   self.metrics_host)
+                try:
+                    metrics.serve_http([eng.segment for eng in self.engines], self.metrics_port,
+                                       self.metrics_host)
+                except OSError as e:
+                    raise OSError(f"--metrics-port {self.metrics_port}: cannot listen on "
+                                  f"{self.metrics_host}:{self.metrics_port} "
+                                  f"({e.strerror or e})") from None
                 log.info("metrics on http://%s:%d/metrics", self.metrics_host, self.metrics_port)
             if self._sock is not None:
                 self._start_http()

@@ -190,3 +190,14 @@ def test_an_http_port_in_use_fails_the_start_before_any_engine_starts(tmp_path):
             input_shape=[16], output_shape=[16]))
     assert rc != 0 and len(lines) == 1 and f"cannot listen on 127.0.0.1:{port}" in lines[0], lines
     assert not pid_path.exists() and not [e for e in shm_entries() if name in e]
+
+
+def test_tune_measures_the_engine_a_config_of_tables_names(tmp_path):
+    path = tmp_path / "models.toml"
+    path.write_text(table("a", **AFFINE) + table("b", backend="engine.backends:identity",
+                                                 input_shape=[4], output_shape=[4]))
+    unnamed = shmbatch("tune", "--config", str(path), "--slo-ms", "50")
+    assert unnamed.returncode != 0 and "expected --engine NAME, one of ['a', 'b']" in unnamed.stderr
+    named = shmbatch("tune", "--config", str(path), "--engine", "b", "--slo-ms", "50",
+                     "--max-batch", "2")
+    assert named.returncode == 0 and "recommend" in named.stdout, named.stderr
