@@ -41,11 +41,14 @@ int sb_reap_slot(sb_ring *r, uint32_t slot, uint64_t expected_ctl)
 }
 
 uint32_t sb_reap_batcher(sb_ring *r, uint32_t batcher, uint32_t retry,
-			 const char *msg, uint32_t msg_len, uint32_t *kept)
+			 const char *msg, uint32_t msg_len, const char *begun_msg,
+			 uint32_t begun_len, uint32_t *kept)
 {
 	uint32_t failed = 0;
 	uint64_t now = sb_now_ns();
 	*kept = 0;
+	if (batcher < SB_MAX_INSTANCES) /* relaxed: a figure; its running batch is gone */
+		sb_store_relaxed(&hdr(r)->active[batcher], 0);
 	for (uint32_t i = 0; i < r->capacity; i++) {
 		uint64_t cur = sb_load_acquire(ctl_at(r, i));
 		uint32_t st = SB_CTL_STATE(cur);
@@ -55,15 +58,16 @@ uint32_t sb_reap_batcher(sb_ring *r, uint32_t batcher, uint32_t retry,
 		 * retrying it alone (the successor's mark, written before b died,
 		 * which the caller saw: its exit), or its stream had begun (its
 		 * client holds chunks a retry would send again) */
-		if (st == SB_CLAIMED && retry &&
-		    sb_load_relaxed(&meta_at(r, i)->retry) != SB_RETRY_ALONE &&
-		    !(r->steps && sb_load_relaxed(&stream_at(r, i)->chunks))) {
+		int begun = r->steps && sb_load_relaxed(&stream_at(r, i)->chunks);
+		if (st == SB_CLAIMED && retry && !begun &&
+		    sb_load_relaxed(&meta_at(r, i)->retry) != SB_RETRY_ALONE) {
 			(*kept)++;
 			continue;
 		}
 		/* as b would have: failed, or freed if withdrawn meanwhile */
 		failed += complete_one(r, i, SB_CTL_GEN(cur), batcher, SB_STATUS_BATCHER_DIED,
-				       msg, msg_len, now) == SB_OK;
+				       begun ? begun_msg : msg, begun ? begun_len : msg_len,
+				       now) == SB_OK;
 	}
 	if (failed)
 		bump_done_seq(r);

@@ -531,10 +531,12 @@ uint32_t sb_snapshot(const sb_ring *r, uint64_t *ctl, uint64_t *owner_start, uin
 int sb_reap_slot(sb_ring *r, uint32_t slot, uint64_t expected_ctl);
 /* a dead batcher's CLAIMED slots: with retry, those not being retried alone
  * and (iterative) without a chunk yet stay CLAIMED under its number for its
- * successor (counted in *kept), and the others fail with msg; without retry all
+ * successor (counted in *kept), streams that had begun fail with begun_msg,
+ * and the others with msg; without retry all
  * fail with msg. Its ABANDONED slots are freed. Returns how many failed. */
 uint32_t sb_reap_batcher(sb_ring *r, uint32_t batcher, uint32_t retry,
-			 const char *msg, uint32_t msg_len, uint32_t *kept);
+			 const char *msg, uint32_t msg_len, const char *begun_msg,
+			 uint32_t begun_len, uint32_t *kept);
 /* --- cdef end --------------------------------------------------------- */
 
 #endif

@@ -286,12 +286,12 @@ class Client:
         seg = self._segment()  # a forked child was rebound at the fork (register_at_fork)
         try:
             arrays, lengths = (seg.config.check_many if many else seg.config.check_input)(x)
+            if seg.steps and (out is not None or max_steps is not None):
+                _check_steps(seg.config, out, max_steps)
             outs = None if out is None else seg.config.check_out(out)
             if priority and not (type(priority) is int and 0 <= priority < seg.config.priority_levels):
                 raise InvalidInput(f"priority: expected an int in [0, "
                                    f"{seg.config.priority_levels}), got {priority!r}")
-            if seg.steps and (outs is not None or max_steps is not None):
-                _check_steps(seg.config, outs, max_steps)
         except EngineError:
             seg.ring.add_word(ring.W_INVALID)
             raise

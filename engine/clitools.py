@@ -41,11 +41,15 @@ def bench_parser(sub):
                    help="--overload: share of requests sent at priority 0 (the rest at 1)")
     p.add_argument("--capacity", type=float, default=0.0, metavar="RPS",
                    help="--overload: the rows' 1x (default: measured first)")
-    p.add_argument("--seconds", type=float, default=3.0,
-                   help="--overload and --model: seconds per row")
-    p.add_argument("--model", choices=("synthetic", "onnx"), default="synthetic",
+    p.add_argument("--seconds", type=float,
+                   help="--overload and --model: seconds per row (default 3; decoder: 8)")
+    p.add_argument("--model", choices=("synthetic", "onnx", "decoder"), default="synthetic",
                    help="onnx: a transformer encoder built at run time, through ONNX Runtime "
-                        "on the CPU, with and without length_buckets (needs .[onnx])")
+                        "on the CPU, with and without length_buckets (needs .[onnx]); decoder: "
+                        "a generative transformer served the static and the continuous way")
+    p.add_argument("--rates", type=numbers(float),
+                   help="--model decoder: offered requests/s of the rows (default: 0.25x, 1x "
+                        "and 2x the static way's capacity)")
     p.add_argument("--out", metavar="DIR", help="write DIR/bench.json and DIR/bench.png")
 
 
@@ -59,7 +63,7 @@ def _rows(args):
 def _bench_model(args) -> int:
 
     from engine.tools import model_bench
-    setup = model_bench.Setup(seconds=args.seconds, seed=args.seed, clients=args.clients,
+    setup = model_bench.Setup(seconds=args.seconds or 3.0, seed=args.seed, clients=args.clients,
                               **({"batch_sizes": tuple(args.batch_sizes)} if args.batch_sizes else {}))
     rows = model_bench.run(setup)
     if args.out:
@@ -78,12 +82,21 @@ def cmd_bench(args) -> int:
         tools.pyplot()  # the plot's dependency, asked for before minutes of measuring
     if args.model == "onnx":
         return _bench_model(args)
+    if args.model == "decoder":
+        from engine.tools import decoder_bench
+        result = decoder_bench.run(decoder_bench.Setup(
+            seconds=args.seconds or 8.0, seed=args.seed, rates=args.rates and tuple(args.rates)),
+            out_dir=args.out)
+        if args.out:
+            print(f"\nwrote {args.out}/bench.json and {args.out}/bench.png")
+        return 1 if any(r["wrong"] or r["answered"] < r["requests"] for r in result["rows"]) else 0
     if args.overload:
         if args.capacity < 0:
             raise SystemExit(f"shmbatch: --capacity: expected requests/s > 0, got {args.capacity:g}")
         from engine.tools import overload
         overload.run(overload.Setup(slo_ms=args.slo_ms, urgent_share=args.urgent_share,
-                                    clients=args.clients, seconds=args.seconds, seed=args.seed,
+                                    clients=args.clients, seconds=args.seconds or 3.0,
+                                    seed=args.seed,
                                     capacity_rps=args.capacity),
                      out_dir=args.out)
         return 0

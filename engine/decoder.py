@@ -15,6 +15,9 @@ Two backends over the same model, for an engine of prompts int64[1..P]:
   "max_new_tokens" int64[1], output "tokens" int64[S]) that runs the whole
   generate loop for its batch, every row until the longest is done, and
   pads each answer with -1: the static way.
+
+Either way a request also ends at the context's end: a prompt of n tokens
+gets at most context - n + 1 of them (the rest of its batch goes on).
 """
 from typing import Dict, Optional
 
@@ -49,6 +52,8 @@ class Decoder:
     def prefill(self, tokens: np.ndarray, cache: np.ndarray) -> None:
         """Runs a prompt's tokens through the model, filling cache[:, :, :len]."""
         n = len(tokens)
+        if n == 0:
+            return
         if n > self.context:
             raise ValueError(f"a prompt of {n} tokens is longer than the context ({self.context})")
         x = self.embed[tokens] + self.position[:n]
@@ -134,7 +139,9 @@ class DecoderSteps:
         out = self.model.decode(tokens, positions, [s[0] for s in states])
         for s, token in zip(states, out.tolist()):
             s[1], s[2] = s[1] + 1, token
-        done = out == self.eos if self.eos is not None else np.zeros(len(ids), bool)
+        done = positions + 1 >= self.model.context  # its next token has no position left
+        if self.eos is not None:
+            done |= out == self.eos
         return out, done
 
     def leave(self, ids):
@@ -169,10 +176,13 @@ def generate(vocab: int = 2048, d_model: int = 128, layers: int = 4, heads: int 
             positions[i], tokens[i] = size - 1, prompts[i, size - 1]
         out = np.full((n, width), -1, np.int64)
         for step in range(min(int(budgets.max(initial=0)), width)):
-            tokens = model.decode(tokens, positions, caches)  # every row, done or not
-            positions += 1
-            keep = budgets > step
-            out[keep, step] = tokens[keep]
+            # every row, done or not (a done one again at its last position, so
+            # that it never runs past the context for tokens nobody reads)
+            live = (budgets > step) & (positions < model.context)
+            decoded = model.decode(tokens, np.minimum(positions, model.context - 1), caches)
+            out[live, step] = decoded[live]
+            tokens = np.where(live, decoded, tokens)
+            positions += live
         return {"tokens": out}
 
     return run

@@ -56,6 +56,13 @@ def reap_terms(b: Instance, pid: int, why: str, retried_total: int, isolate: boo
             f"batcher: failed as poison").encode(), True
 
 
+def begun_stream(b: Instance, pid: int, why: str) -> bytes:
+    """The failure of a stream that had chunks when b's batcher died: not
+    retried, as its client already holds part of the answer."""
+    return (f"batcher {b.index} (pid {pid}) died ({why}) while streaming this request: "
+            f"not retried, its client had chunks").encode()
+
+
 def hung(started_ns: int, now_ns: int, engine_started_ns: int, timeout_s: float) -> bool:
     """Whether a batch that started at started_ns (the batcher's stamp in the
     segment; 0: idle) has run over timeout_s. A stamp from before the engine

@@ -404,11 +404,16 @@ class Ring:
     def reap_slot(self, slot: int, expected_ctl: int) -> int:
         return lib.sb_reap_slot(self.r, slot, expected_ctl)
 
-    def reap_batcher(self, batcher: int, message: bytes, retry: bool = False):
+    def reap_batcher(self, batcher: int, message: bytes, retry: bool = False,
+                     begun: bytes = b""):
         """A dead batcher's claimed slots: (failed, kept). With retry, each not
-        already being retried alone is kept CLAIMED for its successor."""
+        already being retried alone (nor a stream that had begun) is kept
+        CLAIMED for its successor. Begun streams fail with `begun` (default:
+        message)."""
         kept = ffi.new("uint32_t *")
-        failed = lib.sb_reap_batcher(self.r, batcher, retry, message, len(message), kept)
+        begun = begun or message
+        failed = lib.sb_reap_batcher(self.r, batcher, retry, message, len(message), begun,
+                                     len(begun), kept)
         return failed, kept[0]
 
     def inherit(self, batcher: int, expire_ns: int, capacity: int):

@@ -40,8 +40,11 @@ log = logging.getLogger("shmbatch")
 # Why run() returned (batcher.py's).
 STOPPED, RETIRED = "stopped", "retired"
 
+NO_DEADLINE = 2**64 - 1
 IDLE_CHECK_NS = 1_000_000_000  # the idle wait's bound (a lost parent is noticed)
 ACTIVATION_CHECK_NS = 2_000_000
+
+_NONE = np.zeros(0, np.uint32)  # no slot joined
 
 _STOP_MESSAGE = (b"the engine stopped (drain_timeout_s passed) before this request's answer "
                  b"ended")
@@ -65,12 +68,14 @@ class Running:
         self.tokens = np.zeros(size, np.int64)      # its reservation
         self.fields = (self.slots, self.gens, self.ids, self.steps, self.limits,
                        self.deadlines, self.tokens)
+        self.soonest_ns = NO_DEADLINE  # the nearest deadline among them
 
     def add(self, slots, gens, ids, limits, deadlines, tokens) -> None:
         n, k = self.n, len(slots)
         for field, values in zip(self.fields, (slots, gens, ids, 0, limits, deadlines, tokens)):
             field[n:n + k] = values
         self.n = n + k
+        self._deadlines_changed()
 
     def keep(self, mask: np.ndarray) -> None:
         """Keeps the requests where mask (over the first n) is True, in order."""
@@ -78,6 +83,12 @@ class Running:
         for field in self.fields:
             field[:k] = field[:self.n][mask]
         self.n = k
+        self._deadlines_changed()
+
+    def _deadlines_changed(self) -> None:
+        d = self.deadlines[:self.n]
+        d = d[d != 0]
+        self.soonest_ns = int(d.min()) if len(d) else NO_DEADLINE
 
 
 class Stepper:
@@ -100,10 +111,14 @@ class Stepper:
         self.retry: list = []  # a dead predecessor's requests, each to start alone
         self.states = np.zeros(cfg.max_batch_size, np.int32)
         self.last_claim = (0, 0, 0)  # (ready, oldest_ns, cutoff_ns) the last claim saw
+        self.seen = self.claimed_seen = -1  # work_seq this turn, and at the last claim
+        self.reported = -1  # the running batch's size as last published
         self.var_inputs = [(t, s.var_axis, s.max_shape[s.var_axis])
                            for t, s in enumerate(cfg.input_specs) if s.var_axis is not None]
         self.in_names = [s.name for s in cfg.input_specs]
         self.out_checks = [(np.dtype(s.dtype), s.shape, s.name) for s in cfg.output_specs]
+        # the single-array form's one output (dtype, chunk shape): checked without a loop
+        self.one_output = None if cfg.named else (self.out_checks[0][0], tuple(self.out_checks[0][1]))
 
     # -- the loop -----------------------------------------------------------------
     def run(self) -> str:
@@ -112,10 +127,11 @@ class Stepper:
         new batchers (epoch E+2) join new requests from the moment the word
         reaches E+1, while the old ones (E) finish theirs and exit."""
         r, words, active = self.ring, self.words, self.active
+        self.seen = -1
         self.retry = list(zip(*r.inherit(self.instance, ring.now_ns(), self.seg.capacity)))
         spin_ns = 0
         while True:
-            seen = r.work_seq()
+            seen = self.seen = r.work_seq()
             epoch, state = words[ring.W_EPOCH], words[ring.W_ENGINE_STATE]
             joins = self.epoch - 1 <= epoch <= self.epoch
             if state == ring.ENGINE_STOPPED and (active.n or self.waiting.n):
@@ -125,14 +141,14 @@ class Stepper:
                 continue
             start_ns = ring.now_ns()
             self.drop_expired(start_ns)
-            # retiring: no new claims, but what it claimed still joins
-            joined = self.join(start_ns, state) if joins else self.admit()
+            # retiring: no new claims, but what it claimed (or inherited) still joins
+            joined = self.join(start_ns, state) if joins or self.retry else self.admit()
             if active.n:
                 self.step(joined, start_ns)
                 spin_ns = ring.SPIN_NS
                 continue
-            r.set_active(self.instance, 0)
-            if epoch > self.epoch:
+            self.report(0)
+            if epoch > self.epoch and not self.retry:  # a retry is its own: no one else's
                 return RETIRED
             if not joins or self.waiting.n or self.retry:
                 continue
@@ -149,7 +165,7 @@ class Stepper:
     def drop_expired(self, now_ns: int) -> None:
         for group in (self.active, self.waiting):
             n = group.n
-            if not n:
+            if not n or now_ns < group.soonest_ns:  # the common case: none due
                 continue
             deadlines = group.deadlines[:n]
             expired = (deadlines != 0) & (deadlines <= now_ns)
@@ -186,21 +202,23 @@ class Stepper:
         """Claims and joins what the running batch has room for; returns the
         joined slots (for the queue-wait figures)."""
         active, waiting, claimed = self.active, self.waiting, self.claimed
-        self.last_claim = (0, 0, 0)
         room = self.max_active - active.n
         if room <= 0:
-            return np.zeros(0, np.uint32)
+            return _NONE
         if self.retry:  # a dead predecessor's request, alone in its first step
             if active.steps[:active.n].min(initial=1) == 0:
-                return np.zeros(0, np.uint32)
+                return _NONE
             slot, gen, length = self.retry.pop(0)
             if self.ring.retry_alone(self.instance, int(slot), int(gen)) != ring.OK:
                 self.ring.complete_some(self.instance, np.array([slot], np.uint32),
                                         np.array([gen], np.uint32), ring.STATUS_OK, b"")
-                return np.zeros(0, np.uint32)
+                return _NONE
             self.stage(np.array([slot], np.uint32), np.array([gen], np.uint32),
                        np.array([length], np.uint32))
         elif not waiting.n:
+            if active.n and self.last_claim[0] == 0 and self.seen == self.claimed_seen:
+                return _NONE  # nothing was READY at the last claim, and nothing published since
+            self.claimed_seen = self.seen
             if active.n:  # running: anything READY joins at this step
                 max_n, flush_n, cutoff_ns = room, 1, ring.MAX_NS
             else:  # idle: the flush rule decides when the first ones start
@@ -211,7 +229,7 @@ class Stepper:
                 now_ns + self.fit.estimate()[0])
             self.last_claim = (ready, oldest_ns, cutoff_ns)
             if not n:
-                return np.zeros(0, np.uint32)
+                return _NONE
             self.stage(claimed.slots[:n].copy(), claimed.gens[:n].copy(),
                        claimed.lengths[:n].copy())
         return self.admit()
@@ -230,14 +248,14 @@ class Stepper:
         waiting, active = self.waiting, self.active
         n = waiting.n
         if not n:
-            return np.zeros(0, np.uint32)
+            return _NONE
         take = min(n, self.max_active - active.n)
         if self.budget is not None:
             free = self.budget - int(active.tokens[:active.n].sum())
             fits = np.cumsum(waiting.tokens[:take]) <= free
             take = int(fits.sum()) if fits.all() else int(np.argmin(fits))
         if take == 0:
-            return np.zeros(0, np.uint32)
+            return _NONE
         mask = np.zeros(n, bool)
         mask[:take] = True
         slots, gens = waiting.slots[:take].copy(), waiting.gens[:take].copy()
@@ -248,7 +266,7 @@ class Stepper:
         except Exception as e:
             self.leave(ids)  # whatever state the failed join made for them
             self.settle(waiting, mask, ring.STATUS_BACKEND, _message(e), left=False)
-            return np.zeros(0, np.uint32)
+            return _NONE
         active.add(slots, gens, ids, waiting.limits[:take], waiting.deadlines[:take],
                    waiting.tokens[:take])
         waiting.keep(~mask)
@@ -285,7 +303,7 @@ class Stepper:
         active, r = self.active, self.ring
         n = active.n
         self.words[self.batch_start_word] = start_ns  # the watchdog's: a step is a batch
-        r.set_active(self.instance, n)
+        self.report(n)
         slots, steps = active.slots[:n], active.steps[:n]
         try:
             outputs, done = self.checked(self.model.step(active.ids[:n].copy()), n)
@@ -308,8 +326,14 @@ class Stepper:
     def finish(self, joined: np.ndarray, n: int, start_ns: int) -> None:
         """The step's figures (and admission's fit of step time, published by the C)."""
         self.ring.finish_step(joined, n, start_ns, ring.now_ns(), self.fit.c_fit)
-        self.ring.set_active(self.instance, self.active.n)
+        self.report(self.active.n)
         self.words[self.batch_start_word] = 0
+
+    def report(self, n: int) -> None:
+        """The running batch's size, for the figures (a C call only when it changed)."""
+        if n != self.reported:
+            self.reported = n
+            self.ring.set_active(self.instance, n)
 
     def checked(self, result, n: int):
         """step()'s (out, done) as each output's n chunks in spec order and
@@ -317,6 +341,11 @@ class Stepper:
         if not (isinstance(result, tuple) and len(result) == 2):
             raise BadResult(f"step() returns (out, done), got {type(result).__name__}")
         out, done = result
+        one = self.one_output
+        if (one is not None and type(out) is np.ndarray and type(done) is np.ndarray
+                and out.dtype == one[0] and out.shape[1:] == one[1] and len(out) == n
+                and done.dtype == bool and done.shape == (n,)):
+            return (out,), done  # the common case, checked cheaply
         if self.cfg.named:
             if not isinstance(out, dict):
                 raise BadResult(f"expected a dict of outputs {[c[2] for c in self.out_checks]}, "

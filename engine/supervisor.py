@@ -381,7 +381,8 @@ class Engine:
             retry = self.config.isolate_failures and not self._seg.in_place
             retried = r.word(ring.W_RETRIED)
             failed, kept = r.reap_batcher(i, *restarts.reap_terms(b, proc.pid, why, retried,
-                                                                  retry))
+                                                                  retry),
+                                          restarts.begun_stream(b, proc.pid, why))
             b.kept, b.retried_at_keep = kept, retried
             r.set_word(ring.W_BATCHER_PID + i, 0)
             r.add_word(ring.W_RESTARTS)

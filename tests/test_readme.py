@@ -24,7 +24,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 TEXT = (ROOT / "README.md").read_text()
 SHMBATCH = str(pathlib.Path(sys.executable).with_name("shmbatch"))  # the console script
 ENV = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # as a user's shell has it
-NAMES = ("digits", "encoder", "embed")  # the engine names the examples use
+NAMES = ("digits", "encoder", "count", "embed")  # the engine names the examples use
 
 
 def blocks(lang: str) -> list:
@@ -162,6 +162,11 @@ def test_every_python_example_without_a_file_name_runs(tmp_path):
         run_python(tmp_path, f"example{k}.py")
 
 
+def test_the_step_model_example_streams_its_chunks_and_stacks_them(guide):
+    folder, _ = guide
+    assert run_python(folder, "stream.py").splitlines() == ["[5, 6, 7, 8, 9]", "[1 2 3 4]"]
+
+
 def test_the_scikit_learn_example_exports_a_model_that_serve_answers_right(guide):
     pytest.importorskip("sklearn")
     pytest.importorskip("skl2onnx")
@@ -190,10 +195,10 @@ def test_the_models_file_serves_both_engines_to_the_triton_and_curl_examples(gui
         x = np.random.default_rng(1).random((4, 64), dtype=np.float32)  # the example's 4 requests
         assert labels == [expected_label(folder, row) for row in x]
         command = next(code for code in blocks("bash") if "/v2/models/" in code)
-        argv = shlex.split(renamed(command.replace("\\\n", " "), tag).replace("localhost:8000", url))
+        argv = shlex.split(renamed(command, tag).replace("localhost:8000", url), comments=True)
         out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
-        assert json.loads(out.stdout)["outputs"][0]["data"] == [2.0 * v + 1 for v in range(16)]
+        assert json.loads(out.stdout)["OUTPUT"] == [2.0 * v + 1 for v in range(4)]
 
 
 def post(port: int, x: np.ndarray):
@@ -239,7 +244,29 @@ def test_the_uvicorn_app_started_before_the_sidecar_answers_once_it_serves_and_a
         "Application startup complete", workers=4)
 
 
+# The README's gunicorn recipe: its FastAPI app's calls, blocking, in a WSGI app.
+WSGI_APP = '''\
+import numpy as np
+import engine
+
+client = engine.Client("digits", lazy=True)
+
+def app(environ, start_response):
+    body = environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0))
+    try:
+        y = client.infer(np.frombuffer(body, np.float32), timeout=1.0)
+        status, out = "200 OK", str(int(y)).encode()
+    except engine.InvalidInput as e:
+        status, out = "400 Bad Request", str(e).encode()
+    except (engine.EngineUnavailable, engine.QueueFull) as e:
+        status, out = "503 Service Unavailable", str(e).encode()
+    start_response(status, [("Content-Type", "text/plain"), ("Content-Length", str(len(out)))])
+    return [out]
+'''
+
+
 def test_the_gunicorn_preload_app_started_before_the_sidecar_answers_once_it_serves_and_after_a_restart(guide):
+    (guide[0] / "wsgi.py").write_text(renamed(WSGI_APP, guide[1]))
     a_web_app_started_before_its_sidecar_survives_it(
         guide[0], lambda port: [sys.executable, "-m", "gunicorn", "--preload", "-w", "4",
                                 "--threads", "8", "-b", f"127.0.0.1:{port}", "wsgi:app"],
