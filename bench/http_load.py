@@ -173,7 +173,8 @@ def main() -> int:
             json.dump(body, f)
         run_hey(url, name, 4, 400, f.name)  # warm-up: connections, imports, the admission fit
         print(f"serve: synthetic 2 ms + 100 us/item, max_batch_size 32, {args.workers} HTTP "
-              f"workers; {args.requests} requests a row; {os.cpu_count()} CPUs")
+              f"workers; {args.requests} requests a row; {os.cpu_count()} CPUs, load average "
+              f"{os.getloadavg()[0]:.1f}")
         for c in [int(v) for v in args.concurrency.split(",")]:
             before, cpu0 = engine_counts(name), cpu_s(http_procs)
             h = run_hey(url, name, c, args.requests, f.name)
@@ -196,6 +197,7 @@ def main() -> int:
             print(f"c={c:<3} HTTP's own cost: {row['http_cost_ms'] * 1e3:,.0f} us per request "
                   f"(mean latency), {row['http_cpu_us']:,.0f} us of CPU", flush=True)
         os.unlink(f.name)
+        print(f"load average at the end {os.getloadavg()[0]:.1f}")
     finally:
         proc.terminate()
         proc.wait(120)

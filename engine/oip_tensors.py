@@ -24,6 +24,7 @@ DATATYPES = {"bool": "BOOL", "uint8": "UINT8", "uint16": "UINT16", "uint32": "UI
              "uint64": "UINT64", "int8": "INT8", "int16": "INT16", "int32": "INT32",
              "int64": "INT64", "float16": "FP16", "float32": "FP32", "float64": "FP64"}
 NUMPY = {datatype: np.dtype(name).newbyteorder("<") for name, datatype in DATATYPES.items()}
+_OF_DTYPE = {np.dtype(name): datatype for name, datatype in DATATYPES.items()}  # per request
 # datatypes of the protocol that no engine tensor can hold (numbers of a fixed size only)
 UNHELD = ("BYTES", "BF16")
 
@@ -51,6 +52,9 @@ class Tensor(NamedTuple):
 
 def datatype_of(dtype) -> str:
     """The protocol's datatype of a numpy dtype; ValueError for one it has none for."""
+    found = _OF_DTYPE.get(dtype) if isinstance(dtype, np.dtype) else None
+    if found is not None:
+        return found
     name = np.dtype(dtype).name
     if name not in DATATYPES:
         raise ValueError(f"the Open Inference Protocol has no datatype for {name} (it has "
@@ -210,8 +214,8 @@ def _flat(data):
     is not a list."""
     if not isinstance(data, list):
         return None
-    if not any(isinstance(item, list) for item in data):
-        return data
+    if not data or not isinstance(data[0], list):
+        return data  # flat, as the protocol writes it (a list inside fails the type check)
     out = []
     for item in data:
         sub = _flat(item) if isinstance(item, list) else [item]

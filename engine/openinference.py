@@ -67,8 +67,8 @@ class Model:
         self.name, self.config, self.client = name, config, client
         self.inputs = [(spec.name or "INPUT", spec) for spec in config.input_specs]
         self.outputs = [(spec.name or "OUTPUT", spec) for spec in config.output_specs]
-        for _, spec in self.inputs + self.outputs:
-            datatype_of(spec.dtype)  # ValueError for a dtype the protocol has none for
+        # ValueError for a dtype the protocol has none for
+        self.datatypes = {name: datatype_of(spec.dtype) for name, spec in self.inputs + self.outputs}
 
     def metadata(self) -> dict:
         def tensor(name, spec):
@@ -105,7 +105,7 @@ class Model:
         k, arrays = None, []
         for name, spec in self.inputs:
             t = given[name]
-            want = datatype_of(spec.dtype)
+            want = self.datatypes[name]
             if t.datatype != want:
                 raise BadRequest(f"input {name!r}: expected datatype {want}, got {t.datatype}")
             dims = zip(t.shape[1:], spec.shape, spec.max_shape)
