@@ -54,14 +54,26 @@ static uint64_t wait_behind(sb_ring *r, uint32_t priority, uint64_t now_ns, uint
 	uint64_t instances = sb_word_get(r, SB_W_INSTANCES);
 	if (instances == 0 || instances > SB_MAX_INSTANCES)
 		instances = instances ? SB_MAX_INSTANCES : 1;
+	/* an iterative engine's batch (a step) holds its running requests too:
+	 * a batcher's share of them, each read from the segment and bounded */
+	uint64_t running = 0;
+	if (r->steps) {
+		for (uint32_t b = 0; b < SB_MAX_INSTANCES; b++) /* relaxed: figures */
+			running += (uint32_t)sb_load_relaxed(&hdr(r)->active[b]);
+		running /= instances;
+		if (running > limit)
+			running = limit;
+	}
 	uint64_t batch_ns = sat_add(fixed, sat_mul(limit, item_ps) / 1000), in_service = 0;
 	if (f[SB_A_BUSY_SINCE]) {
+		uint64_t now_batch = r->steps ? sat_add(fixed, sat_mul(running, item_ps) / 1000)
+					      : batch_ns;
 		uint64_t ran = now_ns > f[SB_A_BUSY_SINCE] ? now_ns - f[SB_A_BUSY_SINCE] : 0;
-		in_service = batch_ns > ran ? batch_ns - ran : 0;
+		in_service = now_batch > ran ? now_batch - ran : 0;
 	}
 	uint64_t per_round = limit * instances; /* <= 2^32 * 32: no wrap, never 0 */
 	uint64_t rounds = queued / per_round;
-	uint64_t own = queued - rounds * per_round + 1;
+	uint64_t own = queued - rounds * per_round + 1 + running;
 	if (own > limit)
 		own = limit;
 	return sat_add(sat_add(in_service, sat_mul(rounds, batch_ns)),

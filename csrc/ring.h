@@ -32,7 +32,7 @@
  *          | 6528 evict_seq u32 (futex) 6532 evictors u32              |
  *          | 6592 level_wait_sum[8] u64  6656 level_wait_max[8] u64    |
  *          | 6720 off_tensor[16] u64   6848 tensor_slot_bytes[16] u64  |
- *          | 6976 corrupt_total u64: values that failed a check, summed |
+ *          | 6976 corrupt_total u64: values that failed checks, summed |
  *          | 8192 level_hist[8][128] u64: queue wait per priority      |
  *          |16384 steps_total u64  16392 chunks_total u64              |
  *          |16400 stream_sum[2] u64  16416 stream_max[2] u64 (ns)      |
@@ -53,7 +53,7 @@
  *          | lengths[C][I] u32: each input tensor's real length along  |
  *          |             its variable dim (0: fixed), set while WRITING|
  *          +------------------------------------------- 64-aligned ----+
- *          | stream[C]   sb_slot_stream, 64 B per slot (steps > 0 only):|
+ *          | stream[C]   sb_slot_stream, 64 B per slot (steps > 0):    |
  *          |             chunks written (the client's futex word; bit  |
  *          |             31 SB_CHUNKS_END), sleepers, its max_steps    |
  *          +------------------------------------------- 4096-aligned --+
@@ -397,7 +397,9 @@ void sb_admission_figures(const sb_ring *r, uint32_t max_priority, uint32_t coun
 			  uint64_t *out);
 /* engine/admission.py's predicted_wait_ns on those figures, in integers
  * that saturate: how long a request of this priority, enqueued at now_ns,
- * would wait for its answer (0 before any batch is measured) */
+ * would wait for its answer (an iterative engine's: its first chunk, its
+ * batches being steps that also hold the running requests; 0 before any
+ * batch is measured) */
 uint64_t sb_predicted_wait_ns(sb_ring *r, uint32_t priority, uint64_t now_ns);
 /* admission by deadline: 1 when a request that would wait wait_ns for its
  * answer, with left_ns to its deadline, is refused (the one rule); and the

@@ -13,6 +13,13 @@ computing it would only delay the requests behind it, which can still make
 theirs. Both the estimate and the rule are the C's (sb_predicted_wait_ns,
 sb_refuses, applied by sb_admit); this module holds the fit.
 
+An iterative engine's batches are its steps, and the fit is of step time
+against the requests a step holds. A request there waits for its first chunk:
+the rest of the running step, a step per full round of joiners ahead, then
+its own first step, which holds the running requests as well (each batcher's
+share of them). A running batch that is full makes it wait for a request to
+leave too, which no figure predicts: the estimate is then a lower bound.
+
 The prediction counts what is left of the batch in service when every
 batcher is busy, and ignores what comes after the request: more urgent
 requests that will overtake it, and the client's own wake-up. Against the

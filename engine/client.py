@@ -37,7 +37,7 @@ from typing import Any, AsyncIterator, Dict, Iterator, Optional, TypeVar
 
 import numpy as np
 
-from engine import answers, futures, liveness, ring, room, streams, waiting
+from engine import answers, bulk, futures, liveness, ring, room, streams, waiting
 from engine.errors import EngineError, EngineUnavailable, InvalidInput, Overloaded, QueueFull
 from engine.attaching import attach
 from engine.layout import Segment
@@ -198,63 +198,7 @@ class Client:
         leaves room for other clients. QueueFull if not one slot is free when a
         chunk starts; on any error no answer of the call is returned.
         """
-        deadline = waiting.deadline_ns(timeout)
-        seg, (xs,), (length,), _ = self._validated(xs, many=True, priority=priority)
-        cfg, n, r = seg.config, len(xs), seg.ring
-        out = np.empty((n, *cfg.output_shape), cfg.output_dtype)
-        chunk = min(n, max(1, seg.capacity // 2))
-        slots, gens = np.empty(chunk, np.uint32), np.empty(chunk, np.uint32)
-        codes = np.empty(chunk, np.int32)
-        done = 0
-        while done < n:
-            want = min(chunk, n - done)
-            k = r.acquire_many(self._pid, self._start_ticks, want, slots, gens)
-            if k == 0:
-                code, slots[0], gens[0] = room.make_room(seg, self._pid, self._start_ticks, deadline)
-                if code != ring.OK:
-                    raise EngineUnavailable(f"cannot enqueue on engine {self.name!r} (code {code})")
-                k = 1 + r.acquire_many(self._pid, self._start_ticks, want - 1, slots[1:], gens[1:])
-            s, g = slots[:k], gens[:k]
-            rows = xs[done:done + k]
-            if cfg.var_axis is not None:  # equal lengths, zero-padded to the bound
-                padded = np.zeros((k, *cfg.padded_shape), cfg.input_dtype)
-                padded[(slice(None),) * (cfg.var_axis + 1) + (slice(0, length),)] = rows
-                rows = padded
-            seg.in_regions[0][s] = rows
-            if cfg.var_axis is not None:
-                seg.lengths[s, 0] = length
-            r.publish_many(s, g, k, length, deadline or 0, priority)
-            self._await_all(seg, s, g, k, deadline, timeout)
-            r.poll(s, g, codes[:k])
-            failed = np.nonzero(codes[:k] == ring.EFAILED)[0]
-            if len(failed):
-                error = waiting.failed(seg, int(s[failed[0]]), int(g[failed[0]]), ring.EFAILED)
-                r.release_many(s, g, k)
-                raise error
-            out[done:done + k] = seg.out_regions[0][s]
-            r.release_many(s, g, k)
-            done += k
-        return out
-
-    def _await_all(self, seg, slots, gens, k, deadline, timeout) -> None:
-        """Waits for k tickets; on a timeout or a dead engine abandons them all
-        (answered ones released) and raises."""
-        r = seg.ring
-        why, code = waiting.wait(
-            lambda slice_ns: r.wait_all(slots, gens, k, slice_ns, self._spin_ns),
-            lambda: waiting.engine_lives(seg), deadline)
-        if why == waiting.ANSWERED and code == ring.OK:
-            return
-        abandoned = 0
-        for slot, gen in zip(slots.tolist(), gens.tolist()):
-            code_k = r.abandon(slot, gen)
-            abandoned += code_k == ring.OK
-            if code_k == ring.EBUSY:
-                r.release_slot(slot, gen)
-        if why == waiting.EXPIRED:
-            r.add_word(ring.W_TIMEOUTS, abandoned)
-            raise waiting.timed_out(timeout, k)
-        raise waiting.engine_gone(self.name)
+        return bulk.infer_many(self, xs, timeout, priority)
 
     def predicted_wait_s(self, priority: int = 0) -> float:
         """How long a request of this priority sent now would wait for its

@@ -224,7 +224,12 @@ class AsyncStream:
         if self.over:
             return True
         if self.stream._poll():
-            self.loop.call_soon_threadsafe(self.moved.set)
+            try:
+                self.loop.call_soon_threadsafe(self.moved.set)
+            except RuntimeError:  # its loop is closed: nobody reads this stream any more
+                self.over = True
+                self.stream.close()
+                return True
         return False
 
     @property

@@ -142,3 +142,33 @@ def test_tune_reads_the_backend_and_tensors_of_a_serve_config(tmp_path, capsys):
     assert cli.main(["tune", "--config", str(config), "--slo-ms", "10", "--max-batch", "2"]) == 0
     out = capsys.readouterr().out
     assert "engine.backends:identity" in out and "float32[5]" in out
+
+
+def test_the_decoder_bench_writes_the_documented_rows_every_answer_checked(tmp_path):
+    from engine.tools import decoder_bench
+    tiny = {"vocab": 64, "d_model": 16, "layers": 1, "heads": 2, "context": 64}
+    setup = decoder_bench.Setup(seconds=0.5, rates=(20.0,), max_batch_size=4, max_steps=8,
+                                max_prompt=8, mean_prompt=3, mean_output=4, clients=1,
+                                model=tiny, min_requests=8, cost_actives=(2,), cost_seconds=0.5)
+    result = decoder_bench.run(setup, out_dir=str(tmp_path))
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert rows == result["rows"] and (tmp_path / "bench.png").stat().st_size > 0
+    assert [r["mode"] for r in rows] == ["static", "continuous"]
+    for r in rows:
+        assert {"mode", "offered_rps", "tokens_per_s", "ttft_ms", "chunk_ms", "e2e_ms",
+                "requests", "answered", "wrong"} <= set(r)
+        assert r["offered_rps"] == 20.0 and r["requests"] == r["answered"] == 10
+        assert r["wrong"] == 0 and r["tokens_per_s"] > 0
+        assert all(set(r[k]) == {"p50", "p99"} for k in ("ttft_ms", "chunk_ms", "e2e_ms"))
+    [cost] = result["engine_cost"]
+    assert cost["active"] == 2 and cost["steps"] > 0 and cost["model_ms"] > 0
+
+
+def test_the_decoder_bench_counts_an_answer_that_differs_from_its_oracle_as_wrong():
+    from engine.tools import decoder_bench
+    results = [(0, 0, 5, 9, [1, 2], [7, 8, 9]), (1, 0, 4, 8, [2], [1, 2]),
+               (2, 0, 0, 6, [], "RequestTimeout: late")]
+    row = decoder_bench.summarize("continuous", 10.0, results, [[7, 8, 9], [1, 3], [4]],
+                                  {"avg_batch_size": 2.0})
+    assert (row["requests"], row["answered"], row["wrong"]) == (3, 2, 1)
+    assert row["errors"] == ["RequestTimeout"] and row["tokens_per_s"] == pytest.approx(5 / 9e-9)

@@ -930,3 +930,19 @@ def test_the_one_shot_generate_backend_ends_each_row_at_its_own_budget_or_contex
     assert answers[0] == model.generate_one(long, 2).tolist() + [-1] * 8
     assert answers[1] == model.generate_one(short, 10).tolist()
     assert answers[2] == model.generate_one(long, 5).tolist() + [-1] * 5
+
+
+def test_admission_refuses_at_once_what_cannot_get_its_first_chunk_before_its_deadline(
+        make_engine, log):
+    # every step takes at least 50 ms: once the engine has measured a few, a first chunk
+    # cannot come within 5 ms, however loaded the machine (a slower step predicts more)
+    eng = scripted(make_engine, "admit", log, max_steps=64, model={"step_ms": 50.0})
+    with engine.Client(eng.name) as c:
+        running = c.stream(request(1, 60), timeout=120)
+        assert [int(next(running)) for _ in range(4)] == chunks(1, 4)
+        with pytest.raises(engine.Overloaded):
+            c.infer(request(2, 3), timeout=0.005)
+        assert ints(c.stream(request(3, 2), timeout=120)) == chunks(3, 2)
+        running.close()
+    stats = wait_idle(eng)
+    assert stats["overloaded_total"] == 1 and stats["requests_total"] == 2

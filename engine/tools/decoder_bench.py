@@ -45,6 +45,9 @@ class Setup:
     timeout_s: float = 300.0
     seed: int = 1
     model: dict = dataclasses.field(default_factory=dict)  # engine.decoder.Decoder's arguments
+    min_requests: int = 32         # a row's requests at least (enough for a p99 at a low rate)
+    cost_actives: tuple = (1, 8, 32)  # the engine's own cost per step at these running batches
+    cost_seconds: float = 3.0
 
 
 # -- what is offered ------------------------------------------------------------------
@@ -73,13 +76,24 @@ def engine_settings(mode: str, setup: Setup, name: str) -> dict:
                 outputs={"tokens": ["int64", [setup.max_steps]]}, **common)
 
 
-def static_capacity_rps(setup: Setup, step_s: float, seed: int) -> float:
-    """The static way's capacity, estimated: a full batch takes its longest
-    request's steps at the full batch's step time."""
-    rng = np.random.default_rng(seed)
-    b = setup.max_batch_size
-    longest = np.minimum(rng.geometric(1 / setup.mean_output, (2000, b)), setup.max_steps).max(1)
-    return b / (float(longest.mean()) * step_s)
+def static_capacity_rps(setup: Setup, seed: int, batches: int = 2) -> float:
+    """The static way's capacity, measured in this process: full batches of
+    drawn requests through the one-shot generate loop, timed."""
+    run = decoder.generate(**setup.model, steps=setup.max_steps)
+    vocab = decoder.Decoder(**setup.model).vocab
+    b, took = setup.max_batch_size, 0.0
+    for k in range(batches):
+        offered = draw(setup, b, seed + k, vocab)
+        prompts = np.zeros((b, setup.max_prompt), np.int64)
+        for i, (p, _) in enumerate(offered):
+            prompts[i, :len(p)] = p
+        batch = {"prompt": prompts,
+                 "max_new_tokens": np.array([[o] for _, o in offered], np.int64)}
+        lengths = {"prompt": np.array([len(p) for p, _ in offered], np.int64)}
+        started = time.perf_counter()
+        run(batch, lengths)
+        took += time.perf_counter() - started
+    return b * batches / took
 
 
 def step_time_s(model: decoder.Decoder, n: int, reps: int = 10) -> float:
@@ -120,9 +134,9 @@ def _client(name: str, mode: str, requests: list, conn) -> None:
                 answer = await client.infer_async(
                     {"prompt": prompt, "max_new_tokens": np.array([steps], np.int64)},
                     timeout=timeout)
-                times.append(ring.now_ns())
                 tokens = answer["tokens"].tolist()
                 tokens = tokens[:steps] if all(t == -1 for t in tokens[steps:]) else tokens
+                times = [ring.now_ns()] * len(tokens)  # every chunk at once, at the end
         except Exception as e:
             return (index, scheduled, 0, ring.now_ns(), [], f"{type(e).__name__}: {e}")
         gaps = np.diff(times).tolist()
@@ -139,7 +153,7 @@ def run_row(mode: str, setup: Setup, rate: float, offered: list, oracle: list, r
     """One row: the engine of `mode`, these requests at `rate`, every answer checked."""
     offsets = loads.poisson_offsets_ns(rate, len(offered), setup.seed + row)
     name = f"bench-dec-{os.getpid()}-{mode}-{row}"
-    ctx = multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("fork")
     with Engine(**engine_settings(mode, setup, name)) as eng:
         parts = [[] for _ in range(setup.clients)]
         for k, (prompt, steps) in enumerate(offered):
@@ -191,15 +205,30 @@ def row_line(r: dict) -> str:
             f"wrong {r['wrong']}  batch {r['avg_batch_size']:.1f}")
 
 
-def _oracle(args):
-    model_args, prompt, steps = args
-    return decoder.Decoder(**model_args).generate_one(prompt, steps).tolist()
+def _oracles(model_args: dict, offered: list, conn) -> None:
+    model = decoder.Decoder(**model_args)
+    conn.send([model.generate_one(p, s).tolist() for p, s in offered])
 
 
 def oracles(setup: Setup, offered: list) -> List[list]:
-    """Each request decoded alone (the answers every row is checked against)."""
-    with multiprocessing.get_context("spawn").Pool(max(1, min(4, os.cpu_count() or 1))) as pool:
-        return pool.map(_oracle, [(setup.model, p, s) for p, s in offered], chunksize=8)
+    """Each request decoded alone (the answers every row is checked against),
+    in a forked process per CPU (as every process of the bench: plain forks
+    and pipes, which leave no helper process behind)."""
+    ctx = multiprocessing.get_context("fork")
+    parts = max(1, min(4, len(os.sched_getaffinity(0)), len(offered)))
+    pipes, procs = [], []
+    for k in range(parts):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=_oracles, args=(setup.model, offered[k::parts], child), daemon=True)
+        p.start()
+        pipes.append(parent)
+        procs.append(p)
+    answers: List[list] = [[] for _ in offered]
+    for k, conn in enumerate(pipes):
+        answers[k::parts] = conn.recv()
+    for p in procs:
+        p.join(30)
+    return answers
 
 
 # -- the engine's own cost per step ---------------------------------------------------
@@ -240,36 +269,41 @@ def timed_steps(path: str, **model_args):
     return Timed()
 
 
-def _closed_loop(name: str, streams: int, seconds: float, steps: int, seed: int, conn) -> None:
+def _closed_loop(name: str, streams: int, seconds: float, prompt: int, steps: int, vocab: int,
+                 seed: int, conn) -> None:
     """`streams` threads, each streaming one request after another; reports
-    (chunks, CPU seconds of this process)."""
+    (chunks, CPU seconds of this process, errors)."""
     import threading
     _pin_clients()
     client = Client(name, wait_s=30)
     rng = np.random.default_rng(seed)
-    prompts = [rng.integers(0, 64, 16).astype(np.int64) for _ in range(streams)]
+    prompts = [rng.integers(0, vocab, prompt).astype(np.int64) for _ in range(streams)]
     until = time.monotonic() + seconds
-    counts = [0] * streams
+    counts, errors = [0] * streams, []
 
     def loop(k):
-        while time.monotonic() < until:
-            for _ in client.stream(prompts[k], timeout=60, max_steps=steps):
-                counts[k] += 1
+        try:
+            while time.monotonic() < until:
+                for _ in client.stream(prompts[k], timeout=60, max_steps=steps):
+                    counts[k] += 1
+        except Exception as e:
+            errors.append(f"{type(e).__name__}: {e}")
     cpu = time.process_time()
     threads = [threading.Thread(target=loop, args=(k,)) for k in range(streams)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    conn.send((sum(counts), time.process_time() - cpu))
+    conn.send((sum(counts), time.process_time() - cpu, errors))
     client.close()
 
 
-def engine_cost(setup: Setup, actives=(1, 8, 32), seconds: float = 3.0) -> list:
+def engine_cost(setup: Setup) -> list:
     """Per step: wall time, the model's time in it, and the rest (the
     engine's own), with `active` requests streaming; and client CPU per chunk."""
     rows = []
-    ctx = multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("fork")
+    actives, seconds = setup.cost_actives, setup.cost_seconds
     for active in actives:
         fd, path = tempfile.mkstemp(prefix="shmbatch-cost-")
         os.close(fd)
@@ -282,10 +316,15 @@ def engine_cost(setup: Setup, actives=(1, 8, 32), seconds: float = 3.0) -> list:
                             backend_args={"path": path, **setup.model}, cpus=_batcher_cpus())
             with Engine(**settings) as eng:
                 parent, child = ctx.Pipe()
-                p = ctx.Process(target=_closed_loop, args=(name, active, seconds, 64, setup.seed, child))
+                vocab = decoder.Decoder(**setup.model).vocab
+                p = ctx.Process(target=_closed_loop, args=(
+                    name, active, seconds, min(16, setup.max_prompt), min(64, setup.max_steps),
+                    vocab, setup.seed, child))
                 p.start()
-                chunks, cpu_s = parent.recv()
+                chunks, cpu_s, errors = parent.recv()
                 p.join(30)
+                if errors:
+                    raise RuntimeError(f"the closed loop's streams failed: {errors[0]}")
                 s = eng.stats()
             model_ns, steps = np.fromfile(path, np.int64)
         finally:
@@ -312,7 +351,7 @@ def cost_line(r: dict) -> str:
 def run(setup: Setup, out_dir: Optional[str] = None) -> dict:
     model = decoder.Decoder(**setup.model)
     step_s = step_time_s(model, setup.max_batch_size)
-    capacity = static_capacity_rps(setup, step_s, setup.seed)
+    capacity = static_capacity_rps(setup, setup.seed)
     rates = setup.rates or tuple(round(capacity * f, 1) for f in (0.25, 1.0, 2.0))
     print(f"shmbatch bench --model decoder: {model.layers} layers, d_model {model.d}, vocab "
           f"{model.vocab}; step {1e3 * step_s:.1f} ms at {setup.max_batch_size}; the static way's "
@@ -321,7 +360,7 @@ def run(setup: Setup, out_dir: Optional[str] = None) -> dict:
           f"{setup.mean_output:g}; capped {setup.max_prompt}, {setup.max_steps})", flush=True)
     result = {"setup": dataclasses.asdict(setup), "rows": []}
     for row, rate in enumerate(rates):
-        n = max(1, int(rate * setup.seconds))
+        n = max(setup.min_requests, int(rate * setup.seconds))
         offered = draw(setup, n, setup.seed + 1000 * row, model.vocab)
         oracle = oracles(setup, offered)
         for mode in (STATIC, CONTINUOUS):
