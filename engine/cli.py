@@ -73,7 +73,8 @@ def serve_plan(args):
                          f"[engines.NAME] tables; the top level holds serve's own keys "
                          f"({', '.join(SERVE_ONLY_KEYS)}), each engine's knobs go in its table")
     given = [k.name for k in knobs()
-             if getattr(args, "backend_arg" if k.name == "backend_args" else k.name, None)]
+             if getattr(args, "backend_arg" if k.name == "backend_args" else k.name, None)
+             is not None]
     if given:
         raise ValueError(f"{', '.join(_flag(k) for k in given)}: {where} has [engines.NAME] "
                          f"tables; set each engine's knobs in its table")

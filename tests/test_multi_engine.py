@@ -165,7 +165,8 @@ def test_a_table_that_fails_starts_nothing_and_names_its_engine(tmp_path, case):
 def test_a_config_of_tables_refuses_what_it_cannot_place(tmp_path, case, reason):
     name = unique_name("place")
     config, flags = {
-        "an engine flag beside tables": (table(name, **AFFINE), ["--max-batch-size", "4"]),
+        "an engine flag beside tables": (table(name, **AFFINE), ["--isolate-failures", "false",
+                                                                 "--max-batch-size", "4"]),
         "an engine key at the top level": (top(max_batch_size=4) + table(name, **AFFINE), []),
         "no table at all": ("[engines]\n", []),
         "an HTTP flag without a port": (table(name, **AFFINE), ["--http-workers", "2"]),
