@@ -9,16 +9,32 @@ from engine import clitools
 from engine.cliargs import Parser, key_values, knob_flag, knobs, shape
 from engine.errors import EngineError
 
-SERVE_ONLY_KEYS = ("metrics_port", "metrics_host")
+# serve's own keys: its flags, and a --config file's top level beside an
+# engine's keys or [engines.NAME] tables
+SERVE_ONLY_KEYS = ("metrics_port", "metrics_host", "http_port", "http_host", "http_workers",
+                   "http_timeout_s", "http_max_body_bytes")
 
 
 def _serve_parser(sub):
-    p = sub.add_parser("serve", help="run an engine in the foreground until SIGINT/SIGTERM")
-    p.add_argument("--config", metavar="FILE.toml", help="the keys of engine.Engine(...); flags override")
+    p = sub.add_parser("serve", help="run engines in the foreground until SIGINT/SIGTERM")
+    p.add_argument("--config", metavar="FILE.toml",
+                   help="the keys of engine.Engine(...), or [engines.NAME] tables of them (one "
+                        "engine each, all served); flags override")
     for knob in knobs():
         knob_flag(p, knob)
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
     p.add_argument("--metrics-host", help="address for /metrics (default 0.0.0.0)")
+    p.add_argument("--http-port", type=int, metavar="PORT",
+                   help="serve the Open Inference Protocol (KServe v2 REST) for every engine "
+                        "on this port (0: any free one); needs the http extra")
+    p.add_argument("--http-host", help="address for --http-port (default 127.0.0.1)")
+    p.add_argument("--http-workers", type=int, metavar="N",
+                   help="HTTP worker processes, each a Client of every engine (default 1)")
+    p.add_argument("--http-timeout-s", type=float, metavar="S",
+                   help="the deadline of an infer without a timeout parameter (default 30)")
+    p.add_argument("--http-max-body-bytes", type=int, metavar="N",
+                   help="a larger request body is refused (413) before it is read "
+                        "(default 64 MiB)")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -32,27 +48,81 @@ def _config_shape(value, key):
     return shape(str(value))
 
 
+def _read_config(path: str) -> dict:
+    with open(path, "rb") as f:
+        try:
+            return tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"{path}: {e}") from None
+
+
+def serve_plan(args):
+    """(each engine's settings, serve's own settings): from the flags, or a
+    TOML file of one engine's keys or of [engines.NAME] tables, flags
+    overriding its keys."""
+    settings = _read_config(args.config) if args.config else {}
+    serve = {k: settings.pop(k) for k in SERVE_ONLY_KEYS if k in settings}
+    serve.update({k: getattr(args, k) for k in SERVE_ONLY_KEYS
+                  if getattr(args, k, None) is not None})
+    tables = settings.pop("engines", None)
+    if tables is None:
+        return [_engine_settings(settings, args, args.config)], serve
+    where = args.config
+    if settings:
+        raise ValueError(f"{where}: top-level key(s) {', '.join(sorted(settings))} beside "
+                         f"[engines.NAME] tables; the top level holds serve's own keys "
+                         f"({', '.join(SERVE_ONLY_KEYS)}), each engine's knobs go in its table")
+    given = [k.name for k in knobs()
+             if getattr(args, "backend_arg" if k.name == "backend_args" else k.name, None)
+             is not None]
+    if given:
+        raise ValueError(f"{', '.join(_flag(k) for k in given)}: {where} has [engines.NAME] "
+                         f"tables; set each engine's knobs in its table")
+    if not isinstance(tables, dict) or not tables or \
+            not all(isinstance(t, dict) for t in tables.values()):
+        raise ValueError(f"{where}: expected [engines.NAME] tables of engine.Engine(...)'s keys, "
+                         f"got engines = {tables!r}")
+    engines = []
+    for name, table in tables.items():
+        if table.get("name", name) != name:
+            raise ValueError(f"{where}: engine {name!r}: the table's name is the engine's, "
+                             f"got name = {table['name']!r}")
+        engines.append(_engine_settings({**table, "name": name}, None,
+                                        f"{where}: engine {name!r}"))
+    return engines, serve
+
+
+def _flag(key: str) -> str:
+    return "--backend-arg" if key == "backend_args" else "--" + key.replace("_", "-")
+
+
 def serve_settings(args) -> dict:
-    """The engine's settings: the TOML file's keys, overridden by flags."""
-    settings = {}
-    if args.config:
-        with open(args.config, "rb") as f:
-            try:
-                settings = tomllib.load(f)
-            except tomllib.TOMLDecodeError as e:
-                raise ValueError(f"{args.config}: {e}") from None
+    """One engine's settings and serve's own: the TOML file's keys,
+    overridden by flags."""
+    engines, serve = serve_plan(args)
+    if len(engines) != 1:
+        raise ValueError(f"{args.config}: expected one engine, got [engines.NAME] tables of "
+                         f"{len(engines)}")
+    return {**engines[0], **serve}
+
+
+def _engine_settings(settings: dict, args, where) -> dict:
+    """One engine's settings: its keys (a file's or a table's, at `where`),
+    overridden by the flags in args (None: none)."""
     all_knobs = knobs()
-    keys = [k.name for k in all_knobs] + list(SERVE_ONLY_KEYS)
-    if args.config:
+    keys = [k.name for k in all_knobs]
+    if where:
         unknown = sorted(set(settings) - set(keys))
-        if unknown:
-            raise ValueError(f"{args.config}: unknown key(s) {', '.join(unknown)}; "
-                             f"expected some of {', '.join(keys)}")
-    for key in keys:
+        if unknown:  # a table holds an engine's keys alone; a one-engine file serve's too
+            expected = keys if args is None else keys + list(SERVE_ONLY_KEYS)
+            raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)}; "
+                             f"expected some of {', '.join(expected)}")
+    for key in keys if args is not None else ():
         value = getattr(args, key, None)
         if value is not None and key != "backend_args":
             settings[key] = value
-    settings["backend_args"] = {**settings.get("backend_args", {}), **key_values(args.backend_arg)}
+    flags = key_values(args.backend_arg) if args is not None else {}
+    settings["backend_args"] = {**settings.get("backend_args", {}), **flags}
     for knob in all_knobs:
         if knob.metadata["cli"] == "shape" and knob.name in settings:
             settings[knob.name] = _config_shape(settings[knob.name], knob.name)
@@ -60,8 +130,10 @@ def serve_settings(args) -> dict:
             settings[knob.name] = [g.strip() for g in settings[knob.name].split(",") if g.strip()]
     spec = ("inputs", "outputs") if "inputs" in settings else ("input_shape", "output_shape")
     missing = [k for k in ("name", "backend", *spec) if k not in settings]
+    if missing and args is None:
+        raise ValueError(f"{where}: missing key(s) {', '.join(missing)}")
     if missing:
-        raise ValueError("missing " + ", ".join(f"--{k.replace('_', '-')}" for k in missing)
+        raise ValueError("missing " + ", ".join(_flag(k) for k in missing)
                          + " (or the key in --config)")
     return settings
 
@@ -70,33 +142,29 @@ def cmd_serve(args) -> int:
     import logging
     import threading
 
-    from engine import metrics, notify
-    from engine.supervisor import Engine
+    from engine import notify
+    from engine.serving import Serving
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("shmbatch")
-    settings = serve_settings(args)
-    port = settings.pop("metrics_port", None)
-    host = settings.pop("metrics_host", None) or "0.0.0.0"
-    eng = Engine(**settings)  # validates everything before anything is created
+    engines, serve = serve_plan(args)
+    serving = Serving(engines, **serve)  # validates every engine, creates nothing
+    names = ", ".join(serving.names)
     stop = threading.Event()
     handler = lambda signum, frame: stop.set()  # noqa: E731
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
-    eng.start()
+    serving.start()
     try:
-        if port is not None:
-            metrics.serve_http(eng.segment, port, host)
-            log.info("metrics on http://%s:%d/metrics", host, port)
-        print(f"shmbatch serve: engine {eng.name!r} ready (pid {os.getpid()}, batchers "
-              f"{eng.stats()['batcher_pids']})", flush=True)
-        notify.sd_notify(f"READY=1\nMAINPID={os.getpid()}\nSTATUS=engine {eng.name} ready")
+        print(serving.ready_line(), flush=True)
+        what = "engine" if len(serving.names) == 1 else "engines"
+        notify.sd_notify(f"READY=1\nMAINPID={os.getpid()}\nSTATUS={what} {names} ready")
         while not stop.wait(1.0):
-            pass
-        log.info("engine %s: signal received; draining", eng.name)
-        notify.sd_notify(f"STOPPING=1\nSTATUS=engine {eng.name} draining")
+            serving.watch()
+        log.info("%s %s: signal received; draining", what, names)
+        notify.sd_notify(f"STOPPING=1\nSTATUS={what} {names} draining")
     finally:
-        eng.stop()
+        serving.stop()
     return 0
 
 

@@ -160,6 +160,8 @@ def tune_parser(sub):
                        "backend and tensors as serve does: flags, or --config FILE.toml.")
     p.add_argument("--config", metavar="FILE.toml",
                    help="serve's config file: its backend and tensors; flags override")
+    p.add_argument("--engine", metavar="NAME",
+                   help="the [engines.NAME] table of --config to measure (a file of several)")
     for knob in knobs():
         if knob.name in TUNE_KEYS:
             knob_flag(p, knob)
@@ -175,7 +177,14 @@ def tune_settings(args) -> dict:
     settings = {}
     if args.config:
         with open(args.config, "rb") as f:
-            settings = {k: v for k, v in tomllib.load(f).items() if k in TUNE_KEYS}
+            settings = tomllib.load(f)
+        tables = settings.get("engines")
+        if isinstance(tables, dict):  # a serve of several engines: the one named
+            if args.engine not in tables:
+                raise ValueError(f"{args.config}: expected --engine NAME, one of "
+                                 f"{sorted(tables)}, got {args.engine!r}")
+            settings = tables[args.engine]
+        settings = {k: v for k, v in settings.items() if k in TUNE_KEYS}
     for key in TUNE_KEYS:
         value = getattr(args, key, None)
         if value is not None and key != "backend_args":

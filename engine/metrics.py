@@ -232,9 +232,29 @@ class Collector:
         yield by_level
 
 
-def serve_http(segment, port: int, host: str = "0.0.0.0"):
-    """Serves GET /metrics for this engine; returns (server, thread)."""
+class Collectors:
+    """The figures of several engines on one /metrics: each family once, with
+    every engine's samples (a registry of one Collector per engine would
+    write each family once per engine, which Prometheus refuses)."""
+
+    def __init__(self, segments):
+        self.parts = [Collector(segment) for segment in segments]
+
+    def collect(self):
+        families = {}
+        for part in self.parts:
+            for family in part.collect():
+                if family.name in families:
+                    families[family.name].samples.extend(family.samples)
+                else:
+                    families[family.name] = family
+        return iter(families.values())
+
+
+def serve_http(segments, port: int, host: str = "0.0.0.0"):
+    """Serves GET /metrics for these engines' segments (a list, or one);
+    returns (server, thread)."""
     from prometheus_client import CollectorRegistry, start_http_server
     registry = CollectorRegistry()
-    registry.register(Collector(segment))
+    registry.register(Collectors(segments if isinstance(segments, (list, tuple)) else [segments]))
     return start_http_server(port, addr=host, registry=registry)

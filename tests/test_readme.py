@@ -2,6 +2,7 @@
 its web recipes survive a sidecar that starts after them and restarts, its
 command lines name real flags, and it stays a user's guide."""
 import contextlib
+import json
 import os
 import pathlib
 import re
@@ -23,7 +24,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 TEXT = (ROOT / "README.md").read_text()
 SHMBATCH = str(pathlib.Path(sys.executable).with_name("shmbatch"))  # the console script
 ENV = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # as a user's shell has it
-NAMES = ("digits", "encoder", "count")  # the engine names the examples use
+NAMES = ("digits", "encoder", "count", "embed")  # the engine names the examples use
 
 
 def blocks(lang: str) -> list:
@@ -36,6 +37,8 @@ def renamed(code: str, tag: str) -> str:
     code = code.replace("timeout=1.0", "timeout=60.0").replace("wait_s=30", "wait_s=120")
     for name in NAMES:
         code = code.replace(f'"{name}"', f'"{tag}-{name}"').replace(f" {name} ", f" {tag}-{name} ")
+        code = re.sub(rf"^{name} = {{", f'"{tag}-{name}" = {{', code, flags=re.M)  # a TOML table
+        code = code.replace(f"/models/{name}/", f"/models/{tag}-{name}/")  # a URL
     return code
 
 
@@ -66,7 +69,7 @@ def serving(folder, *command):
                             stderr=subprocess.PIPE, text=True)
     try:
         try:
-            wait_for_line(proc.stdout, "ready")
+            proc.ready_line = wait_for_line(proc.stdout, "ready")[-1]
         except (EOFError, TimeoutError) as e:
             raise AssertionError(f"{e}; stderr: {proc.stderr.read()}") from None
         yield proc
@@ -178,6 +181,24 @@ def test_the_scikit_learn_example_exports_a_model_that_serve_answers_right(guide
     want = onnxruntime.InferenceSession(str(folder / "digits.onnx")).run(["label"], {"X": digits})[0]
     with serving(folder, *argv[1:]), engine.Client(f"{tag}-digits") as c:
         assert [int(c.infer(x, timeout=10)) for x in digits] == want.tolist()
+
+
+def test_the_models_file_serves_both_engines_to_the_triton_and_curl_examples(guide):
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("tritonclient.http")
+    folder, tag = guide
+    with serving(folder, "serve", "--config", "models.toml", "--http-port", "0") as proc:
+        url = re.search(r"http://(\S+)$", proc.ready_line.strip()).group(1)
+        example = folder / "oip_client.py"
+        example.write_text(example.read_text().replace("localhost:8000", url))
+        labels = [int(v) for v in re.findall(r"-?\d+", run_python(folder, "oip_client.py"))]
+        x = np.random.default_rng(1).random((4, 64), dtype=np.float32)  # the example's 4 requests
+        assert labels == [expected_label(folder, row) for row in x]
+        command = next(code for code in blocks("bash") if "/v2/models/" in code)
+        argv = shlex.split(renamed(command, tag).replace("localhost:8000", url), comments=True)
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["OUTPUT"] == [2.0 * v + 1 for v in range(4)]
 
 
 def post(port: int, x: np.ndarray):

@@ -1,0 +1,256 @@
+"""Tensors of the Open Inference Protocol (KServe v2, as Triton serves it) as numpy arrays.
+
+A tensor of a request or a response is a JSON object {"name", "datatype",
+"shape", "data"}: its data in the JSON (row-major, flat or nested lists), or,
+with the binary tensor data extension, as raw little-endian bytes after the
+JSON. Then the HTTP header Inference-Header-Content-Length says where the
+JSON ends, and each tensor's parameters.binary_data_size how many of the
+bytes after it are its own, in the order the tensors are listed.
+
+Everything here is a pure function of a body's bytes, and every size is
+checked against the bytes that came before anything is allocated for it:
+a declared size can refuse a body, never make one. A bad body is BadRequest,
+whose message names what was expected and what came; matching the tensors
+to an engine's is engine.openinference's.
+"""
+import json
+import math
+from typing import List, NamedTuple, Optional, Tuple
+
+import numpy as np
+
+# numpy dtype name -> the protocol's datatype, each way
+DATATYPES = {"bool": "BOOL", "uint8": "UINT8", "uint16": "UINT16", "uint32": "UINT32",
+             "uint64": "UINT64", "int8": "INT8", "int16": "INT16", "int32": "INT32",
+             "int64": "INT64", "float16": "FP16", "float32": "FP32", "float64": "FP64"}
+NUMPY = {datatype: np.dtype(name).newbyteorder("<") for name, datatype in DATATYPES.items()}
+_OF_DTYPE = {np.dtype(name): datatype for name, datatype in DATATYPES.items()}  # per request
+# datatypes of the protocol that no engine tensor can hold (numbers of a fixed size only)
+UNHELD = ("BYTES", "BF16")
+
+# the JSON values each kind of datatype takes: booleans for BOOL, integers for
+# the integer types, any number for the floating ones
+_JSON_TYPES = {"b": ({bool}, "booleans"), "u": ({int}, "integers"), "i": ({int}, "integers"),
+               "f": ({int, float}, "numbers")}
+
+
+class BadRequest(Exception):
+    """A body or tensor the protocol, or this server, does not take; the
+    status is 400, or 413 for a body over the size limit."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Tensor(NamedTuple):
+    name: str
+    datatype: str
+    shape: Tuple[int, ...]
+    array: np.ndarray  # of that shape; a read-only view of the body for binary data
+
+
+def datatype_of(dtype) -> str:
+    """The protocol's datatype of a numpy dtype; ValueError for one it has none for."""
+    found = _OF_DTYPE.get(dtype) if isinstance(dtype, np.dtype) else None
+    if found is not None:
+        return found
+    name = np.dtype(dtype).name
+    if name not in DATATYPES:
+        raise ValueError(f"the Open Inference Protocol has no datatype for {name} (it has "
+                         f"{', '.join(DATATYPES)})")
+    return DATATYPES[name]
+
+
+def split(body: bytes, header_length: Optional[str]) -> Tuple[dict, memoryview]:
+    """(the request's JSON object, the binary data after it) of a body whose
+    JSON is its first header_length bytes (the whole body without the header)."""
+    view = memoryview(body)
+    if header_length is None:
+        cut = len(body)
+    else:
+        try:
+            cut = int(header_length)
+        except ValueError:
+            cut = -1
+        if not 0 <= cut <= len(body):
+            raise BadRequest(f"Inference-Header-Content-Length: expected a byte count in "
+                             f"0..{len(body)} (the body's length), got {header_length!r}")
+    try:
+        request = json.loads(bytes(view[:cut]))
+    except (UnicodeDecodeError, ValueError) as e:
+        where = "the body" if header_length is None else \
+            f"the body's first {cut} bytes (Inference-Header-Content-Length)"
+        raise BadRequest(f"expected a JSON object in {where}, got malformed JSON ({e})") from None
+    if not isinstance(request, dict):
+        raise BadRequest(f"expected a JSON object, got a JSON {type(request).__name__}")
+    return request, view[cut:]
+
+
+def parameters(obj: dict, where: str, known: Tuple[str, ...]) -> dict:
+    """obj's "parameters" (a JSON object of known keys), or {}."""
+    params = obj.get("parameters")
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise BadRequest(f"{where} parameters: expected a JSON object, got "
+                         f"{type(params).__name__}")
+    unknown = sorted(set(params) - set(known))
+    if unknown:
+        raise BadRequest(f"{where} parameters: unsupported {', '.join(map(repr, unknown))}; "
+                         f"this server takes {', '.join(known) or 'none'}")
+    return params
+
+
+def timeout_s(micros, default_s: float) -> float:
+    """A request's `timeout` parameter (microseconds, as Triton's) in seconds."""
+    if type(micros) not in (int, float) or not micros >= 0:
+        raise BadRequest(f"timeout: expected microseconds >= 0 (0: the server's default of "
+                         f"{default_s:g} s), got {json_text(micros)}")
+    return micros / 1e6 if micros else default_s
+
+
+def value_array(value, datatype: str, name: str) -> np.ndarray:
+    """A tensor given as a bare JSON value (a number, or nested lists of the
+    tensor's shape) as an array of datatype."""
+    shape, inner = [], value
+    while isinstance(inner, list):
+        shape.append(len(inner))
+        if not inner:
+            break
+        inner = inner[0]
+    return _from_json(value if shape else [value], datatype, tuple(shape), name)
+
+
+def read_inputs(request: dict, binary: memoryview) -> List[Tensor]:
+    """The request's input tensors, their data read from the JSON or from
+    `binary`, which they must use up exactly."""
+    inputs = request.get("inputs")
+    if not isinstance(inputs, list) or not inputs:
+        raise BadRequest(f"\"inputs\": expected a non-empty list of tensors, got "
+                         f"{json_text(inputs)}")
+    tensors, offset = [], 0
+    for i, obj in enumerate(inputs):
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            raise BadRequest(f"inputs[{i}]: expected a tensor {{\"name\", \"datatype\", "
+                             f"\"shape\", \"data\"}}, got {json_text(obj)}")
+        name = obj["name"]
+        datatype, shape = _datatype(obj, name), _shape(obj, name)
+        size = parameters(obj, f"input {name!r}", ("binary_data_size",)).get("binary_data_size")
+        if size is None:
+            if "data" not in obj:
+                raise BadRequest(f"input {name!r}: expected \"data\" or a binary_data_size "
+                                 f"parameter, got neither")
+            array = _from_json(obj["data"], datatype, shape, name)
+        else:
+            if "data" in obj:
+                raise BadRequest(f"input {name!r}: expected \"data\" or a binary_data_size "
+                                 f"parameter, got both")
+            array = _from_binary(binary, offset, size, datatype, shape, name)
+            offset += size
+        tensors.append(Tensor(name, datatype, shape, array))
+    if offset != len(binary):
+        raise BadRequest(f"the binary data after the JSON is {len(binary)} bytes, the inputs' "
+                         f"binary_data_size parameters add up to {offset}")
+    return tensors
+
+
+def _datatype(obj: dict, name: str) -> str:
+    datatype = obj.get("datatype")
+    if datatype in NUMPY:
+        return datatype
+    if datatype in UNHELD:
+        raise BadRequest(f"input {name!r}: datatype {datatype} is not served: an engine's "
+                         f"tensors hold numbers ({', '.join(NUMPY)})")
+    raise BadRequest(f"input {name!r}: expected a datatype of {', '.join(NUMPY)}, got "
+                     f"{json_text(datatype)}")
+
+
+def _shape(obj: dict, name: str) -> Tuple[int, ...]:
+    shape = obj.get("shape")
+    if not (isinstance(shape, list)
+            and all(type(d) is int and d >= 0 for d in shape)):
+        raise BadRequest(f"input {name!r}: expected a shape (a list of dims >= 0), got "
+                         f"{json_text(shape)}")
+    return tuple(shape)
+
+
+def _from_binary(binary: memoryview, offset: int, size, datatype: str, shape, name: str):
+    dtype = NUMPY[datatype]
+    want = math.prod(shape) * dtype.itemsize
+    if type(size) is not int or size != want:
+        raise BadRequest(f"input {name!r}: binary_data_size: expected {want} bytes ({datatype}"
+                         f"{list(shape)}), got {json_text(size)}")
+    if offset + size > len(binary):
+        raise BadRequest(f"input {name!r}: binary_data_size {size} at byte {offset} of the "
+                         f"binary data, which holds {len(binary)} bytes")
+    return np.frombuffer(binary, dtype, math.prod(shape), offset).reshape(shape)
+
+
+def _from_json(data, datatype: str, shape, name: str) -> np.ndarray:
+    dtype, count = NUMPY[datatype], math.prod(shape)
+    types, what = _JSON_TYPES[dtype.kind]
+    values = _flat(data)
+    # the types are checked on the JSON's own values: numpy would read 2**64 - 1
+    # beside 0 as a float, and "1" or 1.5 as integers
+    found = set(map(type, values)) if values is not None else None
+    if found is None or not found <= types or len(values) != count:
+        got = (f"{len(values)} {_JSON_TYPES['f' if found <= {int, float} else 'b'][1]}"
+               if found is not None and (found <= {int, float} or found == {bool}) else
+               json_text(data))
+        raise BadRequest(f"input {name!r}: expected {count} {what} ({datatype}{list(shape)}), "
+                         f"got {got}")
+    if dtype.kind != "b" and values:
+        info = np.iinfo(dtype) if dtype.kind in "iu" else np.finfo(dtype)
+        low, high = min(values), max(values)
+        if low < info.min or high > info.max:
+            raise BadRequest(f"input {name!r}: expected {datatype} values in {info.min}.."
+                             f"{info.max}, got {low}..{high}")
+    return np.array(values, dtype).reshape(shape)
+
+
+def _flat(data):
+    """The values of flat or nested lists, in row-major order; None if data
+    is not a list."""
+    if not isinstance(data, list):
+        return None
+    if not data or not isinstance(data[0], list):
+        return data  # flat, as the protocol writes it (a list inside fails the type check)
+    out = []
+    for item in data:
+        sub = _flat(item) if isinstance(item, list) else [item]
+        if sub is None:
+            return None
+        out.extend(sub)
+    return out
+
+
+def response(model: str, request_id, outputs, version: str = "1") -> Tuple[bytes, Optional[int]]:
+    """(body, JSON length or None) of an infer response: outputs are
+    (name, array, binary) in order, binary ones after the JSON."""
+    tensors, buffers = [], []
+    for name, array, binary in outputs:
+        tensor = {"name": name, "datatype": datatype_of(array.dtype), "shape": list(array.shape)}
+        if binary:
+            raw = np.ascontiguousarray(array, array.dtype.newbyteorder("<")).tobytes()
+            tensor["parameters"] = {"binary_data_size": len(raw)}
+            buffers.append(raw)
+        else:
+            tensor["data"] = array.ravel().tolist()
+        tensors.append(tensor)
+    header = {"model_name": model, "model_version": version, "outputs": tensors}
+    if request_id is not None:
+        header["id"] = request_id
+    text = json.dumps(header, separators=(",", ":")).encode()
+    if not buffers:
+        return text, None
+    return b"".join([text, *buffers]), len(text)
+
+
+def json_text(value, limit: int = 60) -> str:
+    """A value as the message shows it: JSON, cut short."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -1,0 +1,186 @@
+"""Several engines in one `shmbatch serve`, and what serves them all: /metrics and HTTP.
+
+All start or none. Every engine is built (its settings validated) before
+any is created, and the HTTP port is bound before any starts; then the
+engines start one after another, and one that fails stops those already
+serving, so the start fails naming it with nothing left in /dev/shm and no
+process behind. Ready means every engine serves, /metrics is up and every
+HTTP worker has attached to every engine.
+
+A stop (serve's SIGINT or SIGTERM) first stops the HTTP workers, whose
+requests in progress are answered by the engines still serving, then
+drains every engine at once: each refuses new requests, answers the
+queued ones and removes its segment.
+"""
+import logging
+import os
+import threading
+from typing import List, Optional
+
+from engine import metrics
+from engine.errors import EngineError
+from engine.supervisor import Engine
+
+log = logging.getLogger("shmbatch")
+
+
+class StartFailed(EngineError):
+    """One engine of several did not start; none serves."""
+
+
+class Serving:
+    """The engines of one serve (each a dict of Engine(...)'s keywords) and,
+    when asked, their /metrics and the Open Inference Protocol over HTTP."""
+
+    def __init__(self, engines: List[dict], *, metrics_port: Optional[int] = None,
+                 metrics_host: Optional[str] = None, http_port: Optional[int] = None,
+                 http_host: Optional[str] = None, http_workers: Optional[int] = None,
+                 http_timeout_s: Optional[float] = None,
+                 http_max_body_bytes: Optional[int] = None) -> None:
+        self.engines: List[Engine] = []
+        several = len(engines) > 1  # a single engine's errors read as they always did
+        for settings in engines:
+            with _Naming(settings.get("name") if several else None):
+                self.engines.append(Engine(**settings))
+        self.metrics_port, self.metrics_host = metrics_port, metrics_host or "0.0.0.0"
+        self.http_port, self.http_host = http_port, http_host or "127.0.0.1"
+        given = {"--http-host": http_host, "--http-workers": http_workers,
+                 "--http-timeout-s": http_timeout_s, "--http-max-body-bytes": http_max_body_bytes}
+        if http_port is None:
+            if any(v is not None for v in given.values()):
+                raise ValueError(f"{', '.join(k for k, v in given.items() if v is not None)} "
+                                 f"without --http-port (or http_port in --config)")
+        else:
+            self._check_http(http_workers, http_timeout_s, http_max_body_bytes)
+        self._sock = None
+        self._workers = None
+
+    def _check_http(self, workers, timeout_s, max_body_bytes) -> None:
+        import importlib.util
+        if importlib.util.find_spec("uvicorn") is None:
+            raise ValueError("--http-port needs uvicorn: pip install 'shmbatch[http]'")
+        from engine import openinference
+        from engine.oip_tensors import datatype_of
+        self.http_workers = 1 if workers is None else int(workers)
+        self.http_timeout_s = float(openinference.DEFAULT_TIMEOUT_S if timeout_s is None
+                                    else timeout_s)
+        self.http_max_body_bytes = int(openinference.DEFAULT_MAX_BODY_BYTES
+                                       if max_body_bytes is None else max_body_bytes)
+        if self.http_workers < 1 or not self.http_timeout_s > 0 or self.http_max_body_bytes < 1:
+            raise ValueError(f"expected --http-workers >= 1, --http-timeout-s > 0 and "
+                             f"--http-max-body-bytes >= 1, got {self.http_workers}, "
+                             f"{self.http_timeout_s:g} and {self.http_max_body_bytes}")
+        for eng in self.engines:  # every tensor needs a datatype of the protocol
+            with _Naming(eng.name):
+                for spec in eng.config.input_specs + eng.config.output_specs:
+                    datatype_of(spec.dtype)
+
+    @property
+    def names(self) -> List[str]:
+        return [eng.name for eng in self.engines]
+
+    # -- lifecycle ----------------------------------------------------------------
+    def start(self) -> None:
+        """Starts every engine, /metrics and the HTTP workers; on any failure
+        stops what started and raises."""
+        try:
+            if self.http_port is not None:
+                from engine import http_workers
+                self._sock = http_workers.bind(self.http_host, self.http_port)
+            for eng in self.engines:
+                try:
+                    eng.start()
+                except Exception as e:
+                    if len(self.engines) == 1:
+                        raise
+                    raise StartFailed(f"engine {eng.name!r} did not start: "
+                                      f"{type(e).__name__}: {e}") from e
+            if self.metrics_port is not None:
+                try:
+                    metrics.serve_http([eng.segment for eng in self.engines], self.metrics_port,
+                                       self.metrics_host)
+                except OSError as e:
+                    raise OSError(f"--metrics-port {self.metrics_port}: cannot listen on "
+                                  f"{self.metrics_host}:{self.metrics_port} "
+                                  f"({e.strerror or e})") from None
+                log.info("metrics on http://%s:%d/metrics", self.metrics_host, self.metrics_port)
+            if self._sock is not None:
+                self._start_http()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start_http(self) -> None:
+        from engine import http_workers
+        self._workers = http_workers.Workers(
+            self._sock, self.http_workers, {e.name: e.config.to_json() for e in self.engines},
+            timeout_s=self.http_timeout_s, max_body_bytes=self.http_max_body_bytes,
+            graceful_s=max(e.options.drain_timeout_s for e in self.engines),
+            log_level=logging.getLevelName(log.getEffectiveLevel()))
+        self._workers.start()
+        log.info("Open Inference Protocol on %s (%d HTTP worker(s), pids %s)", self.http_url,
+                 self.http_workers, self._workers.pids)
+
+    @property
+    def http_url(self) -> Optional[str]:
+        if self._sock is None:
+            return None
+        host, port = self._sock.getsockname()[:2]
+        return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+    def ready_line(self) -> str:
+        if len(self.engines) == 1:
+            eng = self.engines[0]
+            line = (f"shmbatch serve: engine {eng.name!r} ready (pid {os.getpid()}, batchers "
+                    f"{eng.stats()['batcher_pids']})")
+        else:
+            each = ", ".join(f"{e.name!r} (batchers {e.stats()['batcher_pids']})"
+                             for e in self.engines)
+            line = f"shmbatch serve: engines {each} ready (pid {os.getpid()})"
+        if self._workers is not None:
+            line += f"; Open Inference Protocol on {self.http_url}"
+        return line
+
+    def watch(self) -> None:
+        """What serve does every second while it serves: a new HTTP worker in
+        place of one that died."""
+        if self._workers is not None:
+            self._workers.replace_dead()
+
+    def stop(self) -> None:
+        """Stops the HTTP workers, then drains every engine at once."""
+        if self._workers is not None:
+            self._workers.stop()
+            self._workers = None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        stoppers = [threading.Thread(target=_stop, args=(eng,), name=f"shmbatch-stop-{eng.name}")
+                    for eng in self.engines]  # stop() of one not started returns at once
+        for t in stoppers:
+            t.start()
+        for t in stoppers:
+            t.join()
+
+
+def _stop(eng: Engine) -> None:
+    try:
+        eng.stop()
+    except Exception:
+        log.exception("engine %s did not stop cleanly", eng.name)
+
+
+class _Naming:
+    """A ValueError or TypeError raised inside (a bad setting) names the
+    engine it is about (unless name is None)."""
+
+    def __init__(self, name) -> None:
+        self.name = name
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, tb):
+        if self.name is None or kind is None or not issubclass(kind, (ValueError, TypeError)):
+            return False
+        raise ValueError(f"engine {self.name!r}: {error}") from None
