@@ -30,6 +30,7 @@ from engine import Client, Engine, decoder, ring
 from engine.tools import load as loads
 
 STATIC, CONTINUOUS = "static", "continuous"
+BLAS_THREADS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 @dataclasses.dataclass
@@ -77,34 +78,19 @@ def engine_settings(mode: str, setup: Setup, name: str) -> dict:
 
 
 def static_capacity_rps(setup: Setup, seed: int, batches: int = 2) -> float:
-    """The static way's capacity, measured in this process: full batches of
-    drawn requests through the one-shot generate loop, timed."""
-    run = decoder.generate(**setup.model, steps=setup.max_steps)
+    """The static way's capacity, measured on its engine: `batches` full
+    batches of drawn requests sent at once, until the last is answered."""
     vocab = decoder.Decoder(**setup.model).vocab
-    b, took = setup.max_batch_size, 0.0
-    for k in range(batches):
-        offered = draw(setup, b, seed + k, vocab)
-        prompts = np.zeros((b, setup.max_prompt), np.int64)
-        for i, (p, _) in enumerate(offered):
-            prompts[i, :len(p)] = p
-        batch = {"prompt": prompts,
-                 "max_new_tokens": np.array([[o] for _, o in offered], np.int64)}
-        lengths = {"prompt": np.array([len(p) for p, _ in offered], np.int64)}
+    offered = draw(setup, setup.max_batch_size * batches, seed, vocab)
+    name = f"bench-dec-{os.getpid()}-capacity"
+    with Engine(**engine_settings(STATIC, setup, name)), Client(name) as client:
         started = time.perf_counter()
-        run(batch, lengths)
-        took += time.perf_counter() - started
-    return b * batches / took
-
-
-def step_time_s(model: decoder.Decoder, n: int, reps: int = 10) -> float:
-    """The model's decode step at n requests, timed in this process."""
-    caches = [model.new_cache() for _ in range(n)]
-    tokens, positions = np.zeros(n, np.int64), np.full(n, 16, np.int64)
-    model.decode(tokens, positions, caches)
-    started = time.perf_counter()
-    for _ in range(reps):
-        model.decode(tokens, positions, caches)
-    return (time.perf_counter() - started) / reps
+        futures = [client.submit({"prompt": p, "max_new_tokens": np.array([o], np.int64)},
+                                 timeout=setup.timeout_s) for p, o in offered]
+        for f in futures:
+            f.result()
+        took = time.perf_counter() - started
+    return len(offered) / took
 
 
 # -- a client process ---------------------------------------------------------------
@@ -349,13 +335,16 @@ def cost_line(r: dict) -> str:
 # -- the whole bench ------------------------------------------------------------------
 
 def run(setup: Setup, out_dir: Optional[str] = None) -> dict:
+    # the model's matrices are small: a second BLAS thread per batcher would only spin
+    # against the clients (the batchers start with this environment)
+    for var in BLAS_THREADS:
+        os.environ.setdefault(var, "1")
     model = decoder.Decoder(**setup.model)
-    step_s = step_time_s(model, setup.max_batch_size)
     capacity = static_capacity_rps(setup, setup.seed)
     rates = setup.rates or tuple(round(capacity * f, 1) for f in (0.25, 1.0, 3.0))
     print(f"shmbatch bench --model decoder: {model.layers} layers, d_model {model.d}, vocab "
-          f"{model.vocab}; step {1e3 * step_s:.1f} ms at {setup.max_batch_size}; the static way's "
-          f"capacity about {capacity:.1f} req/s; {setup.seconds:g} s of Poisson arrivals a row, "
+          f"{model.vocab}, max_batch_size {setup.max_batch_size}; the static way's capacity "
+          f"{capacity:.1f} req/s (measured); {setup.seconds:g} s of Poisson arrivals a row, "
           f"prompt and output lengths geometric (mean {setup.mean_prompt:g}, "
           f"{setup.mean_output:g}; capped {setup.max_prompt}, {setup.max_steps})", flush=True)
     result = {"setup": dataclasses.asdict(setup), "rows": []}
