@@ -103,6 +103,24 @@ def test_two_instances_share_one_queue_and_are_pinned(make_engine):
     assert served_by == set(pids)  # both batchers took work from the one queue
 
 
+def test_a_pinned_batcher_sizes_its_numeric_thread_pools_to_its_cpus(make_engine, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cpus = sorted(psutil.Process().cpu_affinity())
+    pinned = make_engine("pools", backend="helpers:thread_pools", cpus=[cpus[:1]])
+    free = make_engine("nopin", backend="helpers:thread_pools")
+    with engine.Client(pinned.name) as c, engine.Client(free.name) as d:
+        assert (c.infer(X, timeout=30) == 1).all()  # one CPU: one thread a pool
+        assert (d.infer(X, timeout=30) == 0).all()  # not pinned: the libraries' own choice
+
+
+def test_a_thread_pool_size_set_by_the_user_is_kept(make_engine, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    cpus = sorted(psutil.Process().cpu_affinity())
+    eng = make_engine("poolset", backend="helpers:thread_pools", cpus=[cpus[:1]])
+    with engine.Client(eng.name) as c:
+        assert (c.infer(X, timeout=30) == 3).all()
+
+
 def test_an_idle_engine_does_not_spin(make_engine):
     eng = make_engine("idle", max_delay_ms=5.0)
     with engine.Client(eng.name) as c:
