@@ -238,6 +238,12 @@ def status_table(s: dict) -> str:
         ("faults", f"{s['batcher_restarts_total']} batcher restarts, "
                    f"{s['reclaimed_slots_total']} slots reclaimed from dead clients"),
     ]
+    if s["steps_total"]:  # an iterative engine's running batches and streams
+        t, c = s["ttft_ms"], s["chunk_ms"]
+        rows.append(("streams", f"{s['active']} running, {s['steps_total']} steps, "
+                                f"{s['chunks_total']} chunks; first chunk p50 {t['p50']:.3f} ms "
+                                f"p99 {t['p99']:.3f} ms; between chunks p50 {c['p50']:.3f} ms "
+                                f"p99 {c['p99']:.3f} ms"))
     if s["corrupt_total"]:  # any at all: no engine process writes such a value
         rows.append(("CORRUPT", f"{s['corrupt_total']} values in the segment failed their "
                                 f"checks: another process writes into it"))

@@ -946,3 +946,13 @@ def test_admission_refuses_at_once_what_cannot_get_its_first_chunk_before_its_de
         running.close()
     stats = wait_idle(eng)
     assert stats["overloaded_total"] == 1 and stats["requests_total"] == 2
+
+
+def test_status_shows_an_iterative_engines_streams(make_engine, log):
+    from engine import cli
+    eng = scripted(make_engine, "status", log, max_steps=8)
+    with engine.Client(eng.name) as c:
+        assert ints(c.stream(request(1, 5), timeout=60)) == chunks(1, 5)
+    stats = wait_idle(eng)
+    text = cli.status_table({**stats, "state": "running", "supervisor_pid": os.getpid()})
+    assert f"0 running, {stats['steps_total']} steps, 5 chunks" in text
