@@ -368,6 +368,8 @@ int sb_acquire_wait(sb_ring *r, uint32_t pid, uint64_t start_ticks,
 
 /* waits and wakes (wait.c) */
 uint32_t sb_done_seq(const sb_ring *r);
+/* requests settled outside a finished batch: their async waiters are woken */
+void sb_wake_done(sb_ring *r);
 int sb_wait_done_seq(sb_ring *r, uint32_t seen, int64_t timeout_ns);
 void sb_request_evict(sb_ring *r);
 uint32_t sb_evict_seq(const sb_ring *r);

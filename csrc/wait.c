@@ -114,6 +114,11 @@ uint32_t sb_pingpong(void *word, uint32_t role, uint32_t rounds, uint64_t spin_n
 	return rounds;
 }
 
+void sb_wake_done(sb_ring *r)
+{
+	bump_done_seq(r);
+}
+
 uint32_t sb_done_seq(const sb_ring *r)
 {
 	return sb_load_acquire(&hdr(r)->done_seq);

@@ -11,7 +11,7 @@ from typing import Optional
 import numpy as np
 
 from engine import ring, waiting
-from engine.errors import EngineError
+from engine.errors import EngineCorrupt, EngineError
 
 
 def take(seg, slot: int, gen: int, outs: Optional[tuple]):
@@ -47,6 +47,7 @@ def chunk_count(seg, slot: int, gen: int) -> int:
     in C against the engine's max_steps; EngineCorrupt beyond it)."""
     code, word = seg.ring.wait_chunks(slot, gen, ring.CHUNKS_END - 1, 0)
     if code != ring.OK:
+        seg.ring.release_slot(slot, gen)  # settled (the caller saw it): ours to free
         raise EngineCorrupt(f"engine {seg.name!r}: expected the request's chunk count within "
                             f"max_steps {seg.steps}, got one beyond it (code {code})")
     return word & (ring.CHUNKS_END - 1)

@@ -127,10 +127,15 @@ class Client:
             if not future.done():
                 future.set_exception(error) if error is not None else future.set_result(value)
 
+        def deliver(value, error):  # (on the completion thread) a closed loop wants nothing
+            try:
+                loop.call_soon_threadsafe(settle, value, error)
+            except RuntimeError:
+                pass
+
         self._completer_for().add(futures.Ticket(
-            self, seg, slot, gen, deadline, timeout,
-            lambda v: loop.call_soon_threadsafe(settle, v, None),
-            lambda e: loop.call_soon_threadsafe(settle, None, e)))
+            self, seg, slot, gen, deadline, timeout, lambda v: deliver(v, None),
+            lambda e: deliver(None, e)))
         return await future
 
     def stream(self, x: Tensors, timeout: Optional[float] = 1.0, max_steps: Optional[int] = None,

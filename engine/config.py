@@ -240,8 +240,9 @@ class EngineConfig:
 
     @property
     def lends_rows(self) -> bool:
-        """request() lends a slot's row: one unnamed input of a fixed shape."""
-        return not self.named and self.var_axis is None
+        """request() lends a slot's row: one unnamed input of a fixed shape, and
+        one answer (an iterative engine's streams)."""
+        return not self.named and self.var_axis is None and not self.iterative
 
     def input_spec(self) -> str:
         if self.named:

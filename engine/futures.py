@@ -18,6 +18,7 @@ does not import client.py, which imports it).
 import collections
 import concurrent.futures
 import itertools
+import logging
 import os
 import threading
 import weakref
@@ -29,6 +30,8 @@ from engine import answers, ring, waiting
 
 # a Future's states, as concurrent.futures names them
 _PENDING, _FINISHED = concurrent.futures._base.PENDING, concurrent.futures._base.FINISHED
+
+log = logging.getLogger("shmbatch")
 
 # How often an idle evictor checks that its client still exists.
 EVICTOR_SLICE_NS = 1_000_000_000
@@ -189,6 +192,7 @@ class Completer(threading.Thread):
         self.idle = False
         self.closed = False
         self.checked_ns = ring.now_ns()
+        self.lives = None  # the engine's liveness as this pass probed it (None: not yet)
 
     def add(self, request) -> None:
         self.incoming.append(request)
@@ -242,23 +246,32 @@ class Completer(threading.Thread):
             gens = np.fromiter((t.gen for _, t in group), np.uint32, len(group))
             codes = np.empty(len(group), np.int32)
             seg.ring.poll(slots, gens, codes)
-            lives = None
+            self.lives = None  # probed at most once a pass, and only if needed
             for (key, t), code in zip(group, codes.tolist()):
-                if code != ring.EBUSY or getattr(t, "streams", False):
-                    settled = t.try_settle()  # (a stream: has its chunk word moved?)
-                elif t.deadline is not None and now >= t.deadline:
-                    settled = t.try_settle(waiting.timed_out(t.timeout))
-                else:
-                    if lives is None:  # probe at most once a slice: it costs 2 syscalls
-                        lives = now - self.checked_ns < waiting.LIVENESS_SLICE_NS
-                        if not lives:
-                            lives, self.checked_ns = waiting.engine_lives(seg), now
-                    settled = not lives and t.try_settle(waiting.engine_gone(self.client.name))
+                try:
+                    settled = self._settle_one(t, code, now, seg)
+                except Exception as e:  # this request's fault: the others are still settled
+                    log.error("engine %s: a request's completion raised %s: %s; dropped",
+                              self.client.name, type(e).__name__, e)
+                    waiting.give_up(seg, t.slot, t.gen, e)
+                    settled = True
                 if settled:
                     del self.pending[key]
                 elif t.deadline is not None:
                     next_deadline = min(next_deadline or t.deadline, t.deadline)
         return next_deadline
+
+    def _settle_one(self, t, code: int, now: int, seg) -> bool:
+        """Whether request t is over (settled now or before)."""
+        if code != ring.EBUSY or getattr(t, "streams", False):
+            return t.try_settle()  # (a stream: has its chunk word moved?)
+        if t.deadline is not None and now >= t.deadline:
+            return t.try_settle(waiting.timed_out(t.timeout))
+        if self.lives is None:  # a probe costs 2 syscalls: at most one a slice
+            self.lives = now - self.checked_ns < waiting.LIVENESS_SLICE_NS
+            if not self.lives:
+                self.lives, self.checked_ns = waiting.engine_lives(seg), now
+        return not self.lives and t.try_settle(waiting.engine_gone(self.client.name))
 
     def _fail_all(self, error) -> None:
         self._drain()

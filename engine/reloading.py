@@ -165,8 +165,10 @@ class Reload:
             for b in stragglers:
                 b.proc.kill()
                 b.proc.join(10)
+                if b.proc.is_alive():  # still in the kernel (a driver call): a later pass
+                    continue           # reaps it once it is gone, never while it may write
                 _retire(seg, engine, b, bound_s, batch_timeout_s, overran=True)
-        return True
+        return all(b.proc is None for b in old)
 
     def finish(self, engine: str) -> None:
         """Answers the caller: the new batchers serve (the epoch word is theirs)."""

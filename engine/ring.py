@@ -294,6 +294,10 @@ class Ring:
     def wait_evict(self, seen: int, timeout_ns: int) -> int:
         return lib.sb_wait_evict(self.r, seen, timeout_ns)
 
+    def wake_done(self) -> None:
+        """Wakes the async waiters of requests settled outside a finished batch."""
+        lib.sb_wake_done(self.r)
+
     def done_seq(self) -> int:
         return lib.sb_done_seq(self.r)
 

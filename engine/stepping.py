@@ -141,15 +141,18 @@ class Stepper:
                 continue
             start_ns = ring.now_ns()
             self.drop_expired(start_ns)
+            # the watchdog's stamp covers the join (a prefill may hang too) and the step
+            words[self.batch_start_word] = start_ns
             # retiring: no new claims, but what it claimed (or inherited) still joins
             joined = self.join(start_ns, state) if joins or self.retry else self.admit()
             if active.n:
                 self.step(joined, start_ns)
                 spin_ns = ring.SPIN_NS
                 continue
+            words[self.batch_start_word] = 0
             self.report(0)
-            if epoch > self.epoch and not self.retry:  # a retry is its own: no one else's
-                return RETIRED
+            if epoch > self.epoch and not self.retry and not self.waiting.n:
+                return RETIRED  # nothing of its own left: a retry or a claim is no one else's
             if not joins or self.waiting.n or self.retry:
                 continue
             ready, oldest_ns, cutoff_ns = self.last_claim
@@ -174,14 +177,16 @@ class Stepper:
                             b"its deadline passed while its answer streamed")
 
     def settle(self, group: Running, mask: np.ndarray, status: int, message: bytes,
-               left: bool = True) -> None:
+               left: bool = True, in_step: bool = False) -> None:
         """The requests of group where mask is True: answered (status OK) or
-        failed, freed if withdrawn; left (if they joined); dropped from group."""
+        failed, freed if withdrawn; left (if they joined); dropped from group.
+        Outside a step (whose end wakes them) their async waiters are woken."""
         n = group.n
         slots, gens = group.slots[:n][mask], group.gens[:n][mask]
         if left and group is self.active:
             self.leave(group.ids[:n][mask])
-        self.ring.complete_some(self.instance, slots, gens, status, message)
+        if self.ring.complete_some(self.instance, slots, gens, status, message) and not in_step:
+            self.ring.wake_done()
         group.keep(~mask)
 
     def leave(self, ids: np.ndarray) -> None:
@@ -205,6 +210,8 @@ class Stepper:
         room = self.max_active - active.n
         if room <= 0:
             return _NONE
+        if waiting.n:  # claimed before, over the budget then: they join first
+            return self.admit()
         if self.retry:  # a dead predecessor's request, alone in its first step
             if active.steps[:active.n].min(initial=1) == 0:
                 return _NONE
@@ -215,7 +222,7 @@ class Stepper:
                 return _NONE
             self.stage(np.array([slot], np.uint32), np.array([gen], np.uint32),
                        np.array([length], np.uint32))
-        elif not waiting.n:
+        else:
             if active.n and self.last_claim[0] == 0 and self.seen == self.claimed_seen:
                 return _NONE  # nothing was READY at the last claim, and nothing published since
             self.claimed_seen = self.seen
@@ -302,7 +309,6 @@ class Stepper:
     def step(self, joined: np.ndarray, start_ns: int) -> None:
         active, r = self.active, self.ring
         n = active.n
-        self.words[self.batch_start_word] = start_ns  # the watchdog's: a step is a batch
         self.report(n)
         slots, steps = active.slots[:n], active.steps[:n]
         try:
@@ -310,7 +316,7 @@ class Stepper:
             for region, out in zip(self.seg.out_regions, outputs):
                 region[slots, steps] = out
         except Exception as e:
-            self.settle(active, np.ones(n, bool), ring.STATUS_BACKEND, _message(e))
+            self.settle(active, np.ones(n, bool), ring.STATUS_BACKEND, _message(e), in_step=True)
             self.finish(joined, n, start_ns)
             return
         steps += 1
@@ -320,7 +326,7 @@ class Stepper:
         over = finished | (states != ring.CLAIMED)
         if over.any():
             # withdrawn ones are freed by the same completion (ABANDONED -> FREE)
-            self.settle(active, over, ring.STATUS_OK, b"")
+            self.settle(active, over, ring.STATUS_OK, b"", in_step=True)
         self.finish(joined, n, start_ns)
 
     def finish(self, joined: np.ndarray, n: int, start_ns: int) -> None:

@@ -116,3 +116,21 @@ def test_an_answered_future_carries_the_engines_stamps_in_order(make_engine):
     arrival, claim, done = f.stamps_ns
     assert before <= arrival <= claim <= done <= after
     assert done - claim >= 5_000_000  # the batch's own 5 ms
+
+
+def test_an_answer_for_an_event_loop_that_has_closed_leaves_the_completion_thread_serving(
+        make_engine, gate):
+    import asyncio
+    eng = make_engine("closedloop", backend="helpers:gated", backend_args={"gate": gate.name},
+                      input_shape=(4,), output_shape=(4,))
+    x = np.ones(4, np.float32)
+    with engine.Client(eng.name) as c:
+        async def given_up():  # its loop closes with the request still in the engine
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(c.infer_async(x, timeout=60), 0.01)
+        asyncio.run(given_up())
+        gate.open()
+        # the completion thread takes the answer (freeing its slot) for a loop that is gone
+        assert wait_until_no_slot_in_use(eng)
+        assert c._completer.is_alive()
+        assert np.array_equal(asyncio.run(c.infer_async(x, timeout=60)), x * 2 + 1)

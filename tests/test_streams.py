@@ -956,3 +956,23 @@ def test_status_shows_an_iterative_engines_streams(make_engine, log):
     stats = wait_idle(eng)
     text = cli.status_table({**stats, "state": "running", "supervisor_pid": os.getpid()})
     assert f"0 running, {stats['steps_total']} steps, 5 chunks" in text
+
+
+def test_a_chunk_count_the_ring_refuses_is_engine_corrupt_and_frees_the_slot():
+    import types
+    from engine import answers, ring
+    freed = []
+    fake = types.SimpleNamespace(wait_chunks=lambda *a: (ring.ECORRUPT, 0),
+                                 release_slot=lambda slot, gen: freed.append((slot, gen)))
+    seg = types.SimpleNamespace(ring=fake, name="x", steps=8)
+    with pytest.raises(engine.EngineCorrupt):
+        answers.chunk_count(seg, 3, 7)
+    assert freed == [(3, 7)]
+
+
+def test_a_lent_slot_is_refused_by_an_iterative_engine(make_engine, log):
+    eng = scripted(make_engine, "lent", log, max_steps=8)
+    with engine.Client(eng.name) as c:
+        with pytest.raises(engine.InvalidInput, match="request"):
+            c.request()
+        assert ints(c.stream(request(1, 3), timeout=60)) == chunks(1, 3)
