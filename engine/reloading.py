@@ -170,9 +170,24 @@ class Reload:
                 _retire(seg, engine, b, bound_s, batch_timeout_s, overran=True)
         return all(b.proc is None for b in old)
 
+    def watch_new(self, seg, engine: str, batch_timeout_s: Optional[float],
+                  kill_if_hung: Callable) -> None:
+        """Phase "retire" of an iterative engine, whose new batchers serve while
+        the old ones finish their streams: one that died has its requests
+        failed now (its number restarts once the reload ends); one that hangs
+        is killed."""
+        for b in self.new:
+            if b.proc is None:
+                continue
+            if not b.proc.is_alive():
+                _retire(seg, engine, b, 0.0, batch_timeout_s)
+            elif batch_timeout_s is not None:
+                kill_if_hung(b)
+
     def finish(self, engine: str) -> None:
         """Answers the caller: the new batchers serve (the epoch word is theirs)."""
-        self.result = {"epoch": self.epoch, "batcher_pids": [b.proc.pid for b in self.new]}
+        self.result = {"epoch": self.epoch,
+                       "batcher_pids": [b.proc.pid for b in self.new if b.proc is not None]}
         log.info("engine %s reloaded: epoch %d, batcher pids %s", engine, self.epoch,
                  self.result["batcher_pids"])
         self.done.set()
@@ -219,7 +234,7 @@ def _retire(seg, engine: str, b: Instance, bound_s: float, batch_timeout_s: Opti
                                         f"({why or 'exited'}) while serving this request"
                                         .encode())
     if why is not None:
-        log.warning("engine %s: retiring batcher %d (pid %d) %s; failed %d claimed "
+        log.warning("engine %s: batcher %d (pid %d), in a reload, %s; failed %d claimed "
                     "request(s)", engine, b.index, proc.pid, why, failed)
     seg.mark_batch(b.index, 0)
     r.set_word(ring.W_BATCHER_PID + b.index, 0)

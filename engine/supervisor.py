@@ -262,7 +262,8 @@ class Engine:
                     self._reload_posted = None
                     raise EngineUnavailable(f"engine {self.name!r} is not running") from None
             # the monitor may first finish a restart, then starts (start_timeout_s) and retires
-            bound = 2 * request.options.start_timeout_s + reloading.retire_bound_s(self.options, self.config.iterative) + 10
+            bound = (2 * request.options.start_timeout_s + 10
+                     + reloading.retire_bound_s(self.options, self.config.iterative))
             if not request.done.wait(bound):
                 if self._reload_posted is request:
                     self._reload_posted = None
@@ -283,9 +284,9 @@ class Engine:
         """Moves the reload on, if it can (Reload.step); once the new batchers
         serve, they are the engine's."""
         request = self._reload
-        if request.step(self._seg, self.name, self._instances,
-                        reloading.retire_bound_s(self.options, self.config.iterative), self.options.batch_timeout_s,
-                        self._set_epoch):
+        bound_s = reloading.retire_bound_s(self.options, self.config.iterative)
+        if request.step(self._seg, self.name, self._instances, bound_s,
+                        self.options.batch_timeout_s, self._set_epoch):
             self._instances, self.options = request.new, request.options
             self._reload = None
             request.finish(self.name)
@@ -352,6 +353,9 @@ class Engine:
             if self._reload is not None:
                 self._step_reload()
             retiring = self._reload is not None and self._reload.phase == "retire"
+            if retiring and self.config.iterative:  # the new batchers serve already
+                self._reload.watch_new(self._seg, self.name, self.options.batch_timeout_s,
+                                       self._kill_if_hung)
             for b in self._instances:
                 if b.proc is None or not b.proc.is_alive():
                     if not retiring:  # a retiring batcher's exit is the reload's to handle

@@ -976,3 +976,29 @@ def test_a_lent_slot_is_refused_by_an_iterative_engine(make_engine, log):
         with pytest.raises(engine.InvalidInput, match="request"):
             c.request()
         assert ints(c.stream(request(1, 3), timeout=60)) == chunks(1, 3)
+
+
+def test_a_new_batcher_that_dies_while_a_reload_overlaps_fails_its_streams_at_once(
+        make_engine, log, gate):
+    eng = scripted(make_engine, "reload-kill", log, gate=gate, max_steps=16, model={"version": 1})
+    with engine.Client(eng.name) as c:
+        old = c.stream(request(1, 8, HOLD, bits(0, 3)), timeout=120)
+        wait_held(log, 1, 0)
+        gate.open()
+        wait_held(log, 1, 3)  # the old batcher holds its stream: the reload cannot end
+        reload = threading.Thread(target=lambda: eng.reload(
+            backend_args={"log": log, "gate": gate.name, "version": 2}))
+        reload.start()
+        try:
+            wait_for(lambda: eng.segment.epoch() == 1, "the new batcher serving, the old retiring")
+            killed = c.stream(request(2, 8, KILL, 2), timeout=120)
+            with pytest.raises(engine.BackendError) as info:
+                ints(killed)
+            assert info.value.exc_type == "BatcherDied"
+            assert reload.is_alive()  # failed while the old batcher still held its stream
+        finally:
+            gate.open()
+            reload.join(120)
+        assert ints(old) == chunks(1, 8, version=1)
+        assert ints(c.stream(request(3, 3), timeout=120)) == chunks(3, 3, version=2)
+    assert not reload.is_alive()
