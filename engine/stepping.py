@@ -8,17 +8,16 @@ request's state between steps, by request id:
     leave(ids)                       finished, withdrawn, expired or failed
 
 Each iteration of a Stepper:
-1. drops what is over before its next step: requests past their deadline
-   (failed as expired after the chunks they had) and, seen by the last
-   step's publish, requests withdrawn by their client: leave(), then each
-   slot settled (failed, or freed);
+1. drops the requests past their deadline (failed as expired, after the
+   chunks they had): leave(), then each slot settled;
 2. joins the READY requests, most urgent first, up to max_batch_size active
    and the max_batch_tokens budget (a request reserves its input length +
    its max_steps from join to leave); join() is their prefill;
 3. steps every active request once, writes each one's chunk into its own
    slot (row k of its outputs is chunk k) and publishes the counts;
 4. answers the requests done (step said so, or at their max_steps) and
-   leaves them.
+   leaves them, with those their client withdrew (seen by this step's
+   publish: their slots are freed).
 
 With nothing running it sleeps on the ring's work word, and the flush rule
 decides when the first requests start (batcher.py). A request stays with
