@@ -161,6 +161,7 @@ class AsyncStream:
         self.stream, self.loop = stream, loop
         self.moved = asyncio.Event()
         self.over = False  # read by the completion thread: drop this ticket
+        self.failed = None  # the completion thread's error for it (its client closed)
 
     def __aiter__(self) -> "AsyncStream":
         return self
@@ -178,6 +179,10 @@ class AsyncStream:
                 raise
             if item is not _NOT_YET:
                 return item
+            if self.failed is not None:
+                error, self.failed = self.failed, None
+                self._end(error)  # raises, unless its answer came that instant
+                continue
             self.moved.clear()
             if s._poll():  # moved before the clear: read it
                 code, word = s.seg.ring.wait_chunks(s.slot, s.gen, s._word, 0)
@@ -219,9 +224,17 @@ class AsyncStream:
     streams = True
 
     def try_settle(self, error=None) -> bool:
-        """Wakes the loop when the chunk word moved; True once the stream is
-        over (the completer forgets it)."""
+        """Wakes the loop when the chunk word moved, or with error (its client
+        closed: the loop's side withdraws the request and raises it); True once
+        the stream is over for the completer, which then forgets it."""
         if self.over:
+            return True
+        if error is not None:
+            self.failed = error
+            try:
+                self.loop.call_soon_threadsafe(self.moved.set)
+            except RuntimeError:  # its loop is closed
+                self.stream.close()
             return True
         if self.stream._poll():
             try:

@@ -1002,3 +1002,22 @@ def test_a_new_batcher_that_dies_while_a_reload_overlaps_fails_its_streams_at_on
         assert ints(old) == chunks(1, 8, version=1)
         assert ints(c.stream(request(3, 3), timeout=120)) == chunks(3, 3, version=2)
     assert not reload.is_alive()
+
+
+def test_closing_the_client_ends_its_async_streams_with_engine_unavailable(make_engine, log, gate):
+    eng = scripted(make_engine, "closeasync", log, gate=gate, max_steps=16)
+    c = engine.Client(eng.name)
+
+    async def main():
+        got = []
+        with pytest.raises(engine.EngineUnavailable, match="closed"):
+            async for chunk in c.stream_async(request(1, 8, HOLD, bits(2)), timeout=60):
+                got.append(int(chunk))
+                if len(got) == 2:  # held before its third chunk: close the client meanwhile
+                    await asyncio.get_running_loop().run_in_executor(None, c.close)
+        return got
+
+    assert asyncio.run(main()) == chunks(1, 2)
+    gate.open()
+    assert wait_until_no_slot_in_use(eng)  # the batcher freed the withdrawn slot
+    assert len(left(log, 1)) == 1
