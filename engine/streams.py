@@ -184,8 +184,8 @@ class AsyncStream:
                 self._end(error)  # raises, unless its answer came that instant
                 continue
             self.moved.clear()
-            if s._poll():  # moved before the clear: read it
-                code, word = s.seg.ring.wait_chunks(s.slot, s.gen, s._word, 0)
+            code, word = s.seg.ring.wait_chunks(s.slot, s.gen, s._word, 0)
+            if code != ring.ETIMEOUT:  # moved before the clear: read it
                 self._read(code, word)
                 continue
             wait_ns = waiting.LIVENESS_SLICE_NS

@@ -26,11 +26,10 @@ from typing import List, Optional
 
 import numpy as np
 
-from engine import Client, Engine, decoder, ring
+from engine import Client, Engine, decoder, processes, ring
 from engine.tools import load as loads
 
 STATIC, CONTINUOUS = "static", "continuous"
-BLAS_THREADS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 @dataclasses.dataclass
@@ -337,7 +336,7 @@ def cost_line(r: dict) -> str:
 def run(setup: Setup, out_dir: Optional[str] = None) -> dict:
     # the model's matrices are small: a second BLAS thread per batcher would only spin
     # against the clients (the batchers start with this environment)
-    for var in BLAS_THREADS:
+    for var in processes.THREAD_POOLS:
         os.environ.setdefault(var, "1")
     model = decoder.Decoder(**setup.model)
     capacity = static_capacity_rps(setup, setup.seed)
