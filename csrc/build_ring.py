@@ -1,8 +1,8 @@
 """cffi builder for engine._ringc (API, out-of-line mode).
 
 The cdef is the part of ring.h between its "cdef" markers, so the header is
-the one contract: cffi reads the same prototypes and constants that ring.c
-is compiled against.
+the one contract: cffi reads the same prototypes and constants that csrc/*.c
+are compiled against.
 """
 import os
 import pathlib

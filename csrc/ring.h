@@ -164,6 +164,18 @@
  *   failed (SB_STATUS_CORRUPT), a stray bitmap bit cleared, a count beyond a
  *   caller's buffer cut to it. Caller buffers carry their capacity.
  *
+ * FILES, from the bottom up: each includes only files listed before it,
+ * so the includes have no cycle:
+ *   ring.h      this contract: the layout, the constants, the exported API
+ *   atomics.h   the atomic wrappers, one per memory order
+ *   futex.h/.c  the clock, futex calls, bounded spin, sequence words: on
+ *               any u32 word, nothing of the segment (ring.h, atomics.h)
+ *   segment.h   the structs drawn above, slot addressing, shared steps
+ *               (ring.h, atomics.h, futex.h)
+ *   setup.c client.c wait.c admission.c claim.c complete.c stats.c
+ *   stream.c reap.c: one role each, as the API below groups them
+ *               (segment.h; wait.c names futex.h as well)
+ *
  * C holds no policy: when to flush, whether a process is dead, what an error
  * means and whether a dead batcher's batch is retried are decided in Python
  * (engine/). It measures (histograms, the service-time fit) and applies the
@@ -377,9 +389,10 @@ int sb_wait_evict(sb_ring *r, uint32_t seen, int64_t timeout_ns);
 uint32_t sb_work_seq(const sb_ring *r);
 int sb_wait_work(sb_ring *r, uint32_t seen, int64_t timeout_ns, uint64_t spin_ns);
 void sb_wake_work(sb_ring *r);
-/* time; and the floor a cross-process request cannot beat: a futex
- * ping-pong on word[0] of a shared mapping (role 0 pings, role 1 answers),
- * each side spinning up to spin_ns before it sleeps, as the ring's waits do */
+/* time (futex.c, under wait.c's waits); and the floor a cross-process
+ * request cannot beat: a futex ping-pong on word[0] of a shared mapping
+ * (role 0 pings, role 1 answers), each side spinning up to spin_ns before
+ * it sleeps, as the ring's waits do */
 uint64_t sb_now_ns(void);
 void sb_spin_ns(uint64_t ns);
 uint32_t sb_pingpong(void *word, uint32_t role, uint32_t rounds, uint64_t spin_ns,

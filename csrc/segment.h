@@ -10,6 +10,10 @@
  * a shift or a divisor is loaded once (relaxed atomic: no re-fetch after
  * the check) and checked against a private bound; one that fails is counted
  * (corrupt()) and nothing is derived from it.
+ *
+ * The includes point down: every .c but futex.c includes this; this
+ * includes futex.h (the clock, futex calls and sequence words, which know
+ * nothing of the segment), atomics.h and ring.h, none of which includes it.
  */
 #ifndef SB_SEGMENT_H
 #define SB_SEGMENT_H
@@ -17,6 +21,7 @@
 #define _GNU_SOURCE
 #include "ring.h"
 #include "atomics.h"
+#include "futex.h" /* the clock and the futex calls below the segment */
 
 #include <stddef.h>
 #include <stdint.h>
@@ -268,15 +273,9 @@ static inline uint64_t sat_mul(uint64_t a, uint64_t b)
 	return __builtin_mul_overflow(a, b, &p) ? UINT64_MAX : p;
 }
 
-/* ---- shared steps (wait.c, client.c, complete.c, admission.c) ---- */
+/* ---- shared steps (client.c, complete.c, stats.c; the futex and clock
+ * primitives they wake and sleep with are futex.h's) ---- */
 
-int futex_wait(uint32_t *addr, uint32_t expected, int64_t timeout_ns);
-void futex_wake(uint32_t *addr, int n);
-/* a sequence word with a count of its sleepers (done_seq, free_seq,
- * evict_seq) */
-void seq_bump(uint32_t *seq, uint32_t *sleepers);
-int seq_wait(uint32_t *seq, uint32_t *sleepers, uint32_t seen, int64_t timeout_ns);
-uint32_t spin_while32(const uint32_t *word, uint32_t seen, uint64_t spin_ns);
 /* every transition to FREE ends here */
 void slot_freed(sb_ring *r, uint32_t slot);
 /* a CLAIMED or ABANDONED slot of `batcher` answered (DONE or FAILED with

@@ -1,118 +1,16 @@
 /*
- * wait.c - time, futexes and the sequence words every role sleeps on.
+ * wait.c - the segment's sequence words every role sleeps on: done_seq
+ * (async waiters), evict_seq (evictors) and work_seq (batchers), built on
+ * futex.c's primitives.
  *
  * A wake is a hint: every waiter re-reads the word it waits for. A sleeper
  * count beside a word (garbage in it costs a wasted wake or a missed one,
  * which the callers' bounded slices absorb) lets a waker skip the syscall.
  */
 #include "segment.h"
+#include "futex.h"
 
-#include <errno.h>
 #include <limits.h>
-#include <linux/futex.h>
-#include <sys/syscall.h>
-#include <time.h>
-#include <unistd.h>
-
-uint64_t sb_now_ns(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
-void sb_spin_ns(uint64_t ns)
-{
-	uint64_t end = sb_now_ns() + ns;
-	while (sb_now_ns() < end)
-		;
-}
-
-/* Sleeps while *addr == expected, at most timeout_ns (< 0: no limit).
- * Returns SB_ETIMEOUT only on expiry; EAGAIN/EINTR/wake all mean "re-check". */
-int futex_wait(uint32_t *addr, uint32_t expected, int64_t timeout_ns)
-{
-	struct timespec ts, *tp = NULL;
-	if (timeout_ns >= 0) {
-		ts.tv_sec = timeout_ns / 1000000000ll;
-		ts.tv_nsec = timeout_ns % 1000000000ll;
-		tp = &ts;
-	}
-	/* not FUTEX_PRIVATE: the word is shared between processes */
-	if (syscall(SYS_futex, addr, FUTEX_WAIT, expected, tp, NULL, 0) == -1 &&
-	    errno == ETIMEDOUT)
-		return SB_ETIMEOUT;
-	return SB_OK;
-}
-
-void futex_wake(uint32_t *addr, int n)
-{
-	syscall(SYS_futex, addr, FUTEX_WAKE, n, NULL, NULL, 0);
-}
-
-/* A sequence word with a count of its sleepers (done_seq, free_seq,
- * evict_seq): the waker bumps it and makes the wake syscall only while one
- * sleeps. seq_cst on both sides (Dekker): either the waker sees the sleeper
- * counted, or the sleeper's futex_wait sees the word moved on. */
-void seq_bump(uint32_t *seq, uint32_t *sleepers)
-{
-	sb_add_seq_cst(seq, 1);
-	if (sb_load_seq_cst(sleepers))
-		futex_wake(seq, INT_MAX);
-}
-
-int seq_wait(uint32_t *seq, uint32_t *sleepers, uint32_t seen, int64_t timeout_ns)
-{
-	sb_add_seq_cst(sleepers, 1);
-	int r = futex_wait(seq, seen, timeout_ns);
-	sb_sub_seq_cst(sleepers, 1);
-	return r;
-}
-
-/* Spins until *word != seen or spin_ns pass; returns the word's last value.
- * acquire: the caller reads what the word's writer published. */
-uint32_t spin_while32(const uint32_t *word, uint32_t seen, uint64_t spin_ns)
-{
-	uint32_t cur = sb_load_acquire(word);
-	if (cur != seen || !spin_ns)
-		return cur;
-	uint64_t end = sb_now_ns() + spin_ns;
-	do {
-		for (int i = 0; i < 64 && cur == seen; i++) {
-			sb_cpu_relax();
-			cur = sb_load_acquire(word);
-		}
-	} while (cur == seen && sb_now_ns() < end);
-	return cur;
-}
-
-uint32_t sb_pingpong(void *word, uint32_t role, uint32_t rounds, uint64_t spin_ns,
-		     uint64_t *round_trip_ns)
-{
-	uint32_t *w = word;
-	for (uint32_t r = 0; r < rounds; r++) {
-		uint32_t ping = 2 * r + 1, pong = 2 * r + 2;
-		uint64_t t0 = sb_now_ns();
-		if (role == 0) { /* release/acquire: the same pairing as publish/claim */
-			sb_store_release(w, ping);
-			futex_wake(w, 1);
-		}
-		uint32_t want = role == 0 ? pong : ping;
-		uint32_t cur = sb_load_acquire(w);
-		if (cur != want)
-			cur = spin_while32(w, cur, spin_ns);
-		for (; cur != want; cur = sb_load_acquire(w))
-			if (futex_wait(w, cur, 1000000000ll) == SB_ETIMEOUT)
-				return r; /* the peer is gone: stop, bounded */
-		if (role == 1) {
-			sb_store_release(w, pong);
-			futex_wake(w, 1);
-		} else if (round_trip_ns) {
-			round_trip_ns[r] = sb_now_ns() - t0;
-		}
-	}
-	return rounds;
-}
 
 void sb_wake_done(sb_ring *r)
 {
@@ -121,6 +19,9 @@ void sb_wake_done(sb_ring *r)
 
 uint32_t sb_done_seq(const sb_ring *r)
 {
+	/* acquire: pairs with seq_bump's seq_cst add, which every settler makes
+	 * after its CASes: a waiter that sees the new value sees those slots
+	 * settled */
 	return sb_load_acquire(&hdr(r)->done_seq);
 }
 
@@ -136,6 +37,8 @@ void sb_request_evict(sb_ring *r)
 
 uint32_t sb_evict_seq(const sb_ring *r)
 {
+	/* acquire: as sb_done_seq's, pairs with seq_bump's seq_cst add: what
+	 * the asking client wrote before it is visible to the evictor */
 	return sb_load_acquire(&hdr(r)->evict_seq);
 }
 
@@ -168,6 +71,8 @@ int sb_wait_work(sb_ring *r, uint32_t seen, int64_t timeout_ns, uint64_t spin_ns
 void sb_wake_work(sb_ring *r)
 {
 	sb_header *h = hdr(r);
+	/* seq_cst: as every other bump of work_seq (work_arrived); the wake is
+	 * made whether or not a batcher is counted asleep */
 	sb_add_seq_cst(&h->work_seq, 1);
 	futex_wake(&h->work_seq, INT_MAX);
 }
