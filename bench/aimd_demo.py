@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 import engine
-from engine import ring
+from engine.shm import ring
 from engine.tools import load
 
 

@@ -60,6 +60,11 @@ ENGINE = dict(backend="engine.backends:identity", input_shape=(16,), output_shap
 TIMEOUT_S = 60.0  # a request's deadline: 1 s (the default) is too short under callgrind
 
 
+def _spin_ns(engine):
+    """The tree's SPIN_NS (engine.shm.ring's, or engine.ring's in a tree before the sub-packages)."""
+    return (engine.shm.ring if hasattr(engine, "shm") else engine.ring).SPIN_NS
+
+
 def serve(name, wrapper, scenario):
     """Child: the engine's process. Serves until its stdin gives a line or closes."""
     import engine
@@ -67,7 +72,7 @@ def serve(name, wrapper, scenario):
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so that stop() runs
     eng = engine.Engine(name, **{**ENGINE, **SCENARIOS[scenario][2]}).start()
     try:
-        print("ready", engine.__file__, engine.ring.SPIN_NS, flush=True)
+        print("ready", engine.__file__, _spin_ns(engine), flush=True)
         sys.stdin.readline()
         print(json.dumps(eng.stats()["batch_size_counts"]), flush=True)
     finally:
@@ -79,6 +84,7 @@ def client(name, n, mode, processes):
     start-up serves them all), n requests each once its stdin gives a byte; each
     checks its answers and says done."""
     import numpy as np
+
     import engine
     me, children = 0, []
     for k in range(1, processes):
@@ -96,7 +102,7 @@ def client(name, n, mode, processes):
         # the first batch's one-off costs: fixed (a full batch, where only full ones flush)
         for f in [c.submit(x, timeout=TIMEOUT_S) for x in pool[:32 if mode == "submit" else 1]]:
             f.result()
-        os.write(1, f"ready {engine.__file__} {engine.ring.SPIN_NS}\n".encode())
+        os.write(1, f"ready {engine.__file__} {_spin_ns(engine)}\n".encode())
         os.read(0, 1)  # one byte each, so that every process reads its own
         ys = []
         for _ in range(n // DEPTH):
@@ -130,7 +136,8 @@ def parse(path):
     total = re.search(r"^totals: (\d+)", text, re.M)
     if cmd is None or total is None:
         raise RuntimeError(f"{path} has no totals: its process was killed before writing them")
-    role = ("batcher" if "engine.batcher import _entry" in cmd.group(1) else
+    # a tree before the package's sub-packages started engine.batcher
+    role = ("batcher" if re.search(r"engine(\.batching)?\.batcher import _entry", cmd.group(1)) else
             "client" if " _client " in cmd.group(1) else "other")
     return role, int(total.group(1)), set(re.findall(r"\S*_ringc\S*\.so", text))
 

@@ -33,8 +33,8 @@ import time
 import numpy as np
 import psutil
 
-from engine import metrics
-from engine.layout import Segment
+from engine.segment import Segment
+from engine.serving import metrics
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 X = np.arange(16, dtype=np.float32)
@@ -55,7 +55,7 @@ def serve(name: str, workers: int):
         if "ready" in line:
             url = re.search(r"http://(\S+)$", line.strip()).group(1)
             workers_now = [p for p in psutil.Process(proc.pid).children()
-                           if "engine.http_workers" in " ".join(p.cmdline())]
+                           if "engine.http.workers" in " ".join(p.cmdline())]
             return proc, url, workers_now
     raise TimeoutError("serve not ready within 120 s")
 

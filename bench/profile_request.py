@@ -16,11 +16,12 @@ import time
 import numpy as np
 
 import engine
-from engine import ring
-from engine.batcher import Batcher
 from engine.backends import identity
+from engine.batching.batcher import Batcher
 from engine.config import EngineConfig
-from engine.layout import Segment
+from engine.segment import Segment
+from engine.shm import ring
+from engine.tools import baselines
 
 N = 20000
 
@@ -82,7 +83,7 @@ def main():
                 c.infer(x)
                 lat.append(time.perf_counter_ns() - t)
     rows["MEASURED cross-process round trip p50 (Client.infer, identity batcher)"] = np.median(lat) / 1e3
-    floor = ring.pingpong_floor_ns(5000)
+    floor = baselines.pingpong_floor_ns(5000)
     rows["C futex ping-pong between 2 processes p50 (the floor, sleeping)"] = np.median(floor) / 1e3
     for k, v in rows.items():
         print(f"{v:9.2f} us  {k}")

@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 import engine
-from engine import ring
+from engine.shm import ring
 
 FIXED_MS = 200.0
 

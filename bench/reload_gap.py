@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 import engine
-from engine import ring
+from engine.shm import ring
 
 
 def offset(bias=0.0, fixed_ms=2.0, per_item_us=50.0):

@@ -4,8 +4,26 @@
     with engine.Client("demo") as c:
         y = c.infer(x)
     eng.stop()
+
+The package by floor, top down. A module imports from its own floor or from
+those below it, never up; on one floor, only within its own sub-package
+(tests/test_architecture.py reads this table):
+
+    floor 6  engine.cli       the `shmbatch` command (also `python -m engine`)
+    floor 5  engine.tools     bench and tune: the serving runtime never imports them
+    floor 4  engine.http      the HTTP front (Open Inference Protocol) and its workers
+    floor 3  engine.serving   the supervisor: batcher processes, restarts, reload, metrics
+    floor 2  engine.client    a process attached to an engine: requests and answers
+    floor 2  engine.batching  the batcher process: one-shot and iterative loops
+    floor 1  engine.shm       the C ring's binding, its constants, slot owners
+
+and on floor 1 beside engine.shm, the modules directly in engine/: errors,
+tensors, config, segment (a segment made from a config), spec (what a
+backend is), backends and decoder (the built-in models), launch (child
+processes). This module, the package's face, is above
+them all.
 """
-from engine.client import Client as Client
+from engine.client.client import Client as Client
 from engine.errors import BackendError as BackendError
 from engine.errors import EngineAlreadyRunning as EngineAlreadyRunning
 from engine.errors import EngineCorrupt as EngineCorrupt
@@ -16,7 +34,7 @@ from engine.errors import Overloaded as Overloaded
 from engine.errors import QueueFull as QueueFull
 from engine.errors import RequestTimeout as RequestTimeout
 from engine.errors import SegmentTooLarge as SegmentTooLarge
-from engine.supervisor import Engine as Engine
+from engine.serving.supervisor import Engine as Engine
 
 __all__ = ["Engine", "Client", "EngineError", "InvalidInput", "QueueFull", "Overloaded", "RequestTimeout",
            "BackendError", "EngineUnavailable", "EngineCorrupt", "EngineAlreadyRunning", "SegmentTooLarge"]

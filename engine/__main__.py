@@ -1,3 +1,3 @@
-from engine.cli import main
+from engine.cli.commands import main
 
 raise SystemExit(main())

@@ -1,26 +1,16 @@
-"""Built-in backends, and how a backend spec becomes a callable.
+"""The built-in backends: `engine.backends:synthetic`, `:identity` and `:onnx`.
 
-A backend factory runs once inside each batcher process and returns
-``fn(batch)`` (or ``fn(batch, lengths)`` for a variable dim). The batch is
-valid only during the call: it may be a view of the shared segment.
+Each is a factory (engine.spec): it runs once inside each batcher process and
+returns ``fn(batch)`` (or ``fn(batch, lengths)`` for a variable dim). The
+batch is valid only during the call: it may be a view of the shared segment.
 """
-import importlib
 import os
-from typing import Any, Callable, Dict, Optional, Sequence, Union
+from typing import Any, Optional, Sequence
 
-import numpy as np
-
-from engine import ring
-from engine.tensors import BadResult
-
-# What a backend is called with and returns: an array whose first dim counts
-# the batch's requests, or with named tensors a dict of such arrays.
-Batch = Union[np.ndarray, Dict[str, np.ndarray]]
-# A backend: fn(batch) -> Batch, or fn(batch, lengths) when an input has a
-# variable dim (lengths: the requests' real lengths, per tensor with names).
-Backend = Callable[..., Any]
-# A factory: called once in each batcher process with **backend_args.
-Factory = Callable[..., Backend]
+from engine.shm import ring
+from engine.spec import Backend as Backend
+from engine.spec import Batch as Batch
+from engine.spec import Factory as Factory
 
 
 def synthetic(fixed_ms: float = 2.0, per_item_us: float = 100.0,
@@ -60,53 +50,6 @@ def identity() -> Backend:
         return batch
 
     return run
-
-
-def batched(fn: Backend, config) -> Callable[[list, Optional[list]], tuple]:
-    """fn as a batcher calls it: on the batch's tensors in spec order (and,
-    with variable dims, the real lengths of those tensors), returning its
-    outputs in spec order. The single-array form's backend takes and returns
-    one array; named tensors' a dict of them."""
-    if not config.named:
-        def call_one(batch: list, lengths: Optional[list]) -> tuple:
-            return (fn(batch[0]) if lengths is None else fn(batch[0], lengths[0]),)
-        return call_one
-    ins = [s.name for s in config.input_specs]
-    var = [s.name for s in config.input_specs if s.var_axis is not None]
-    outs = [s.name for s in config.output_specs]
-
-    def call_named(batch: list, lengths: Optional[list]) -> tuple:
-        named = dict(zip(ins, batch))
-        result = fn(named) if lengths is None else fn(named, dict(zip(var, lengths)))
-        if not isinstance(result, dict):
-            raise BadResult(f"expected a dict of outputs {outs}, got {type(result).__name__}")
-        missing = [name for name in outs if name not in result]
-        if missing:
-            raise BadResult(f"expected outputs {outs}, got {sorted(result, key=str)} "
-                            f"(missing {missing})")
-        return tuple(result[name] for name in outs)
-    return call_named
-
-
-def check_spec(spec: Union[str, Factory]) -> None:
-    """ValueError unless spec is a "module:factory" string or a callable (nothing imported)."""
-    if callable(spec):
-        return
-    module, sep, attr = str(spec).partition(":")
-    if not sep or not module or not attr:
-        raise ValueError(f"backend must be 'module:factory' or a callable, got {spec!r}")
-
-
-def resolve(spec: Union[str, Factory]) -> Factory:
-    """A "module:factory" string or a zero-argument callable -> the factory."""
-    check_spec(spec)
-    if callable(spec):
-        return spec
-    module, _, attr = str(spec).partition(":")
-    factory = getattr(importlib.import_module(module), attr)
-    if not callable(factory):
-        raise ValueError(f"backend {spec!r} is not callable")
-    return factory
 
 
 def onnx(path: str, providers: Optional[Sequence[str]] = None,

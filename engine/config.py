@@ -13,8 +13,9 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from engine import backends, ring, tensors
+from engine import spec, tensors
 from engine.errors import InvalidInput
+from engine.shm import codes
 from engine.tensors import TensorSpec, describe
 
 NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}\Z")
@@ -82,8 +83,8 @@ class EngineConfig:
                 raise ValueError("named inputs take their bounds from max_input_shapes; "
                                  "input_shape and max_input_shape are the single-array form's")
             ins, outs = tensors.named_specs(self.inputs, self.outputs, self.max_input_shapes)
-            if len(ins) + len(outs) > ring.MAX_TENSORS:
-                raise ValueError(f"an engine has at most {ring.MAX_TENSORS} tensors (inputs and "
+            if len(ins) + len(outs) > codes.MAX_TENSORS:
+                raise ValueError(f"an engine has at most {codes.MAX_TENSORS} tensors (inputs and "
                                  f"outputs), got {len(ins)} + {len(outs)}")
             # stored as plain JSON-able values; the specs are derived
             put("inputs", {t.name: [t.dtype, list(t.shape)] for t in ins})
@@ -114,8 +115,8 @@ class EngineConfig:
                               self.max_input_shape or self.input_shape),)
             outs = (TensorSpec("", self.output_dtype, self.output_shape, self.output_shape),)
         put("iterative", bool(self.iterative))
-        if not 1 <= int(self.max_steps) <= ring.MAX_STEPS:
-            raise ValueError(f"max_steps must be in 1..{ring.MAX_STEPS}, got {self.max_steps}")
+        if not 1 <= int(self.max_steps) <= codes.MAX_STEPS:
+            raise ValueError(f"max_steps must be in 1..{codes.MAX_STEPS}, got {self.max_steps}")
         put("max_steps", int(self.max_steps))
         if self.iterative:  # an output's row holds every chunk of an answer
             outs = tuple(dataclasses.replace(t, max_shape=(self.max_steps, *t.shape)) for t in outs)
@@ -125,15 +126,15 @@ class EngineConfig:
             if int(getattr(self, key)) < low:
                 raise ValueError(f"{key} must be >= {low}, got {getattr(self, key)}")
             put(key, int(getattr(self, key)))
-        if self.queue_capacity > ring.MAX_CAPACITY:
-            raise ValueError(f"queue_capacity must be <= {ring.MAX_CAPACITY}, got {self.queue_capacity}")
+        if self.queue_capacity > codes.MAX_CAPACITY:
+            raise ValueError(f"queue_capacity must be <= {codes.MAX_CAPACITY}, got {self.queue_capacity}")
         if self.max_batch_size > self.queue_capacity:
             raise ValueError(f"max_batch_size ({self.max_batch_size}) must be <= "
                              f"queue_capacity ({self.queue_capacity})")
-        if self.instances > ring.MAX_INSTANCES:
-            raise ValueError(f"instances must be <= {ring.MAX_INSTANCES}, got {self.instances}")
-        if not 1 <= int(self.priority_levels) <= ring.MAX_PRIORITIES:
-            raise ValueError(f"priority_levels must be in 1..{ring.MAX_PRIORITIES}, "
+        if self.instances > codes.MAX_INSTANCES:
+            raise ValueError(f"instances must be <= {codes.MAX_INSTANCES}, got {self.instances}")
+        if not 1 <= int(self.priority_levels) <= codes.MAX_PRIORITIES:
+            raise ValueError(f"priority_levels must be in 1..{codes.MAX_PRIORITIES}, "
                              f"got {self.priority_levels}")
         put("priority_levels", int(self.priority_levels))
         if self.slo_ms is not None:
@@ -160,8 +161,8 @@ class EngineConfig:
         """allowed_batch_sizes, length_buckets and max_batch_tokens, validated."""
         if self.allowed_batch_sizes is not None:
             sizes = tuple(sorted({int(n) for n in self.allowed_batch_sizes}))
-            if int(self.max_batch_size) > ring.MAX_TAKE:
-                raise ValueError(f"allowed_batch_sizes needs max_batch_size <= {ring.MAX_TAKE}, "
+            if int(self.max_batch_size) > codes.MAX_TAKE:
+                raise ValueError(f"allowed_batch_sizes needs max_batch_size <= {codes.MAX_TAKE}, "
                                  f"got {self.max_batch_size}")
             if not sizes or sizes[0] < 1 or sizes[-1] > int(self.max_batch_size):
                 raise ValueError(f"allowed_batch_sizes must be sizes in 1..max_batch_size "
@@ -188,8 +189,8 @@ class EngineConfig:
         if self.length_buckets is not None:
             bounds = sorted({int(b) for b in self.length_buckets})
             buckets = len(bounds) + (bool(bounds) and bounds[-1] < top)  # top is appended
-            if not bounds or bounds[0] < 1 or bounds[-1] > top or buckets > ring.MAX_BUCKETS:
-                raise ValueError(f"length_buckets must be at most {ring.MAX_BUCKETS} bounds in "
+            if not bounds or bounds[0] < 1 or bounds[-1] > top or buckets > codes.MAX_BUCKETS:
+                raise ValueError(f"length_buckets must be at most {codes.MAX_BUCKETS} bounds in "
                                  f"1..{top} (the largest variable bound), got "
                                  f"{list(self.length_buckets)}")
             if bounds[-1] < top:
@@ -252,7 +253,7 @@ class EngineConfig:
     # -- a request and its answer, as the caller gives and gets them -------------
     # Inside the engine both are tensors in spec order (a tuple of arrays); the
     # single-array form is one array, named tensors a dict. These are the only
-    # places that tell the two apart (the backend's call is backends.batched's).
+    # places that tell the two apart (the model's side is batching.model_call's).
     def check_input(self, x) -> Tuple[tuple, tuple]:
         """(arrays, real lengths along each one's variable dim, or 0), in spec
         order; InvalidInput otherwise."""
@@ -296,6 +297,15 @@ class EngineConfig:
         if self._output_names is None:
             return outputs[0]
         return dict(zip(self._output_names, outputs))
+
+    def request_of(self, by_name: dict):
+        """The caller's form of a request given by spec name (the single-array
+        form's one tensor is named "")."""
+        return dict(by_name) if self.named else by_name[""]
+
+    def by_name(self, answer) -> dict:
+        """An answer in the caller's form as its tensors by spec name."""
+        return answer if self.named else {"": answer}
 
     @property
     def steps(self) -> int:
@@ -344,7 +354,7 @@ class EngineOptions:
                                   "finds the ring full reclaims them at once)")
 
     def __post_init__(self):
-        backends.check_spec(self.backend)
+        spec.check_spec(self.backend)
         object.__setattr__(self, "backend_args", dict(self.backend_args or {}))
         if self.batch_timeout_s is not None and not self.batch_timeout_s > 0:
             raise ValueError(f"batch_timeout_s must be > 0 or None, got {self.batch_timeout_s}")

@@ -4,7 +4,7 @@ This is the only module that knows where things are in the segment: it asks
 the C ring for each region's offset (csrc/ring.h draws the layout) and builds
 the numpy views of the input and output regions over them. It also decides
 keeps the settings' JSON copy (engine.config) in the segment's header;
-whether a segment fits /dev/shm is engine.shm_sizing's.
+whether a segment fits /dev/shm is engine.shm.sizing's.
 """
 import fcntl
 import mmap
@@ -15,10 +15,16 @@ import threading
 import numpy as np
 import posix_ipc
 
-from engine import ring, shm_sizing
 from engine.config import NAME_RE, EngineConfig
-from engine.errors import EngineAlreadyRunning, EngineCorrupt, EngineUnavailable, SegmentTooLarge
-from engine.shm_sizing import size_text
+from engine.errors import (
+    EngineAlreadyRunning,
+    EngineCorrupt,
+    EngineUnavailable,
+    SegmentTooLarge,
+)
+from engine.shm import codes, ring, sizing
+from engine.shm.sizing import size_text
+
 
 def segment_name(name: str) -> str:
     return f"/shmbatch-{name}"
@@ -27,7 +33,7 @@ def segment_name(name: str) -> str:
 def settings(mapping, where: str) -> EngineConfig:
     """The engine's settings, as its creator wrote them into the header;
     EngineCorrupt if they no longer parse."""
-    blob = bytes(mapping[ring.OFF_CONFIG:ring.OFF_CONFIG + ring.CONFIG_BYTES]).rstrip(b"\0")
+    blob = bytes(mapping[codes.OFF_CONFIG:codes.OFF_CONFIG + codes.CONFIG_BYTES]).rstrip(b"\0")
     try:
         return EngineConfig.from_json(blob)
     except Exception as e:  # any way bytes fail to be settings: JSON, UTF-8, a knob's check
@@ -73,11 +79,11 @@ class Segment:
             self.ring = ring.Ring(mapping)
             size = mapping.size()
             code = (self.ring.attach_header if header_only else self.ring.attach)(size)
-            if code != ring.OK:
+            if code != codes.OK:
                 self._close_mapping()
-                if code == ring.EVERSION:
+                if code == codes.EVERSION:
                     raise EngineUnavailable(f"{shm.name} is not a shmbatch segment of layout "
-                                            f"version {ring.LAYOUT_VERSION}")
+                                            f"version {codes.LAYOUT_VERSION}")
                 raise EngineCorrupt(f"{shm.name}: expected a shmbatch header whose geometry "
                                     f"fits its {size:,} B, got one that does not")
         geo = self.ring.geometry
@@ -116,6 +122,7 @@ class Segment:
         # shape, C-contiguous), one copies its answer out (one output)
         self.fused_in = n_in == 1 and cfg.input_specs[0].var_axis is None
         self.fused_out = len(cfg.output_specs) == 1 and not cfg.iterative
+        self.iterative = cfg.iterative  # a step model's engine: answers are chunk streams
         self.steps = cfg.steps  # an iterative engine's chunks per slot (0: one-shot)
         spec = cfg.output_specs[0]
         self.out_shape, self.out_dtype = tuple(spec.shape), np.dtype(spec.dtype)  # the first's
@@ -133,11 +140,11 @@ class Segment:
         if size == 0:
             raise ValueError(f"an engine of {config.queue_capacity} slots of "
                              f"{config.input_slot_bytes} B input is too large")
-        if len(config.to_json()) > ring.CONFIG_BYTES:
+        if len(config.to_json()) > codes.CONFIG_BYTES:
             raise ValueError(f"engine {config.name!r}'s settings take {len(config.to_json())} B "
-                             f"as JSON, more than the header's {ring.CONFIG_BYTES} B: fewer or "
+                             f"as JSON, more than the header's {codes.CONFIG_BYTES} B: fewer or "
                              f"shorter tensor names")
-        shm_sizing.check_fits(config, size)  # before anything is allocated
+        sizing.check_fits(config, size)  # before anything is allocated
         for _ in range(2):
             try:
                 shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
@@ -165,9 +172,9 @@ class Segment:
                             config.slot_bytes, config.in_place, config.priority_levels,
                             config.steps, secrets.randbits(64))
             blob = config.to_json()
-            if code != ring.OK or len(blob) > ring.CONFIG_BYTES:
+            if code != codes.OK or len(blob) > codes.CONFIG_BYTES:
                 raise ValueError(f"cannot lay out engine {config.name!r} (code {code})")
-            mapping[ring.OFF_CONFIG:ring.OFF_CONFIG + len(blob)] = blob
+            mapping[codes.OFF_CONFIG:codes.OFF_CONFIG + len(blob)] = blob
             return cls(shm, mapping, owner=True, created=raw)
         except BaseException:
             if raw is not None:
@@ -196,11 +203,11 @@ class Segment:
             shm.close_fd()
             raise EngineUnavailable(f"/dev/shm{segment_name(name)} is not owner-only "
                                     f"(uid {st.st_uid}, mode {st.st_mode & 0o777:o})")
-        if st.st_size < ring.HEADER_BYTES:
+        if st.st_size < codes.HEADER_BYTES:
             shm.close_fd()
             raise EngineUnavailable(f"engine {name!r} is not initialised yet")
         if header_only:
-            mapping = mmap.mmap(shm.fd, ring.HEADER_BYTES, flags=mmap.MAP_SHARED)
+            mapping = mmap.mmap(shm.fd, codes.HEADER_BYTES, flags=mmap.MAP_SHARED)
         elif not _locked(shm.fd):
             shm.close_fd()
             raise EngineUnavailable(f"engine {name!r} is not running (/dev/shm"
@@ -224,26 +231,26 @@ class Segment:
         return self._shm is None
 
     def engine_state(self) -> int:
-        return self.words[ring.W_ENGINE_STATE]
+        return self.words[codes.W_ENGINE_STATE]
 
     def epoch(self) -> int:
         """The epoch whose batchers serve (a reload moves it on; see batcher.run)."""
-        return self.words[ring.W_EPOCH]
+        return self.words[codes.W_EPOCH]
 
     def mark_batch(self, instance: int, claim_ns: int) -> None:
         """Says when the batch that batcher `instance` serves was claimed (0:
         none), for the supervisor's watchdog; a plain aligned store, no C call."""
-        self.words[ring.W_BATCH_START + instance] = claim_ns
+        self.words[codes.W_BATCH_START + instance] = claim_ns
 
     def set_batch_limit(self, limit: int) -> None:
-        self.words[ring.W_BATCH_LIMIT] = limit
+        self.words[codes.W_BATCH_LIMIT] = limit
 
     def batch_limit(self) -> int:
         """The batchers' current batch limit (0 before the engine sets it)."""
-        return self.words[ring.W_BATCH_LIMIT]
+        return self.words[codes.W_BATCH_LIMIT]
 
     def batch_started_ns(self, instance: int) -> int:
-        return self.words[ring.W_BATCH_START + instance]
+        return self.words[codes.W_BATCH_START + instance]
 
     def own_word(self, word: int, value: int) -> None:
         """Sets a header word that only the creator writes, and remembers it
@@ -260,10 +267,10 @@ class Segment:
         where it is used, and rewritten at the slot's next use."""
         changed = self.ring.restore_header()
         if self._settings is None:  # serialised once: this runs on every supervisor pass
-            self._settings = self.config.to_json().ljust(ring.CONFIG_BYTES, b"\0")
+            self._settings = self.config.to_json().ljust(codes.CONFIG_BYTES, b"\0")
         blob = self._settings
-        if self._mapping[ring.OFF_CONFIG:ring.OFF_CONFIG + ring.CONFIG_BYTES] != blob:
-            self._mapping[ring.OFF_CONFIG:ring.OFF_CONFIG + ring.CONFIG_BYTES] = blob
+        if self._mapping[codes.OFF_CONFIG:codes.OFF_CONFIG + codes.CONFIG_BYTES] != blob:
+            self._mapping[codes.OFF_CONFIG:codes.OFF_CONFIG + codes.CONFIG_BYTES] = blob
             changed += 1
         with self._owned_lock:
             for word, value in self._owned.items():

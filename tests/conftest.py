@@ -27,9 +27,9 @@ import psutil
 import pytest
 
 import engine
-from engine import ring
 from engine.config import EngineConfig
-from engine.layout import Segment
+from engine.segment import Segment
+from engine.shm import ring
 
 # A process forked by a test must not collect the objects it inherited: the
 # parent's garbage may hold an ONNX Runtime session, whose destructor waits
@@ -161,6 +161,12 @@ class Gate:
     def close(self) -> None:
         self._sem.unlink()
         self._sem.close()
+
+
+@pytest.fixture
+def log(tmp_path):
+    """The file a scripted step model (tests/step_models.py) logs its calls to."""
+    return str(tmp_path / "calls.log")
 
 
 @pytest.fixture

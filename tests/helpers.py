@@ -3,7 +3,7 @@ import os
 
 import numpy as np
 
-from engine import ring
+from engine.shm import ring
 
 
 def affine():

@@ -42,7 +42,7 @@ class Counting:
             self.state[i] = [start, steps or None]
 
     def step(self, ids):
-        from engine import ring
+        from engine.shm import ring
         if self.step_ms:
             ring.spin_ns(int(self.step_ms * 1e6))
         out, done = np.empty(len(ids), np.int64), np.zeros(len(ids), bool)

@@ -3,7 +3,6 @@ what each request sent, and a log of every batch the backend saw."""
 import json
 
 import numpy as np
-
 from helpers import behind_gate
 
 

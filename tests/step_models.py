@@ -1,4 +1,4 @@
-"""Step models of tests/test_streams.py (importable by batchers): answers that
+"""Step models of tests/test_iterative_*.py (importable by batchers): answers that
 can be checked exactly, and knobs that fail, hold or kill on marked inputs.
 
 A request is int64[4]: (tag, length, mark, arg). Its chunk k is
@@ -26,7 +26,7 @@ import os
 
 import numpy as np
 
-from engine import ring
+from engine.shm import ring
 
 TAG = 1000                 # chunk k of tag t: t * TAG + k (k < TAG)
 VERSION = 1_000_000_000    # the model's `version`, to tell reloaded weights apart

@@ -4,12 +4,12 @@ wait the refusal rests on (the C estimate is the Python oracle's)."""
 import os
 
 import numpy as np
+import oracles
 import pytest
+from conftest import raw_segment, wait_for
 
 import engine
-import oracles
-from engine import ring
-from conftest import raw_segment, wait_for
+from engine.shm import codes, ring
 
 X = np.arange(16, dtype=np.float32)
 MS = 1_000_000
@@ -90,9 +90,9 @@ def test_the_c_admission_estimate_is_the_python_one(seed):
     with raw_segment("estimate", queue_capacity=256, max_batch_size=16, priority_levels=2,
                      instances=instances) as seg:
         r = seg.ring
-        r.set_word(ring.W_INSTANCES, instances)
-        r.set_word(ring.W_FIT_FIXED_NS, int(rng.integers(1, 10 * MS)))  # as finish_batch does
-        r.set_word(ring.W_FIT_ITEM_PS, int(rng.integers(0, 500_000)) * 1000)
+        r.set_word(codes.W_INSTANCES, instances)
+        r.set_word(codes.W_FIT_FIXED_NS, int(rng.integers(1, 10 * MS)))  # as finish_batch does
+        r.set_word(codes.W_FIT_ITEM_PS, int(rng.integers(0, 500_000)) * 1000)
         seg.set_batch_limit(int(rng.integers(1, 17)))
         for _ in range(int(rng.integers(0, 200))):  # queued, at either priority
             _, slot, gen = r.acquire(os.getpid(), 0)

@@ -3,7 +3,7 @@ read: the limit grows by one and is cut on a miss; the fit recovers a linear
 cost model, skips its warm-up and is not locked up by one stalled batch."""
 import pytest
 
-from engine import admission, aimd
+from engine.batching import admission, aimd
 
 MS = 1_000_000
 

@@ -4,9 +4,9 @@ import threading
 
 import numpy as np
 import pytest
+from conftest import unique_name, wait_for
 
 import engine
-from conftest import unique_name, wait_for
 
 X = np.arange(16, dtype=np.float32)
 

@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from engine import cli
+from engine.cli import commands
 from engine.tools import bench, load, procs
 
 
@@ -61,12 +61,12 @@ def test_theoretical_capacity_is_the_seed_cost_model():
 
 
 def test_backend_args_read_as_toml_values():
-    assert cli.key_values(["fixed_ms=1.0", "n=3", 'name="x"', "name2=x", "flag=true"]) == \
+    assert commands.key_values(["fixed_ms=1.0", "n=3", 'name="x"', "name2=x", "flag=true"]) == \
         {"fixed_ms": 1.0, "n": 3, "name": "x", "name2": "x", "flag": True}
 
 
 def test_a_small_bench_run_writes_the_documented_json_and_a_plot(tmp_path):
-    code = cli.main(["bench", "--backend", "engine.backends:identity", "--batch-sizes", "1,4",
+    code = commands.main(["bench", "--backend", "engine.backends:identity", "--batch-sizes", "1,4",
                      "--clients", "2", "--rate", "400", "--requests", "80", "--out", str(tmp_path)])
     assert code == 0
     result = json.loads((tmp_path / "bench.json").read_text())
@@ -118,7 +118,7 @@ def test_tune_never_recommends_a_delay_that_lone_requests_would_wait_for_nothing
 
 
 def test_tune_measures_the_synthetic_backend(tmp_path):
-    code = cli.main(["tune", "--backend-arg", "fixed_ms=0.2", "--backend-arg", "per_item_us=20",
+    code = commands.main(["tune", "--backend-arg", "fixed_ms=0.2", "--backend-arg", "per_item_us=20",
                      "--slo-ms", "10", "--max-batch", "8", "--out", str(tmp_path)])
     assert code == 0
     result = json.loads((tmp_path / "tune.json").read_text())
@@ -128,7 +128,7 @@ def test_tune_measures_the_synthetic_backend(tmp_path):
 
 
 def test_tune_takes_named_tensors_as_flags(capsys):
-    code = cli.main(["tune", "--backend", "engine.backends:identity", "--slo-ms", "10",
+    code = commands.main(["tune", "--backend", "engine.backends:identity", "--slo-ms", "10",
                      "--max-batch", "4", "--inputs", '{"ids": ["int64", [null]], "x": ["float32", [3]]}',
                      "--max-input-shapes", '{"ids": [8]}', "--outputs", '{"y": ["float32", [2]]}'])
     assert code == 0
@@ -139,7 +139,7 @@ def test_tune_reads_the_backend_and_tensors_of_a_serve_config(tmp_path, capsys):
     config = tmp_path / "model.toml"
     config.write_text('name = "m"\nbackend = "engine.backends:identity"\ninput_shape = [5]\n'
                       'output_shape = [5]\nmax_batch_size = 8\n')
-    assert cli.main(["tune", "--config", str(config), "--slo-ms", "10", "--max-batch", "2"]) == 0
+    assert commands.main(["tune", "--config", str(config), "--slo-ms", "10", "--max-batch", "2"]) == 0
     out = capsys.readouterr().out
     assert "engine.backends:identity" in out and "float32[5]" in out
 
@@ -153,7 +153,7 @@ def test_the_decoder_bench_writes_the_documented_rows_every_answer_checked(tmp_p
     result = decoder_bench.run(setup, out_dir=str(tmp_path))
     rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
     assert rows == result["rows"] and (tmp_path / "bench.png").stat().st_size > 0
-    assert [r["mode"] for r in rows] == ["static", "continuous"]
+    assert [r["mode"] for r in rows] == ["one-shot", "iterative"]
     for r in rows:
         assert {"mode", "offered_rps", "tokens_per_s", "ttft_ms", "chunk_ms", "e2e_ms",
                 "requests", "answered", "wrong"} <= set(r)
@@ -168,7 +168,7 @@ def test_the_decoder_bench_counts_an_answer_that_differs_from_its_oracle_as_wron
     from engine.tools import decoder_bench
     results = [(0, 0, 5, 9, [1, 2], [7, 8, 9]), (1, 0, 4, 8, [2], [1, 2]),
                (2, 0, 0, 6, [], "RequestTimeout: late")]
-    row = decoder_bench.summarize("continuous", 10.0, results, [[7, 8, 9], [1, 3], [4]],
+    row = decoder_bench.summarize("iterative", 10.0, results, [[7, 8, 9], [1, 3], [4]],
                                   {"avg_batch_size": 2.0})
     assert (row["requests"], row["answered"], row["wrong"]) == (3, 2, 1)
     assert row["errors"] == ["RequestTimeout"] and row["tokens_per_s"] == pytest.approx(5 / 9e-9)

@@ -5,11 +5,11 @@ import signal
 
 import numpy as np
 import pytest
+from conftest import wait_until_no_slot_in_use
 
 import engine
-from engine import ring
+from engine.shm import ring
 from engine.tools import load
-from conftest import wait_until_no_slot_in_use
 
 X = np.arange(16, dtype=np.float32)
 

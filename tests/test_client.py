@@ -7,9 +7,9 @@ import time
 import numpy as np
 import psutil
 import pytest
+from conftest import wait_for
 
 import engine
-from conftest import wait_for
 
 X = np.arange(16, dtype=np.float32)
 

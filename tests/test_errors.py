@@ -1,9 +1,9 @@
 """Every error, with its message; the engine serves on after each."""
 import numpy as np
 import pytest
+from conftest import unique_name, wait_until_no_slot_in_use
 
 import engine
-from conftest import unique_name, wait_until_no_slot_in_use
 
 X = np.arange(16, dtype=np.float32)
 

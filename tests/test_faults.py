@@ -7,9 +7,9 @@ import textwrap
 
 import numpy as np
 import pytest
+from conftest import unique_name, wait_for_line, wait_until_no_slot_in_use
 
 import engine
-from conftest import unique_name, wait_for_line, wait_until_no_slot_in_use
 
 X = np.arange(16, dtype=np.float32)
 

@@ -5,10 +5,10 @@ import threading
 
 import numpy as np
 import pytest
+from conftest import wait_for, wait_until_no_slot_in_use
 
 import engine
-from engine import ring
-from conftest import wait_for, wait_until_no_slot_in_use
+from engine.shm import ring
 
 X = np.arange(16, dtype=np.float32)
 

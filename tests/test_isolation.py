@@ -2,9 +2,9 @@
 mates are answered; without isolation it fails its whole batch."""
 import numpy as np
 import pytest
+from conftest import wait_for
 
 import engine
-from conftest import wait_for
 
 X = np.arange(16, dtype=np.float32)
 

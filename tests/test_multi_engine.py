@@ -1,7 +1,6 @@
 """Several engines in one `shmbatch serve`: [engines.NAME] tables, all start or none,
 each engine answering, reloaded and reported by its name, one /metrics for all."""
 import json
-import os
 import re
 import signal
 import socket
@@ -12,10 +11,10 @@ import urllib.request
 import numpy as np
 import psutil
 import pytest
-
-import engine
 from conftest import reap, shm_entries, unique_name, wait_for_line
 from test_sidecar import ENV, free_port, shmbatch
+
+import engine
 
 X = np.arange(16, dtype=np.float32)
 AFFINE = dict(backend="helpers:affine", input_shape=[16], output_shape=[16])

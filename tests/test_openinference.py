@@ -12,12 +12,13 @@ import pytest
 pytest.importorskip("uvicorn")
 triton = pytest.importorskip("tritonclient.http")
 import tritonclient.http.aio as triton_aio  # noqa: E402
-from tritonclient.utils import InferenceServerException, np_to_triton_dtype  # noqa: E402
-
-from engine import metrics, ring  # noqa: E402
-from engine.layout import Segment  # noqa: E402
 from conftest import Gate, shm_entries, unique_name, wait_for  # noqa: E402
 from test_multi_engine import Served, table, top  # noqa: E402
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype  # noqa: E402
+
+from engine.segment import Segment  # noqa: E402
+from engine.serving import metrics
+from engine.shm import codes  # noqa: E402
 
 X = np.arange(16, dtype=np.float32)
 FIXED = dict(input_shape=[16], output_shape=[16])
@@ -72,7 +73,7 @@ class Server:
     def requests_total(self, tag: str) -> int:
         seg = Segment.attach(self.names[tag], header_only=True)
         try:
-            return seg.ring.word(ring.W_REQUESTS)
+            return seg.ring.word(codes.W_REQUESTS)
         finally:
             seg.close()
 
@@ -387,7 +388,7 @@ def test_sigterm_with_requests_in_flight_answers_them_or_fails_them_typed(tmp_pa
         try:
             calls = [asyncio.create_task(c.infer(name, [tensor("INPUT", (X + k)[None])]))
                      for k in range(16)]
-            await asyncio.to_thread(wait_for, lambda: seg.ring.word(ring.W_REQUESTS) >= 16,
+            await asyncio.to_thread(wait_for, lambda: seg.ring.word(codes.W_REQUESTS) >= 16,
                                     "16 requests queued")
             s.proc.send_signal(signal.SIGTERM)
             return await asyncio.gather(*calls, return_exceptions=True)

@@ -3,11 +3,11 @@ mates are answered when the batch can be retried, and fails its whole batch
 when it cannot; when a dead batcher's batch is kept for a retry."""
 import numpy as np
 import pytest
+from conftest import wait_for
 
 import engine
-from engine import restarts
-from engine.restarts import Instance
-from conftest import wait_for
+from engine.serving import restarts
+from engine.serving.restarts import Instance
 
 X = np.arange(16, dtype=np.float32)
 

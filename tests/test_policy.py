@@ -2,11 +2,12 @@
 import os
 
 import numpy as np
-import pytest
-
 import oracles
-from engine import policy, reaper, ring
+import pytest
 from conftest import raw_segment
+
+from engine.batching import policy
+from engine.shm import codes, reaper, ring
 
 MS = 1_000_000
 RULE = policy.FlushRule(max_batch=4, max_delay_ns=2 * MS)
@@ -58,6 +59,13 @@ def test_thresholds_are_the_rule_for_the_c_claim():
     assert RULE.thresholds(10 * MS, limit=99) == (4, 4, 8 * MS)  # never above max_batch
 
 
+def test_a_delay_longer_than_the_clock_has_run_is_a_cutoff_before_every_arrival():
+    # the monotonic clock starts near boot: a long max_delay must not go below 0
+    # (the C claim takes the cutoff unsigned)
+    rule = policy.FlushRule(max_batch=8, max_delay_ns=600_000_000_000)
+    assert rule.thresholds(now_ns=5_000_000_000) == (8, 8, 0)
+
+
 def test_the_most_urgent_level_goes_first_and_the_oldest_of_any_level_sets_the_flush():
     d = oracles.next_batch(RULE, arrivals(5, 1, 4, 2, 6, 3), now_ns=10 * MS,
                         priority=np.array([0, 1, 1, 0, 0, 1]))
@@ -77,7 +85,7 @@ def test_the_c_claim_takes_what_the_rule_says_on_random_ready_lists(seed):
                                 max_delay_ns=int(rng.integers(0, 3)) * MS)
         tickets = [r.acquire(pid, 0)[1:] for _ in range(int(rng.integers(1, 200)))]
         for k in rng.permutation(len(tickets)):  # published in a random order: random arrivals
-            assert r.publish(*tickets[k], 0, 0, int(rng.integers(0, levels))) == ring.OK
+            assert r.publish(*tickets[k], 0, 0, int(rng.integers(0, levels))) == codes.OK
         # some withdrawn again: their bits are cleared, their slots FREE
         for k in rng.choice(len(tickets), size=len(tickets) // 4, replace=False):
             r.abandon(*tickets[k])
@@ -85,7 +93,7 @@ def test_the_c_claim_takes_what_the_rule_says_on_random_ready_lists(seed):
         # arrival_ns at 0, priority at 56), in slot order
         meta = np.ndarray((seg.capacity, 8), np.uint64, buffer=seg._mapping,
                           offset=seg.ring.geometry.off_meta)
-        slots = np.nonzero(ring.ctl_state(reaper.Census(r, seg.capacity).ctl) == ring.READY)[0]
+        slots = np.nonzero(ring.ctl_state(reaper.Census(r, seg.capacity).ctl) == codes.READY)[0]
         n, stamps, levels_of = len(slots), meta[slots, 0], meta[slots, 7] & np.uint64(0xFFFFFFFF)
         del meta  # copies taken: the mapping can close
         now = int(stamps[:n].max()) + int(rng.integers(0, 3)) * MS if n else ring.now_ns()

@@ -3,9 +3,9 @@ cannot fill the share kept for urgent ones, and a priority out of range is
 invalid before enqueue."""
 import numpy as np
 import pytest
+from conftest import wait_for
 
 import engine
-from conftest import wait_for
 
 X = np.arange(16, dtype=np.float32)
 

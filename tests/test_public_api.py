@@ -28,7 +28,7 @@ def test_the_command_runs_as_a_module_and_lists_its_subcommands():
 
 
 def test_the_serving_runtime_imports_no_tooling():
-    code = ("import sys, engine, engine.cli, engine.batcher, engine.metrics; "
+    code = ("import sys, engine, engine.cli.commands, engine.batching.batcher, engine.serving.metrics; "
             "print(sorted(m for m in sys.modules if m.startswith(('engine.tools', 'matplotlib'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -36,8 +36,8 @@ def test_the_serving_runtime_imports_no_tooling():
 
 
 def test_every_knob_is_an_engine_keyword_a_serve_flag_and_a_config_key(tmp_path):
-    from engine import cli
-    from engine.supervisor import KNOBS
+    from engine.cli import commands
+    from engine.serving.supervisor import KNOBS
     names = [k.name for k in KNOBS]
     assert len(names) == len(set(names)) and "max_batch_size" in names and "backend" in names
     flags = subprocess.run([sys.executable, "-m", "engine", "serve", "--help"], capture_output=True,
@@ -48,26 +48,26 @@ def test_every_knob_is_an_engine_keyword_a_serve_flag_and_a_config_key(tmp_path)
     config = tmp_path / "engine.toml"
     config.write_text("".join(f"{k} = 1\n" for k in names if k != "backend_args"))
     args = argparse.Namespace(config=str(config), backend_arg=None, **dict.fromkeys(names))
-    assert set(names) - {"backend_args"} <= set(cli.serve_settings(args))  # every key read
+    assert set(names) - {"backend_args"} <= set(commands.serve_settings(args))  # every key read
 
 
 def test_serve_takes_named_tensors_and_batch_shapes_as_flags():
-    from engine import cli
+    from engine.cli import commands
     parser = argparse.ArgumentParser()
-    cli._serve_parser(parser.add_subparsers(dest="command"))
+    commands._serve_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["serve", "--name", "n", "--backend", "engine.backends:identity",
                               "--inputs", '{"ids": ["int64", [null]]}',
                               "--max-input-shapes", '{"ids": [8]}',
                               "--outputs", '{"y": ["float32", [2]]}',
                               "--allowed-batch-sizes", "1,2,4", "--length-buckets", "4"])
-    settings = cli.serve_settings(args)
+    settings = commands.serve_settings(args)
     config = engine.Engine(**settings).config
     assert [t.name for t in config.input_specs] == ["ids"] and config.length_buckets == (4, 8)
     assert config.allowed_batch_sizes == (1, 2, 4)
 
 
 def test_shapes_as_flags_take_a_scalar_and_brackets():
-    from engine import cliargs
-    assert cliargs.shape("") == cliargs.shape("()") == cliargs.shape("[]") == ()
-    assert cliargs.shape("64") == cliargs.shape("(64,)") == cliargs.shape("[64]") == (64,)
-    assert cliargs.shape("none,3") == (None, 3)
+    from engine.cli import args
+    assert args.shape("") == args.shape("()") == args.shape("[]") == ()
+    assert args.shape("64") == args.shape("(64,)") == args.shape("[64]") == (64,)
+    assert args.shape("none,3") == (None, 3)

@@ -16,7 +16,6 @@ import urllib.request
 
 import numpy as np
 import pytest
-
 from conftest import reap, unique_name, wait_for_line
 from test_sidecar import free_port
 
@@ -271,3 +270,11 @@ def test_the_gunicorn_preload_app_started_before_the_sidecar_answers_once_it_ser
         guide[0], lambda port: [sys.executable, "-m", "gunicorn", "--preload", "-w", "4",
                                 "--threads", "8", "-b", f"127.0.0.1:{port}", "wsgi:app"],
         "Booting worker", workers=4)
+
+
+def test_no_test_cites_a_document_the_repository_does_not_hold():
+    outside = STORY[:4] + STORY[6:7]  # (hex strings are test data here, not commits)
+    found = [(path.name, m.group(0)) for path in (ROOT / "tests").glob("*.py")
+             if path.name != "test_readme.py" for pattern in outside
+             for m in re.finditer(pattern, path.read_text(), re.I)]
+    assert not found

@@ -12,10 +12,10 @@ import time
 import numpy as np
 import psutil
 import pytest
+from conftest import unique_name, wait_for
 
 import engine
-from conftest import unique_name, wait_for
-from engine import control
+from engine.serving import control
 
 SHAPE = dict(input_shape=(4,), output_shape=(4,))
 X = np.arange(4, dtype=np.float32)

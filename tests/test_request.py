@@ -1,9 +1,9 @@
 """Client.request(): a lent slot, its input written in place and its answer read there."""
 import numpy as np
 import pytest
+from conftest import wait_until_no_slot_in_use
 
 import engine
-from conftest import wait_until_no_slot_in_use
 
 X = np.arange(16, dtype=np.float32)
 

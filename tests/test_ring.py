@@ -6,18 +6,18 @@ import threading
 
 import numpy as np
 import pytest
-
-from engine import liveness, reaper, ring
-from engine.config import EngineConfig
-from engine.layout import Segment
 from conftest import unique_name
+
+from engine.config import EngineConfig
+from engine.segment import Segment
+from engine.shm import codes, liveness, reaper, ring
 
 
 @pytest.fixture
 def segment():
     seg = Segment.create(EngineConfig(name=unique_name("ring"), input_shape=(4,),
                                       output_shape=(4,), queue_capacity=64, max_batch_size=8))
-    seg.ring.set_word(ring.W_ENGINE_STATE, ring.ENGINE_RUNNING)
+    seg.ring.set_word(codes.W_ENGINE_STATE, codes.ENGINE_RUNNING)
     yield seg
     seg.unlink()
     seg.close()
@@ -63,7 +63,7 @@ def test_an_output_of_the_input_spec_overwrites_its_input_row(segment):
     assert geo.off_tensor[1] == geo.off_tensor[0]
     assert geo.total_bytes >= geo.off_tensor[0] + 64 * 16
     assert np.shares_memory(segment.in_regions[0][3], segment.out_regions[0][3])
-    assert attach(segment, geo.total_bytes - 1) == ring.ECORRUPT
+    assert attach(segment, geo.total_bytes - 1) == codes.ECORRUPT
 
 
 def test_an_output_of_another_spec_gets_its_own_aligned_region():
@@ -76,7 +76,7 @@ def test_an_output_of_another_spec_gets_its_own_aligned_region():
         assert off_in % 4096 == 0 and off_out % 4096 == 0
         assert off_out >= off_in + 64 * 16
         assert geo.total_bytes >= off_out + 64 * 12
-        assert attach(seg, geo.total_bytes - 1) == ring.ECORRUPT
+        assert attach(seg, geo.total_bytes - 1) == codes.ECORRUPT
     finally:
         seg.unlink()
         seg.close()
@@ -101,7 +101,7 @@ def test_named_tensors_get_one_aligned_region_each_inputs_first():
         assert seg.in_regions[0].shape == (64, 7) and seg.in_regions[0].dtype == np.int64
         assert seg.out_regions[1].shape == (64, 9)
         assert seg.lengths.shape == (64, 2)
-        assert attach(seg, geo.total_bytes) == ring.OK
+        assert attach(seg, geo.total_bytes) == codes.OK
     finally:
         seg.unlink()
         seg.close()
@@ -110,43 +110,43 @@ def test_named_tensors_get_one_aligned_region_each_inputs_first():
 def test_slot_walks_free_writing_ready_claimed_done_free(segment):
     r = segment.ring
     code, slot, gen = r.acquire(os.getpid(), 0)
-    assert code == ring.OK
-    assert r.wait_slot(slot, gen, 0) == ring.ESTALE  # WRITING is not waitable
-    assert r.publish(slot, gen, 0) == ring.OK
+    assert code == codes.OK
+    assert r.wait_slot(slot, gen, 0) == codes.ESTALE  # WRITING is not waitable
+    assert r.publish(slot, gen, 0) == codes.OK
     assert ready_slots(r)[0] == 1
-    assert r.wait_slot(slot, gen, 1000) == ring.ETIMEOUT
+    assert r.wait_slot(slot, gen, 1000) == codes.ETIMEOUT
     slots, gens, _ = claim_all(r)
     assert (slots, gens) == ([slot], [gen])
     assert complete(r, slot, gen)
-    assert r.wait_slot(slot, gen, 0) == ring.OK
-    assert r.release_slot(slot, gen) == ring.OK
+    assert r.wait_slot(slot, gen, 0) == codes.OK
+    assert r.release_slot(slot, gen) == codes.OK
     code, slot2, gen2 = r.acquire(os.getpid(), 0)
-    assert code == ring.OK and (slot2 != slot or gen2 == gen + 1)
+    assert code == codes.OK and (slot2 != slot or gen2 == gen + 1)
 
 
 def test_submit_and_take_move_a_request_through_in_one_call_each(segment):
     r = segment.ring
     x = np.arange(4, dtype=np.float32)
     code, slot, gen = r.submit(os.getpid(), 0, x, 0)
-    assert code == ring.OK and segment.in_regions[0][slot].tolist() == x.tolist()
+    assert code == codes.OK and segment.in_regions[0][slot].tolist() == x.tolist()
     assert ready_slots(r)[0] == 1  # published
     claim_all(r)
     segment.out_regions[0][slot] = x * 3
     out = np.zeros(4, np.float32)
-    assert r.take(slot, gen, 0, 0, out) == ring.ETIMEOUT  # claimed, not answered: untouched
+    assert r.take(slot, gen, 0, 0, out) == codes.ETIMEOUT  # claimed, not answered: untouched
     assert out.tolist() == [0, 0, 0, 0]
     assert complete(r, slot, gen)
-    assert r.take(slot, gen, 0, 0, out) == ring.OK
+    assert r.take(slot, gen, 0, 0, out) == codes.OK
     assert out.tolist() == (x * 3).tolist()
-    assert r.release_slot(slot, gen) == ring.ESTALE  # take released it
+    assert r.release_slot(slot, gen) == codes.ESTALE  # take released it
 
 
 def test_submit_refuses_more_bytes_than_a_row_and_takes_no_slot(segment):
     r = segment.ring
-    assert r.submit(os.getpid(), 0, np.zeros(5, np.float32), 0)[0] == ring.EBADARG
-    assert r.take(0, 0, 0, 0, np.zeros(5, np.float32)) == ring.EBADARG
+    assert r.submit(os.getpid(), 0, np.zeros(5, np.float32), 0)[0] == codes.EBADARG
+    assert r.take(0, 0, 0, 0, np.zeros(5, np.float32)) == codes.EBADARG
     assert ready_slots(r)[0] == 0 and len(claim_all(r)[0]) == 0
-    assert sum(r.acquire(os.getpid(), 0)[0] == ring.OK for _ in range(64)) == 64
+    assert sum(r.acquire(os.getpid(), 0)[0] == codes.OK for _ in range(64)) == 64
 
 
 def test_take_leaves_a_failed_answer_to_its_owner(segment):
@@ -155,18 +155,18 @@ def test_take_leaves_a_failed_answer_to_its_owner(segment):
     claim_all(r)
     b = ring.ClaimBuffers(1, 1)
     b.slots[0], b.gens[0] = slot, gen
-    assert r.complete(0, b, 1, ring.STATUS_BACKEND, b"ValueError: no") == 1
-    assert r.take(slot, gen, 0, 0, np.zeros(4, np.float32)) == ring.EFAILED
-    assert r.slot_error(slot) == (ring.STATUS_BACKEND, "ValueError: no")
-    assert r.release_slot(slot, gen) == ring.OK
+    assert r.complete(0, b, 1, codes.STATUS_BACKEND, b"ValueError: no") == 1
+    assert r.take(slot, gen, 0, 0, np.zeros(4, np.float32)) == codes.EFAILED
+    assert r.slot_error(slot) == (codes.STATUS_BACKEND, "ValueError: no")
+    assert r.release_slot(slot, gen) == codes.OK
 
 
 def test_a_spinning_wait_still_times_out_at_its_bound(segment):
     r = segment.ring
     _, slot, gen = r.submit(os.getpid(), 0, np.ones(4, np.float32), 0)
     t = ring.now_ns()
-    assert r.wait_slot(slot, gen, 20_000_000, 5_000_000) == ring.ETIMEOUT
-    assert r.wait_work(r.work_seq(), 20_000_000, 5_000_000) == ring.ETIMEOUT
+    assert r.wait_slot(slot, gen, 20_000_000, 5_000_000) == codes.ETIMEOUT
+    assert r.wait_work(r.work_seq(), 20_000_000, 5_000_000) == codes.ETIMEOUT
     assert ring.now_ns() - t >= 40_000_000  # spin (5 ms) counted in each 20 ms bound
 
 
@@ -175,7 +175,7 @@ def test_late_completion_after_abandon_never_reaches_the_next_owner(segment):
     _, slot, gen = r.acquire(os.getpid(), 0)
     r.publish(slot, gen, 0)
     claim_all(r)
-    assert r.abandon(slot, gen) == ring.OK          # CLAIMED -> ABANDONED
+    assert r.abandon(slot, gen) == codes.OK          # CLAIMED -> ABANDONED
     assert not complete(r, slot, gen)  # the batcher frees it, answer dropped
     # the same slot, reused: the old ticket can touch nothing
     for _ in range(64):
@@ -184,17 +184,17 @@ def test_late_completion_after_abandon_never_reaches_the_next_owner(segment):
             break
     assert (s, g) == (slot, gen + 1)
     assert not complete(r, slot, gen)
-    assert r.release_slot(slot, gen) == ring.ESTALE
-    assert r.abandon(slot, gen) == ring.ESTALE
-    assert r.publish(s, g, 0) == ring.OK
-    assert r.word(ring.W_STALE) >= 1
+    assert r.release_slot(slot, gen) == codes.ESTALE
+    assert r.abandon(slot, gen) == codes.ESTALE
+    assert r.publish(s, g, 0) == codes.OK
+    assert r.word(codes.W_STALE) >= 1
 
 
 def test_abandon_of_a_queued_request_frees_the_slot_at_once(segment):
     r = segment.ring
     _, slot, gen = r.acquire(os.getpid(), 0)
     r.publish(slot, gen, 0)
-    assert r.abandon(slot, gen) == ring.OK
+    assert r.abandon(slot, gen) == codes.OK
     assert ready_slots(r)[0] == 0
     assert claim_all(r)[0] == []
 
@@ -246,7 +246,7 @@ def test_consecutive_requests_take_consecutive_slots_and_a_freed_lower_one_comes
     r.publish(slot, gen, 0)
     claim_all(r)
     complete(r, slot, gen)
-    assert r.release_slot(slot, gen) == ring.OK
+    assert r.release_slot(slot, gen) == codes.OK
     assert r.acquire(pid, 0)[1] == slot  # the lowest freed row is reused while it is warm
     assert r.acquire(pid, 0)[1] == slots[-1] + 1  # then on past the rows in use
 
@@ -254,10 +254,10 @@ def test_consecutive_requests_take_consecutive_slots_and_a_freed_lower_one_comes
 def test_full_ring_refuses_and_leaves_the_count_to_the_client(segment):
     r = segment.ring
     for _ in range(64):
-        assert r.acquire(os.getpid(), 0)[0] == ring.OK
-    assert r.acquire(os.getpid(), 0)[0] == ring.EFULL
-    assert r.acquire_wait(os.getpid(), 0, 1_000_000)[0] == ring.EFULL  # after its bound
-    assert r.word(ring.W_REJECTED) == 0  # the client counts a refusal, once it has made room
+        assert r.acquire(os.getpid(), 0)[0] == codes.OK
+    assert r.acquire(os.getpid(), 0)[0] == codes.EFULL
+    assert r.acquire_wait(os.getpid(), 0, 1_000_000)[0] == codes.EFULL  # after its bound
+    assert r.word(codes.W_REJECTED) == 0  # the client counts a refusal, once it has made room
 
 
 def test_a_client_waiting_on_a_full_ring_gets_the_slot_freed_by_another_thread(segment):
@@ -267,9 +267,9 @@ def test_a_client_waiting_on_a_full_ring_gets_the_slot_freed_by_another_thread(s
     waiter = threading.Thread(target=lambda: got.append(r.acquire_wait(os.getpid(), 0, 30 * 10**9)))
     started = ring.now_ns()
     waiter.start()
-    assert r.cancel(*tickets[40]) == ring.OK  # before or during its sleep: it must see it
+    assert r.cancel(*tickets[40]) == codes.OK  # before or during its sleep: it must see it
     waiter.join(timeout=60)
-    assert got and got[0][:2] == (ring.OK, 40)
+    assert got and got[0][:2] == (codes.OK, 40)
     assert ring.now_ns() - started < 30 * 10**9  # woken, not timed out
 
 
@@ -290,7 +290,7 @@ def test_a_client_killed_between_its_ready_bit_and_publish_loses_nor_doubles_a_s
     child = ctx.Process(target=_killed_between_bit_and_publish, args=(segment.name, out))
     child.start()
     code, slot, gen = out.get(timeout=60)
-    assert code == ring.OK
+    assert code == codes.OK
     os.kill(child.pid, signal.SIGKILL)
     child.join(timeout=30)
     r = segment.ring
@@ -299,9 +299,9 @@ def test_a_client_killed_between_its_ready_bit_and_publish_loses_nor_doubles_a_s
     census = reaper.Census(r, segment.capacity)
     assert reaper.reap_dead_clients(r, census) == [(slot, child.pid)]  # not lost: reclaimed
     code, again, new_gen = r.acquire(os.getpid(), 0)
-    assert (code, again, new_gen) == (ring.OK, slot, gen + 1)  # the slot comes back, once
+    assert (code, again, new_gen) == (codes.OK, slot, gen + 1)  # the slot comes back, once
     segment.in_regions[0][slot][:] = 7
-    assert r.publish(slot, new_gen, 0) == ring.OK
+    assert r.publish(slot, new_gen, 0) == codes.OK
     assert r.claim(0, 8, 1, ring.MAX_NS, b)[:1] == (1,) and b.slots[0] == slot
     assert r.claim(0, 8, 1, ring.MAX_NS, b)[0] == 0  # claimed once, not twice
     assert int(segment.ready_words[0, slot // 64]) & (1 << (slot % 64)) == 0
@@ -312,10 +312,10 @@ def test_reaping_a_dead_batcher_fails_its_claims_only(segment):
     mine = queue(r, 3)
     claim_all(r, max_n=2, batcher=5)
     assert r.reap_batcher(5, b"gone") == (2, 0)
-    codes = sorted(r.wait_slot(s, g, 0) for s, g in mine)
-    assert codes == sorted([ring.EFAILED, ring.EFAILED, ring.ETIMEOUT])
-    failed = [s for s, g in mine if r.wait_slot(s, g, 0) == ring.EFAILED]
-    assert r.slot_error(failed[0]) == (ring.STATUS_BATCHER_DIED, "gone")
+    outcomes = sorted(r.wait_slot(s, g, 0) for s, g in mine)
+    assert outcomes == sorted([codes.EFAILED, codes.EFAILED, codes.ETIMEOUT])
+    failed = [s for s, g in mine if r.wait_slot(s, g, 0) == codes.EFAILED]
+    assert r.slot_error(failed[0]) == (codes.STATUS_BATCHER_DIED, "gone")
 
 
 def test_a_dead_batchers_claims_are_kept_for_its_successor_to_retry_alone(segment):
@@ -323,18 +323,18 @@ def test_a_dead_batchers_claims_are_kept_for_its_successor_to_retry_alone(segmen
     mine = queue(r, 3)
     claim_all(r, max_n=3, batcher=5)
     assert r.reap_batcher(5, b"gone", retry=True) == (0, 3)  # kept CLAIMED, none failed
-    assert all(r.wait_slot(s, g, 0) == ring.ETIMEOUT for s, g in mine)  # still pending
+    assert all(r.wait_slot(s, g, 0) == codes.ETIMEOUT for s, g in mine)  # still pending
     assert len(r.inherit(4, 0, segment.capacity)[0]) == 0  # another number inherits nothing
     slots, gens, lengths = r.inherit(5, 0, segment.capacity)
     assert sorted(zip(slots.tolist(), gens.tolist())) == sorted(mine)
     # the successor retries the first alone and dies in it: that one fails (poison),
     # the two not yet retried are kept again
-    assert r.retry_alone(5, int(slots[0]), int(gens[0])) == ring.OK
+    assert r.retry_alone(5, int(slots[0]), int(gens[0])) == codes.OK
     assert r.reap_batcher(5, b"poison", retry=True) == (1, 2)
-    assert r.wait_slot(int(slots[0]), int(gens[0]), 0) == ring.EFAILED
-    assert r.slot_error(int(slots[0])) == (ring.STATUS_BATCHER_DIED, "poison")
-    assert r.retry_alone(5, int(slots[0]), int(gens[0])) == ring.ESTALE  # failed: not ours
-    assert r.word(ring.W_RETRIED) == 1
+    assert r.wait_slot(int(slots[0]), int(gens[0]), 0) == codes.EFAILED
+    assert r.slot_error(int(slots[0])) == (codes.STATUS_BATCHER_DIED, "poison")
+    assert r.retry_alone(5, int(slots[0]), int(gens[0])) == codes.ESTALE  # failed: not ours
+    assert r.word(codes.W_RETRIED) == 1
     assert r.reap_batcher(5, b"no successor") == (2, 0)  # without retry: all fail
 
 
@@ -347,13 +347,13 @@ def test_a_successor_frees_what_was_withdrawn_while_kept_and_fails_what_expired(
     claim_all(r, max_n=3, batcher=2)
     assert r.reap_batcher(2, b"gone", retry=True) == (0, 3)
     (s0, g0), (s1, g1), (s2, g2) = tickets
-    assert r.abandon(s0, g0) == ring.OK  # its client gave up while no batcher held it
-    abandoned = reaper.Census(r, segment.capacity).count(ring.ABANDONED)
+    assert r.abandon(s0, g0) == codes.OK  # its client gave up while no batcher held it
+    abandoned = reaper.Census(r, segment.capacity).count(codes.ABANDONED)
     slots, gens, _ = r.inherit(2, deadline_ns + 1, segment.capacity)
     assert slots.tolist() == [s2]  # the only one left to retry
-    assert reaper.Census(r, segment.capacity).count(ring.ABANDONED) == abandoned - 1  # freed
-    assert r.wait_slot(s1, g1, 0) == ring.EFAILED
-    assert r.slot_error(s1)[0] == ring.STATUS_EXPIRED and r.word(ring.W_EXPIRED) == 1
+    assert reaper.Census(r, segment.capacity).count(codes.ABANDONED) == abandoned - 1  # freed
+    assert r.wait_slot(s1, g1, 0) == codes.EFAILED
+    assert r.slot_error(s1)[0] == codes.STATUS_EXPIRED and r.word(codes.W_EXPIRED) == 1
 
 
 def _ring_client(name, client_id, n, results):
@@ -363,11 +363,11 @@ def _ring_client(name, client_id, n, results):
     for k in range(n):
         while True:
             code, slot, gen = r.acquire(os.getpid(), 0)
-            if code == ring.OK:
+            if code == codes.OK:
                 break
         seg.in_regions[0][slot][:] = client_id * 1_000_000 + k
         r.publish(slot, gen, 0)
-        assert r.wait_slot(slot, gen, 10_000_000_000) == ring.OK
+        assert r.wait_slot(slot, gen, 10_000_000_000) == codes.OK
         # the whole row is this request's answer (in place: it overwrote the input)
         wrong += not (seg.out_regions[0][slot] == (client_id * 1_000_000 + k) * 2 + 1).all()
         r.release_slot(slot, gen)
@@ -404,5 +404,5 @@ def test_many_client_processes_and_two_batchers_get_their_own_answers(segment):
         p.join(10)
         assert p.exitcode == 0
     assert wrong == [0] * 6
-    assert segment.ring.word(ring.W_ITEMS) == 3000
-    assert segment.ring.word(ring.W_REQUESTS) == 3000
+    assert segment.ring.word(codes.W_ITEMS) == 3000
+    assert segment.ring.word(codes.W_REQUESTS) == 3000

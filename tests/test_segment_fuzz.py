@@ -31,16 +31,17 @@ import numpy as np
 import posix_ipc
 import psutil
 import pytest
-
-import engine
-from engine import errors, ring
 from conftest import shm_entries, unique_name
 from step_models import chunks, request
+
+import engine
+from engine import errors
+from engine.shm import codes
 
 DURATION_S = float(os.environ.get("SHMBATCH_FUZZ_S", "2"))
 SEEDS = ([int(os.environ["SHMBATCH_FUZZ_SEED"])] if "SHMBATCH_FUZZ_SEED" in os.environ
          else list(range(1, int(os.environ.get("SHMBATCH_FUZZ_SEEDS", "2")) + 1)))
-HEADER_BYTES = ring.HEADER_BYTES  # csrc/ring.h; the slot control words, bitmaps and meta follow it
+HEADER_BYTES = codes.HEADER_BYTES  # csrc/ring.h; the slot control words, bitmaps and meta follow it
 BOUNDARY = (0, 2**31, 2**32 - 1, 2**64 - 1)
 STOP_BOUND_S = 30
 CLIENTS = 3

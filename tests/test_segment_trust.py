@@ -13,13 +13,13 @@ import traceback
 
 import numpy as np
 import pytest
+from conftest import unique_name
 
-from engine import ring
+from engine.client import waiting
 from engine.config import EngineConfig
 from engine.errors import EngineCorrupt
-from engine.layout import Segment
-from engine import reaper, waiting
-from conftest import unique_name
+from engine.segment import Segment
+from engine.shm import codes, reaper, ring
 
 CSRC = pathlib.Path(__file__).resolve().parent.parent / "csrc"
 
@@ -36,7 +36,7 @@ def seg():
     s = Segment.create(EngineConfig(name=unique_name("trust"), input_shape=(4,),
                                     output_shape=(4,), queue_capacity=64, max_batch_size=8,
                                     priority_levels=2))
-    s.own_word(ring.W_ENGINE_STATE, ring.ENGINE_RUNNING)
+    s.own_word(codes.W_ENGINE_STATE, codes.ENGINE_RUNNING)
     yield s
     s.unlink()
     s.close()
@@ -73,7 +73,7 @@ def in_child(fn):
 def submit(seg, value, priority=0, deadline_ns=0):
     code, slot, gen = seg.ring.submit(os.getpid(), 0, np.full(4, value, np.float32), 0,
                                       deadline_ns, priority)
-    assert code == ring.OK
+    assert code == codes.OK
     return slot, gen
 
 
@@ -107,10 +107,10 @@ def test_a_header_rewritten_after_attach_changes_no_address(seg):
         b, n = claim(seg)                            # batcher: scan and claim
         assert n == 3
         seg.out_regions[0][b.slots[:n]] = seg.in_regions[0][b.slots[:n]] * 2
-        assert seg.ring.complete(0, b, n, ring.STATUS_BACKEND, b"x" * 300) == 3
+        assert seg.ring.complete(0, b, n, codes.STATUS_BACKEND, b"x" * 300) == 3
         for k, (slot, gen) in enumerate(slots):     # client: the failure, read and freed
-            assert seg.ring.slot_error(slot) == (ring.STATUS_BACKEND, "x" * 256)
-            assert seg.ring.release_slot(slot, gen) == ring.OK
+            assert seg.ring.slot_error(slot) == (codes.STATUS_BACKEND, "x" * 256)
+            assert seg.ring.release_slot(slot, gen) == codes.OK
         census = reaper.Census(seg.ring, seg.capacity)  # supervisor: snapshot and reap
         assert len(census.ctl) == 64 and reaper.reap_dead_clients(seg.ring, census) == []
         assert seg.ring.reap_batcher(0, b"gone") == (0, 0)
@@ -130,11 +130,11 @@ def test_a_later_attach_refuses_a_rewritten_header_and_the_creator_restores_it(s
 def test_settings_that_disagree_with_the_geometry_are_refused_at_attach(seg):
     blob = seg.config.to_json().replace(b'"queue_capacity": 64', b'"queue_capacity": 65')
     assert b"65" in blob
-    seg._mapping[ring.OFF_CONFIG:ring.OFF_CONFIG + ring.CONFIG_BYTES] = blob.ljust(
-        ring.CONFIG_BYTES, b"\0")
+    seg._mapping[codes.OFF_CONFIG:codes.OFF_CONFIG + codes.CONFIG_BYTES] = blob.ljust(
+        codes.CONFIG_BYTES, b"\0")
     with pytest.raises(EngineCorrupt, match="capacity"):
         Segment.attach(seg.name)
-    seg._mapping[ring.OFF_CONFIG:ring.OFF_CONFIG + 8] = b"\xff{not js"
+    seg._mapping[codes.OFF_CONFIG:codes.OFF_CONFIG + 8] = b"\xff{not js"
     with pytest.raises(EngineCorrupt, match="settings"):
         Segment.attach(seg.name)
 
@@ -146,8 +146,8 @@ def test_a_priority_out_of_range_is_failed_by_the_batcher_and_the_others_served(
     def batcher():
         b, n = claim(seg)
         assert (n, b.slots[0]) == (1, good[0])
-        assert seg.ring.wait_slot(bad, bad_gen, 0) == ring.EFAILED
-        error = waiting.failed(seg, bad, bad_gen, ring.EFAILED)
+        assert seg.ring.wait_slot(bad, bad_gen, 0) == codes.EFAILED
+        error = waiting.failed(seg, bad, bad_gen, codes.EFAILED)
         assert isinstance(error, EngineCorrupt), error
         assert seg.ring.corrupt_total() >= 1
     assert in_child(batcher) == 0
@@ -160,10 +160,10 @@ def test_clearing_the_bit_of_a_slot_whose_priority_is_garbage_writes_in_the_bitm
 
     def clear():
         if who == "client abandons it":
-            assert seg.ring.abandon(slot, gen) == ring.OK
+            assert seg.ring.abandon(slot, gen) == codes.OK
         else:
             ctl = reaper.Census(seg.ring, seg.capacity).ctl[slot]
-            assert seg.ring.reap_slot(slot, int(ctl)) == ring.OK
+            assert seg.ring.reap_slot(slot, int(ctl)) == codes.OK
         assert not seg.ready_words.any()  # cleared at every level, nothing beyond
         assert seg.ring.corrupt_seen() == 1
     assert in_child(clear) == 0
@@ -173,7 +173,7 @@ def test_a_bit_past_the_last_slot_is_cleared_and_counted():
     small = Segment.create(EngineConfig(name=unique_name("trust-small"), input_shape=(4,),
                                         output_shape=(4,), queue_capacity=40))
     try:
-        small.own_word(ring.W_ENGINE_STATE, ring.ENGINE_RUNNING)
+        small.own_word(codes.W_ENGINE_STATE, codes.ENGINE_RUNNING)
         small.ready_words[0, 0] = np.uint64(1 << 50)  # slot 50 of 40
 
         def scan():
@@ -216,36 +216,36 @@ def test_a_snapshot_fills_no_more_than_its_arrays(seg):
 def test_admission_figures_that_would_divide_by_zero_saturate(seg):
     """limit x instances wraps to 0 in u64 (2^32 x 2^32): clamped first, and
     the prediction saturates instead of wrapping."""
-    seg.ring.set_word(ring.W_BATCH_LIMIT, 2**32)
-    seg.ring.set_word(ring.W_INSTANCES, 2**32)
-    seg.ring.set_word(ring.W_FIT_FIXED_NS, 2**64 - 1)
-    seg.ring.set_word(ring.W_FIT_ITEM_PS, 2**64 - 1)
+    seg.ring.set_word(codes.W_BATCH_LIMIT, 2**32)
+    seg.ring.set_word(codes.W_INSTANCES, 2**32)
+    seg.ring.set_word(codes.W_FIT_FIXED_NS, 2**64 - 1)
+    seg.ring.set_word(codes.W_FIT_ITEM_PS, 2**64 - 1)
     submit(seg, 1)
 
     def client():
         assert seg.ring.predicted_wait_ns(0, ring.now_ns()) == 2**64 - 1
         code, _, _ = seg.ring.submit(os.getpid(), 0, np.ones(4, np.float32), 0,
                                      ring.now_ns() + 10**9, 0, True)
-        assert code == ring.EOVERLOADED
+        assert code == codes.EOVERLOADED
     assert in_child(client) == 0
 
 
 def test_an_error_length_past_its_buffer_is_cut_and_counted(seg):
     slot, gen = submit(seg, 1)
     b, n = claim(seg)
-    seg.ring.complete(0, b, n, ring.STATUS_BACKEND, b"E: short")
+    seg.ring.complete(0, b, n, codes.STATUS_BACKEND, b"E: short")
     poke(seg, M_ERRMSG_LEN, 2**32 - 1, meta(seg, slot))
     status, text = seg.ring.slot_error(slot)
-    assert status == ring.STATUS_BACKEND and len(text.encode()) <= ring.ERRMSG_BYTES
+    assert status == codes.STATUS_BACKEND and len(text.encode()) <= codes.ERRMSG_BYTES
     assert seg.ring.corrupt_seen() == 1
 
 
 def test_a_status_no_batcher_writes_is_engine_corrupt(seg):
     slot, gen = submit(seg, 1)
     b, n = claim(seg)
-    seg.ring.complete(0, b, n, ring.STATUS_BACKEND, b"E: x")
+    seg.ring.complete(0, b, n, codes.STATUS_BACKEND, b"E: x")
     poke(seg, M_STATUS, 300, meta(seg, slot))
-    error = waiting.failed(seg, slot, gen, ring.EFAILED)
+    error = waiting.failed(seg, slot, gen, codes.EFAILED)
     assert isinstance(error, EngineCorrupt) and "got 300" in str(error)
 
 
@@ -255,8 +255,8 @@ def test_a_control_word_of_no_state_is_engine_corrupt_for_its_waiter(seg):
     off = seg.ring.geometry.off_ctl + 8 * slot
     word = int.from_bytes(ctl[off:off + 8], "little")
     ctl[off:off + 8] = ((word & ~0xF) | 0xD).to_bytes(8, "little")  # state 13
-    assert seg.ring.wait_slot(slot, gen, 0) == ring.ECORRUPT
-    assert isinstance(waiting.failed(seg, slot, gen, ring.ECORRUPT), EngineCorrupt)
+    assert seg.ring.wait_slot(slot, gen, 0) == codes.ECORRUPT
+    assert isinstance(waiting.failed(seg, slot, gen, codes.ECORRUPT), EngineCorrupt)
 
 
 def test_an_expiry_fails_only_the_generation_the_pass_saw(seg):
@@ -264,16 +264,16 @@ def test_an_expiry_fails_only_the_generation_the_pass_saw(seg):
     generation the pass saw: its slot reused by a request without a deadline
     is not failed, and what the expiry writes lands in no other slot."""
     slot, gen = submit(seg, 1, deadline_ns=ring.now_ns() + 1)
-    assert seg.ring.abandon(slot, gen) == ring.OK  # withdrawn: the slot is free again
+    assert seg.ring.abandon(slot, gen) == codes.OK  # withdrawn: the slot is free again
     again, new_gen = submit(seg, 2)
     assert (again, new_gen) == (slot, gen + 1)
     b, n = claim(seg, expire_ns=ring.now_ns())
-    assert (n, b.gens[0]) == (1, new_gen) and seg.ring.word(ring.W_EXPIRED) == 0
+    assert (n, b.gens[0]) == (1, new_gen) and seg.ring.word(codes.W_EXPIRED) == 0
     other, other_gen = submit(seg, 3, deadline_ns=ring.now_ns() + 1)
     b, n = claim(seg, expire_ns=ring.now_ns())
-    assert n == 0 and seg.ring.wait_slot(other, other_gen, 0) == ring.EFAILED
-    assert seg.ring.slot_error(other)[0] == ring.STATUS_EXPIRED
-    assert seg.ring.slot_error(again)[0] == ring.STATUS_OK  # the claimed one untouched
+    assert n == 0 and seg.ring.wait_slot(other, other_gen, 0) == codes.EFAILED
+    assert seg.ring.slot_error(other)[0] == codes.STATUS_EXPIRED
+    assert seg.ring.slot_error(again)[0] == codes.STATUS_OK  # the claimed one untouched
 
 
 def test_a_length_past_the_padding_bound_reaches_the_backend_clamped(make_engine):
@@ -284,10 +284,10 @@ def test_a_length_past_the_padding_bound_reaches_the_backend_clamped(make_engine
     seg = Segment.attach(eng.name)
     try:
         code, slot, gen = seg.ring.acquire(os.getpid(), 0)
-        assert code == ring.OK
+        assert code == codes.OK
         seg.lengths[slot, 0] = 2**31  # as a stray write would
-        assert seg.ring.publish(slot, gen, 2**31) == ring.OK
-        assert seg.ring.wait_slot(slot, gen, 10 * 10**9) == ring.OK
+        assert seg.ring.publish(slot, gen, 2**31) == codes.OK
+        assert seg.ring.wait_slot(slot, gen, 10 * 10**9) == codes.OK
         assert seg.out_regions[0][slot].tolist() == [8.0]
         seg.ring.release_slot(slot, gen)
     finally:
@@ -300,9 +300,9 @@ def test_the_watchdog_kills_no_batcher_for_a_batch_start_no_batch_had(make_engin
     eng = make_engine("trust-dog", batch_timeout_s=0.05)
     pids, r = eng.stats()["batcher_pids"], eng._seg.ring
     for value in (1, 2**63):
-        r.set_word(ring.W_BATCH_START, value)
+        r.set_word(codes.W_BATCH_START, value)
         deadline = ring.now_ns() + 500_000_000  # the interval watched: 5 supervisor passes
         while ring.now_ns() < deadline:
             r.wait_done_seq(r.done_seq(), 100_000_000)
-        assert eng.stats()["batcher_pids"] == pids and r.word(ring.W_RESTARTS) == 0, value
-    r.set_word(ring.W_BATCH_START, 0)
+        assert eng.stats()["batcher_pids"] == pids and r.word(codes.W_RESTARTS) == 0, value
+    r.set_word(codes.W_BATCH_START, 0)

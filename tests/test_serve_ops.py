@@ -9,10 +9,10 @@ import sys
 
 import numpy as np
 import psutil
-
-import engine
 from conftest import reap, unique_name, wait_for_line
 from test_sidecar import ENV, shmbatch
+
+import engine
 
 X = np.arange(16, dtype=np.float32)
 SHMBATCH = str(pathlib.Path(sys.executable).with_name("shmbatch"))  # the console script

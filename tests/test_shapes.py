@@ -5,10 +5,10 @@ import json
 
 import numpy as np
 import pytest
+from conftest import wait_for
 
 import engine
-from conftest import wait_for
-from engine import policy
+from engine.batching import policy
 
 
 def logged(path):

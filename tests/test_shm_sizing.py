@@ -33,7 +33,9 @@ PRELUDE = """
 import json, os, subprocess, sys, time
 import numpy as np, psutil
 import engine
-from engine import config, layout, shm_sizing
+from engine import config
+from engine import segment
+from engine.shm import sizing
 
 def shm_used():
     st = os.statvfs("/dev/shm")
@@ -112,7 +114,7 @@ def test_an_engine_that_fits_a_small_dev_shm_runs_and_leaves_it_empty():
 
 def test_a_dev_shm_that_fills_after_the_check_fails_start_and_leaves_nothing():
     got = in_small_shm("""
-        shm_sizing.check_fits = lambda config, size: None  # as if another process filled it meanwhile
+        sizing.check_fits = lambda config, size: None  # as if another process filled it meanwhile
         start_too_large("raced")
     """)
     assert got["error"] == "SegmentTooLarge" and "could not commit" in got["message"]
@@ -121,13 +123,13 @@ def test_a_dev_shm_that_fills_after_the_check_fails_start_and_leaves_nothing():
 
 def test_cleanup_removes_a_32_gib_leftover_without_touching_its_memory():
     got = in_small_shm("""
-        from engine import cli
+        from engine.cli import commands
         config = config.EngineConfig(name="leftover", input_shape=(16,), output_shape=(16,),
                                      queue_capacity=64)
         # an engine that crashes: its segment stays, its lock goes with the process
         pid = os.fork()
         if pid == 0:
-            layout.Segment.create(config)
+            segment.Segment.create(config)
             os._exit(0)
         os.waitpid(pid, 0)
         path = "/dev/shm/shmbatch-leftover"
@@ -135,7 +137,7 @@ def test_cleanup_removes_a_32_gib_leftover_without_touching_its_memory():
         apparent, used_before = os.stat(path).st_size, shm_used()
         rss_before = psutil.Process().memory_info().rss
         started = time.monotonic()
-        code = cli.main(["cleanup", "leftover"])
+        code = commands.main(["cleanup", "leftover"])
         seconds = time.monotonic() - started
         report(code=code, apparent=apparent, used_before=used_before, used_after=shm_used(),
                rss_growth=psutil.Process().memory_info().rss - rss_before, seconds=seconds)

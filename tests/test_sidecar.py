@@ -14,11 +14,11 @@ import urllib.request
 
 import numpy as np
 import pytest
+from conftest import unique_name, wait_for, wait_for_line
 
 import engine
-from engine import ring
-from engine.layout import Segment
-from conftest import unique_name, wait_for, wait_for_line
+from engine.segment import Segment
+from engine.shm import codes
 
 TESTS = pathlib.Path(__file__).resolve().parent
 ENV = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -204,7 +204,7 @@ def test_gunicorn_preload_workers_answer_over_http_and_batch_across_workers(serv
     seg = Segment.attach(s.name)
     # the first batch waits until each of the 4 workers has a request queued
     opener = threading.Thread(target=lambda: (
-        wait_for(lambda: seg.ring.word(ring.W_REQUESTS) >= 4, "a request from each worker"),
+        wait_for(lambda: seg.ring.word(codes.W_REQUESTS) >= 4, "a request from each worker"),
         gate.open()))
     opener.start()
     try:

@@ -26,12 +26,11 @@ requests that will overtake it, and the client's own wake-up. Against the
 waits observed at 1x load (shmbatch bench --overload, observe row) answers
 came a median of about 2 ms after the prediction (p99 5-6 ms).
 """
-from engine import ring
-
+from engine.shm import codes, ring
 
 # The fit is solved after each of its first REFIT batches, then every REFIT
 # (its constants are the C's: ring.h, sb_fit).
-REFIT = ring.FIT_REFIT
+REFIT = codes.FIT_REFIT
 
 
 class ServiceFit:

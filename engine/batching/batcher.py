@@ -22,38 +22,21 @@ the dead one's batch, each request alone (isolate_failures; else the
 supervisor fails that batch).
 """
 import os
-import pickle
 import signal
-import sys
-import traceback
-from multiprocessing.connection import Connection
-
 from typing import Optional
 
 import numpy as np
 
-from engine import admission, aimd, backends, liveness, policy, ring, stepping
-from engine.tensors import checked_result
-from engine.layout import Segment
-
-# The idle wait has no flush timer; this bound only lets a batcher notice a
-# lost parent even if the kernel's parent-death signal did not fire.
-IDLE_CHECK_NS = 1_000_000_000
-
-# A batcher started by a reload waits for its epoch; it notices within this.
-ACTIVATION_CHECK_NS = 2_000_000
-
-# Why Batcher.run returned.
-STOPPED, RETIRED = "stopped", "retired"
+from engine import launch, spec
+from engine.batching import admission, aimd, iterative, policy
+from engine.batching.loop import RETIRED, STOPPED, await_epoch, await_work, error_text
+from engine.batching.model_call import ModelCall
+from engine.segment import Segment
+from engine.shm import codes, liveness, ring
 
 # After a batch, a batcher that finds nothing queued spins up to ring.SPIN_NS
 # before it sleeps: under steady load the next request comes within it. One
 # spin per batch at most: an idle batcher sleeps.
-
-
-def _message(e: Exception) -> bytes:
-    """A backend's exception as a failed request's error text."""
-    return f"{type(e).__name__}: {e}".encode("utf-8", "replace")[:ring.ERRMSG_BYTES]
 
 
 class Batcher:
@@ -77,7 +60,7 @@ class Batcher:
         # watchdog's batch start) each batch, without a call (Segment.epoch(),
         # engine_state() and mark_batch() are these loads and stores)
         self.words = segment.words
-        self.batch_start_word = ring.W_BATCH_START + instance
+        self.batch_start_word = codes.W_BATCH_START + instance
         self.slo_ns = None if cfg.slo_ms is None else int(cfg.slo_ms * 1e6)
         self.isolate = cfg.isolate_failures
         # admission's figures, fed by finish_batch in C each batch (the
@@ -87,7 +70,8 @@ class Batcher:
         self.in_place = segment.in_place
         # every tensor in spec order: the single-array form is one each way
         self.in_regions, self.out_regions = segment.in_regions, segment.out_regions
-        self.call_backend = backends.batched(fn, cfg)
+        self.call = ModelCall(cfg, cfg.max_batch_size)  # allowed sizes are at most it
+        self.call_backend = self.call.bind(fn)
         # (tensor, its variable axis, its bound) of each input with a variable dim
         self.var_inputs = [(t, s.var_axis, s.max_shape[s.var_axis])
                            for t, s in enumerate(cfg.input_specs) if s.var_axis is not None]
@@ -101,23 +85,16 @@ class Batcher:
         if self.shapes is not None:
             self.claimed.set_shape(self.shapes.bounds, self.shapes.most,
                                    self.shapes.take(cfg.max_batch_size))
-        rows = cfg.max_batch_size  # allowed sizes are at most it (config checks)
-        # each output's check: (dtype, shape, name, its shape per batch size: no
-        # tuple built per batch)
-        self.out_checks = [(np.dtype(s.dtype), s.shape, s.name,
-                            [(k, *s.shape) for k in range(rows + 1)]) for s in cfg.output_specs]
-        self.gather_buffers = [np.zeros((rows, *s.max_shape), s.dtype) for s in cfg.input_specs]
-        # the first output's check, and whether it is the only one: most engines'
-        # results are checked without a loop
-        self.first_dtype, _, _, self.first_shapes = self.out_checks[0]
-        self.one_output = len(self.out_checks) == 1
+        self.gather_buffers = [np.zeros((cfg.max_batch_size, *s.max_shape), s.dtype)
+                               for s in cfg.input_specs]
 
     def run(self) -> str:
         """Serves until the engine is STOPPED and nothing is left to serve, or
-        until a reload retires it (returns STOPPED or RETIRED). Epochs hand
-        the ring over without overlap: a batcher serves while the engine's
-        epoch is its own, waits while it is older (started by a reload, not
-        yet let in) and exits, between batches, once it is newer (retired)."""
+        until a reload retires it (returns STOPPED or RETIRED). A one-shot
+        engine's epochs hand the ring over without overlap: a batcher serves
+        while the engine's epoch is its own, waits while it is older (started
+        by a reload, not yet let in) and exits, between batches, once it is
+        newer (retired)."""
         self.retry_inherited()  # a dead predecessor's batch first
         # with one request a batch, each turn's Python is a round trip's: what
         # the loop uses every turn is bound to locals once (self.claim_limit and
@@ -128,34 +105,29 @@ class Batcher:
         own_epoch, spin_ns = self.epoch, 0
         while True:
             seen = work_seq()  # before the claim's scan: a publish after it wakes us
-            epoch = words[ring.W_EPOCH]
+            epoch = words[codes.W_EPOCH]
             if epoch != own_epoch:
                 if epoch > own_epoch:
                     return RETIRED
-                # not let in yet: look again at each finished batch, or within
-                # ACTIVATION_CHECK_NS; never asleep on the work word, whose wake
-                # (one sleeper's) is meant for a batcher that serves
-                r.wait_done_seq(r.done_seq(), ACTIVATION_CHECK_NS)
+                await_epoch(r)
                 continue
-            state = words[ring.W_ENGINE_STATE]
+            state = words[codes.W_ENGINE_STATE]
             now_ns = now()
             # the flush rule's thresholds, applied by the C claim in its one pass; a
             # request that cannot finish even alone in a batch starting now is
             # failed unstarted (expired): computing it helps nobody
-            max_n, flush_n, cutoff_ns = thresholds(now_ns, state != ring.ENGINE_RUNNING,
+            max_n, flush_n, cutoff_ns = thresholds(now_ns, state != codes.ENGINE_RUNNING,
                                                    self.claim_limit)
             n, claim_ns, ready, oldest_ns, _ = claim(instance, max_n, flush_n, cutoff_ns, claimed,
                                                      now_ns + self.expire_lead_ns)
             if n:
                 serve(n, claim_ns)
                 spin_ns = ring.SPIN_NS
-            elif ready == 0:
-                if state == ring.ENGINE_STOPPED:
+            else:
+                if ready == 0 and state == codes.ENGINE_STOPPED:
                     return STOPPED
-                r.wait_work(seen, IDLE_CHECK_NS, spin_ns)
+                await_work(r, rule, seen, ready, oldest_ns, cutoff_ns, now_ns, spin_ns)
                 spin_ns = 0
-            elif oldest_ns > cutoff_ns:  # not due yet: sleep until it is (else: raced, retry)
-                r.wait_work(seen, rule.wait_ns(oldest_ns, now_ns))
 
     def retry_inherited(self) -> None:
         """The batch a dead predecessor left under this batcher number (kept
@@ -167,7 +139,7 @@ class Batcher:
                                                  self.seg.capacity)):
             claimed.slots[0], claimed.gens[0], claimed.lengths[0] = slot, gen, length
             claimed.bucket = self.shapes.bucket_of(int(length)) if self.shapes else 0
-            if r.retry_alone(self.instance, int(slot), int(gen)) == ring.OK:
+            if r.retry_alone(self.instance, int(slot), int(gen)) == codes.OK:
                 self.serve(1, ring.now_ns())
             else:  # withdrawn by its client meanwhile: completing it frees it
                 r.complete(self.instance, claimed, 1)
@@ -185,11 +157,11 @@ class Batcher:
         except Exception as e:
             contiguous = False
             if self.isolate and n > 1:
-                self.isolate_failures(np.arange(n), _message(e))
+                self.isolate_failures(np.arange(n), error_text(e))
             else:
-                r.complete(self.instance, claimed, n, ring.STATUS_BACKEND, _message(e))
+                r.complete(self.instance, claimed, n, codes.STATUS_BACKEND, error_text(e))
         else:
-            r.complete(self.instance, claimed, n, ring.STATUS_OK, b"")
+            r.complete(self.instance, claimed, n, codes.STATUS_OK, b"")
         done_ns = ring.now_ns()
         if r.finish_batch(claimed, n, claim_ns, done_ns, contiguous, self.fit.c_fit):
             # the fit was solved anew: less time left than its fixed cost is too little
@@ -207,12 +179,12 @@ class Batcher:
         batch, contiguous = self.gather(slots, rows)
         results = (self.call_cut(batch, slots, rows, bucket) if self.var_inputs
                    else self.call_backend(batch, None))
-        outputs = self.check(results, rows)
+        outputs = self.call.check(results, rows)
         self.scatter(slots, batch, outputs, contiguous)
         if lengths is not None:  # padding waste, of answered requests only (each counted once)
             lengths = np.minimum(lengths, self.var_top)  # written by clients: bounded
-            self.ring.add_word(ring.W_TOKENS, int(lengths.sum()))
-            self.ring.add_word(ring.W_PADDED_TOKENS,
+            self.ring.add_word(codes.W_TOKENS, int(lengths.sum()))
+            self.ring.add_word(codes.W_PADDED_TOKENS,
                                rows * self._cut(bucket, int(lengths.max()), self.var_top))
         return contiguous
 
@@ -230,19 +202,19 @@ class Batcher:
         (each from exactly one successful call; about 2 log2(n) extra calls for
         one failing request). A failing request alone fails with its own error."""
         if len(failed) == 1:
-            self._complete_part(failed, ring.STATUS_BACKEND, message)
-            self.ring.add_word(ring.W_ISOLATED)
+            self._complete_part(failed, codes.STATUS_BACKEND, message)
+            self.ring.add_word(codes.W_ISOLATED)
             return
         for half in np.array_split(failed, 2):
-            self.ring.add_word(ring.W_RETRY_CALLS)
+            self.ring.add_word(codes.W_RETRY_CALLS)
             try:
                 self.compute(self.claimed.slots[half],
                              self.claimed.lengths[half] if self.var_top else None,
                              self.claimed.bucket)
             except Exception as e:
-                self.isolate_failures(half, _message(e))
+                self.isolate_failures(half, error_text(e))
                 continue
-            self._complete_part(half, ring.STATUS_OK, b"")
+            self._complete_part(half, codes.STATUS_OK, b"")
 
     def _complete_part(self, positions: np.ndarray, status: int, message: bytes) -> None:
         self.ring.complete_some(self.instance, self.claimed.slots[positions],
@@ -288,22 +260,6 @@ class Batcher:
         index[var_axis + 1] = slice(0, self._cut(bucket, int(real.max()), bound))
         return batch[tuple(index)]
 
-    def check(self, results: tuple, n: int) -> tuple:
-        """The backend's results as n rows of each output's spec, or BadResult
-        saying what came."""
-        first, dtype, shapes = results[0], self.first_dtype, self.first_shapes
-        if (type(first) is np.ndarray and (first.dtype is dtype or first.dtype == dtype)
-                and first.shape == shapes[n] and self.one_output):
-            return results  # the common case, checked cheaply: one output as it came
-        for result, (dtype, _, _, shapes) in zip(results, self.out_checks):
-            if not (type(result) is np.ndarray and (result.dtype is dtype or result.dtype == dtype)
-                    and result.shape == shapes[n]):
-                break
-        else:
-            return results  # every one as it came
-        return tuple(checked_result(result, n, dtype, shape, name)
-                     for result, (dtype, shape, name, _) in zip(results, self.out_checks))
-
     def scatter(self, slots: np.ndarray, batch: list, outputs, contiguous: bool) -> None:
         """Each answer into its request's output rows, by position (padding
         rows dropped)."""
@@ -339,8 +295,8 @@ def _padded_lengths(lengths: np.ndarray, rows: int, bound: int) -> np.ndarray:
 
 def main(name: str, instance: int, backend, backend_args: dict, cpus, gpu, conn,
          epoch: int = 0) -> None:
-    """Runs batcher `instance` of engine `name`; reports ("ready", pid) or
-    ("error", type, message, traceback) on conn once, then serves."""
+    """Runs batcher `instance` of engine `name`; reports its readiness or its
+    failure to start on conn once (engine.launch), then serves."""
     try:
         liveness.die_with_parent()
         if gpu is not None:  # before the factory runs, as a CUDA runtime reads it once
@@ -349,7 +305,7 @@ def main(name: str, instance: int, backend, backend_args: dict, cpus, gpu, conn,
             import psutil
             psutil.Process().cpu_affinity(list(cpus))
         segment = Segment.attach(name)
-        fn = backends.resolve(backend)(**(backend_args or {}))
+        fn = spec.resolve(backend)(**(backend_args or {}))
         cfg = segment.config
         if callable(getattr(fn, "check_tensors", None)):
             # the backend says, before anything is served, whether the tensors fit it
@@ -361,17 +317,17 @@ def main(name: str, instance: int, backend, backend_args: dict, cpus, gpu, conn,
             if missing:
                 raise TypeError(f"an iterative engine's factory returns a step model with join, "
                                 f"step and leave; got {type(fn).__name__} without {missing}")
-            batcher = stepping.Stepper(segment, instance, fn, epoch)
+            batcher = iterative.Stepper(segment, instance, fn, epoch)
         else:
             batcher = Batcher(segment, instance, fn, epoch)
         pid = os.getpid()
-        segment.ring.set_word(ring.W_BATCHER_START + instance, liveness.start_ticks(pid) or 0)
-        segment.ring.set_word(ring.W_BATCHER_PID + instance, pid)
+        segment.ring.set_word(codes.W_BATCHER_START + instance, liveness.start_ticks(pid) or 0)
+        segment.ring.set_word(codes.W_BATCHER_PID + instance, pid)
     except BaseException as e:
-        conn.send(("error", type(e).__name__, str(e), traceback.format_exc()))
+        launch.tell_failed(conn, e)
         conn.close()
         raise SystemExit(1)
-    conn.send(("ready", pid))
+    launch.tell_ready(conn)
     conn.close()
     if batcher.run() == RETIRED:
         # nothing is left to flush or release (the supervisor reaps the pid
@@ -381,12 +337,9 @@ def main(name: str, instance: int, backend, backend_args: dict, cpus, gpu, conn,
 
 
 def _entry() -> None:
-    """A batcher process's start: the supervisor pipes in sys.path, then the
-    arguments of main() (pickled), and passes the readiness pipe's fd. A fresh
-    interpreter, so the user's __main__ is never re-run. SIGINT is the
-    supervisor's to act on (it drains first): a batcher ignores it."""
+    """A batcher process's start (engine.launch): main() with the supervisor's
+    arguments. SIGINT is the supervisor's to act on (it drains first): a
+    batcher ignores it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    sys.path[:] = pickle.load(sys.stdin.buffer)
-    kwargs = pickle.load(sys.stdin.buffer)
-    kwargs["conn"] = Connection(kwargs.pop("ready_fd"), readable=False)
-    main(**kwargs)
+    kwargs, conn = launch.child_args()
+    main(conn=conn, **kwargs)

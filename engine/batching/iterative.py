@@ -20,28 +20,25 @@ Each iteration of a Stepper:
    publish: their slots are freed).
 
 With nothing running it sleeps on the ring's work word, and the flush rule
-decides when the first requests start (batcher.py). A request stays with
+decides when the first requests start (as in batcher.py). A request stays with
 the batcher that joined it. A join or step that raises fails the requests it
 named, after the chunks they had; the others go on. A batcher's successor
 (it died) starts the requests that had no chunk yet again, each alone in its
 first step: one that kills that batcher too fails as poison.
 """
 import logging
-from typing import Optional
 
 import numpy as np
 
-from engine import admission, policy, ring
-from engine.tensors import BadResult, checked_result
+from engine.batching import admission, policy
+from engine.batching.loop import RETIRED, STOPPED, await_epoch, await_work, error_text
+from engine.batching.model_call import ModelCall
+from engine.shm import codes, ring
+from engine.tensors import BadResult
 
 log = logging.getLogger("shmbatch")
 
-# Why run() returned (batcher.py's).
-STOPPED, RETIRED = "stopped", "retired"
-
 NO_DEADLINE = 2**64 - 1
-IDLE_CHECK_NS = 1_000_000_000  # the idle wait's bound (a lost parent is noticed)
-ACTIVATION_CHECK_NS = 2_000_000
 
 _NONE = np.zeros(0, np.uint32)  # no slot joined
 
@@ -49,12 +46,9 @@ _STOP_MESSAGE = (b"the engine stopped (drain_timeout_s passed) before this reque
                  b"ended")
 
 
-def _message(e: BaseException) -> bytes:
-    return f"{type(e).__name__}: {e}".encode("utf-8", "replace")[:ring.ERRMSG_BYTES]
-
-
-class Running:
-    """The requests of the running batch, in join order, as parallel arrays."""
+class Group:
+    """Requests as parallel arrays, in the order they came: the running batch
+    (joined), or those claimed that wait to join (over the token budget)."""
 
     def __init__(self, size: int):
         self.n = 0
@@ -102,11 +96,11 @@ class Stepper:
         self.max_active = cfg.max_batch_size
         self.budget = cfg.max_batch_tokens  # None: no token budget
         self.words = segment.words
-        self.batch_start_word = ring.W_BATCH_START + instance
+        self.batch_start_word = codes.W_BATCH_START + instance
         self.fit = admission.ServiceFit(warmup=1)
         self.claimed = ring.ClaimBuffers(segment.capacity, cfg.max_batch_size)
-        self.active = Running(cfg.max_batch_size)
-        self.waiting = Running(cfg.max_batch_size)  # claimed, not joined: over the budget
+        self.active = Group(cfg.max_batch_size)
+        self.waiting = Group(cfg.max_batch_size)  # claimed, not joined: over the budget
         self.retry: list = []  # a dead predecessor's requests, each to start alone
         self.states = np.zeros(cfg.max_batch_size, np.int32)
         self.last_claim = (0, 0, 0)  # (ready, oldest_ns, cutoff_ns) the last claim saw
@@ -114,10 +108,7 @@ class Stepper:
         self.reported = -1  # the running batch's size as last published
         self.var_inputs = [(t, s.var_axis, s.max_shape[s.var_axis])
                            for t, s in enumerate(cfg.input_specs) if s.var_axis is not None]
-        self.in_names = [s.name for s in cfg.input_specs]
-        self.out_checks = [(np.dtype(s.dtype), s.shape, s.name) for s in cfg.output_specs]
-        # the single-array form's one output (dtype, chunk shape): checked without a loop
-        self.one_output = None if cfg.named else (self.out_checks[0][0], tuple(self.out_checks[0][1]))
+        self.call = ModelCall(cfg, cfg.max_batch_size)
 
     # -- the loop -----------------------------------------------------------------
     def run(self) -> str:
@@ -131,19 +122,19 @@ class Stepper:
         spin_ns = 0
         while True:
             seen = self.seen = r.work_seq()
-            epoch, state = words[ring.W_EPOCH], words[ring.W_ENGINE_STATE]
+            epoch, state = words[codes.W_EPOCH], words[codes.W_ENGINE_STATE]
             joins = self.epoch - 1 <= epoch <= self.epoch
-            if state == ring.ENGINE_STOPPED and (active.n or self.waiting.n):
-                self.fail_all(ring.STATUS_BATCHER_DIED, _STOP_MESSAGE)
+            if state == codes.ENGINE_STOPPED and (active.n or self.waiting.n):
+                self.fail_all(codes.STATUS_BATCHER_DIED, _STOP_MESSAGE)
             if epoch < self.epoch - 1:  # a reload's batcher, not let in yet
-                r.wait_done_seq(r.done_seq(), ACTIVATION_CHECK_NS)
+                await_epoch(r)
                 continue
             start_ns = ring.now_ns()
             self.drop_expired(start_ns)
             # the watchdog's stamp covers the join (a prefill may hang too) and the step
             words[self.batch_start_word] = start_ns
             # retiring: no new claims, but what it claimed (or inherited) still joins
-            joined = self.join(start_ns, state) if joins or self.retry else self.admit()
+            joined = self.join(start_ns, state) if joins or self.retry else self.join_waiting()
             if active.n:
                 self.step(joined, start_ns)
                 spin_ns = ring.SPIN_NS
@@ -155,13 +146,10 @@ class Stepper:
             if not joins or self.waiting.n or self.retry:
                 continue
             ready, oldest_ns, cutoff_ns = self.last_claim
-            if ready == 0:
-                if state == ring.ENGINE_STOPPED:
-                    return STOPPED
-                r.wait_work(seen, IDLE_CHECK_NS, spin_ns)
-                spin_ns = 0
-            elif oldest_ns > cutoff_ns:  # not due yet: sleep until it is
-                r.wait_work(seen, self.rule.wait_ns(oldest_ns, start_ns))
+            if ready == 0 and state == codes.ENGINE_STOPPED:
+                return STOPPED
+            await_work(r, self.rule, seen, ready, oldest_ns, cutoff_ns, start_ns, spin_ns)
+            spin_ns = 0
 
     # -- 1. what is over before the step ------------------------------------------------
     def drop_expired(self, now_ns: int) -> None:
@@ -172,10 +160,10 @@ class Stepper:
             deadlines = group.deadlines[:n]
             expired = (deadlines != 0) & (deadlines <= now_ns)
             if expired.any():
-                self.settle(group, expired, ring.STATUS_EXPIRED,
+                self.settle(group, expired, codes.STATUS_EXPIRED,
                             b"its deadline passed while its answer streamed")
 
-    def settle(self, group: Running, mask: np.ndarray, status: int, message: bytes,
+    def settle(self, group: Group, mask: np.ndarray, status: int, message: bytes,
                left: bool = True, in_step: bool = False) -> None:
         """The requests of group where mask is True: answered (status OK) or
         failed, freed if withdrawn; left (if they joined); dropped from group.
@@ -194,7 +182,7 @@ class Stepper:
                 self.model.leave(ids.copy())
             except Exception as e:  # its state may leak; nothing else is at stake
                 log.error("engine %s: the step model's leave(%d ids) raised %s", self.seg.name,
-                          len(ids), _message(e).decode())
+                          len(ids), error_text(e).decode())
 
     def fail_all(self, status: int, message: bytes) -> None:
         for group in (self.active, self.waiting):
@@ -210,14 +198,14 @@ class Stepper:
         if room <= 0:
             return _NONE
         if waiting.n:  # claimed before, over the budget then: they join first
-            return self.admit()
+            return self.join_waiting()
         if self.retry:  # a dead predecessor's request, alone in its first step
             if active.steps[:active.n].min(initial=1) == 0:
                 return _NONE
             slot, gen, length = self.retry.pop(0)
-            if self.ring.retry_alone(self.instance, int(slot), int(gen)) != ring.OK:
+            if self.ring.retry_alone(self.instance, int(slot), int(gen)) != codes.OK:
                 self.ring.complete_some(self.instance, np.array([slot], np.uint32),
-                                        np.array([gen], np.uint32), ring.STATUS_OK, b"")
+                                        np.array([gen], np.uint32), codes.STATUS_OK, b"")
                 return _NONE
             self.stage(np.array([slot], np.uint32), np.array([gen], np.uint32),
                        np.array([length], np.uint32))
@@ -229,7 +217,7 @@ class Stepper:
                 max_n, flush_n, cutoff_ns = room, 1, ring.MAX_NS
             else:  # idle: the flush rule decides when the first ones start
                 max_n, flush_n, cutoff_ns = self.rule.thresholds(
-                    now_ns, state != ring.ENGINE_RUNNING, room)
+                    now_ns, state != codes.ENGINE_RUNNING, room)
             n, _, ready, oldest_ns, _ = self.ring.claim(
                 self.instance, min(max_n, room), flush_n, cutoff_ns, claimed,
                 now_ns + self.fit.estimate()[0])
@@ -238,7 +226,7 @@ class Stepper:
                 return _NONE
             self.stage(claimed.slots[:n].copy(), claimed.gens[:n].copy(),
                        claimed.lengths[:n].copy())
-        return self.admit()
+        return self.join_waiting()
 
     def stage(self, slots: np.ndarray, gens: np.ndarray, lengths: np.ndarray) -> None:
         """Claimed requests into the waiting group, with their bounds."""
@@ -249,7 +237,7 @@ class Stepper:
         ids = ((gens.astype(np.int64) & 0x7FFFFFFF) << 32) | slots
         self.waiting.add(slots, gens, ids, limits, deadlines, tokens)
 
-    def admit(self) -> np.ndarray:
+    def join_waiting(self) -> np.ndarray:
         """Joins the waiting requests that fit the budget, oldest first."""
         waiting, active = self.waiting, self.active
         n = waiting.n
@@ -268,10 +256,10 @@ class Stepper:
         ids = waiting.ids[:take].copy()
         try:
             batch, lengths = self.gather(slots)
-            self.model.join(ids, *self.call_form(batch, lengths))
+            self.model.join(ids, *self.call.args(batch, lengths))
         except Exception as e:
             self.leave(ids)  # whatever state the failed join made for them
-            self.settle(waiting, mask, ring.STATUS_BACKEND, _message(e), left=False)
+            self.settle(waiting, mask, codes.STATUS_BACKEND, error_text(e), left=False)
             return _NONE
         active.add(slots, gens, ids, waiting.limits[:take], waiting.deadlines[:take],
                    waiting.tokens[:take])
@@ -294,16 +282,6 @@ class Stepper:
             lengths.append(real)
         return batch, lengths
 
-    def call_form(self, batch: list, lengths: Optional[list]):
-        """(batch, lengths) as a one-shot backend takes them: one array, or dicts."""
-        if not self.cfg.named:
-            return batch[0], (None if lengths is None else lengths[0])
-        named = dict(zip(self.in_names, batch))
-        if lengths is None:
-            return named, None
-        var = [self.in_names[t] for t, _, _ in self.var_inputs]
-        return named, dict(zip(var, lengths))
-
     # -- 3. step, and 4. leave ----------------------------------------------------------
     def step(self, joined: np.ndarray, start_ns: int) -> None:
         active, r = self.active, self.ring
@@ -315,17 +293,17 @@ class Stepper:
             for region, out in zip(self.seg.out_regions, outputs):
                 region[slots, steps] = out
         except Exception as e:
-            self.settle(active, np.ones(n, bool), ring.STATUS_BACKEND, _message(e), in_step=True)
+            self.settle(active, np.ones(n, bool), codes.STATUS_BACKEND, error_text(e), in_step=True)
             self.finish(joined, n, start_ns)
             return
         steps += 1
         states = self.states[:n]
         r.stream_put(self.instance, slots, active.gens[:n], steps, states)
         finished = done | (steps >= active.limits[:n])
-        over = finished | (states != ring.CLAIMED)
+        over = finished | (states != codes.CLAIMED)
         if over.any():
             # withdrawn ones are freed by the same completion (ABANDONED -> FREE)
-            self.settle(active, over, ring.STATUS_OK, b"", in_step=True)
+            self.settle(active, over, codes.STATUS_OK, b"", in_step=True)
         self.finish(joined, n, start_ns)
 
     def finish(self, joined: np.ndarray, n: int, start_ns: int) -> None:
@@ -346,24 +324,9 @@ class Stepper:
         if not (isinstance(result, tuple) and len(result) == 2):
             raise BadResult(f"step() returns (out, done), got {type(result).__name__}")
         out, done = result
-        one = self.one_output
-        if (one is not None and type(out) is np.ndarray and type(done) is np.ndarray
-                and out.dtype == one[0] and out.shape[1:] == one[1] and len(out) == n
-                and done.dtype == bool and done.shape == (n,)):
-            return (out,), done  # the common case, checked cheaply
-        if self.cfg.named:
-            if not isinstance(out, dict):
-                raise BadResult(f"expected a dict of outputs {[c[2] for c in self.out_checks]}, "
-                                f"got {type(out).__name__}")
-            missing = [name for _, _, name in self.out_checks if name not in out]
-            if missing:
-                raise BadResult(f"expected outputs {[c[2] for c in self.out_checks]}, got "
-                                f"{sorted(out, key=str)} (missing {missing})")
-            outs = [out[name] for _, _, name in self.out_checks]
-        else:
-            outs = [out]
-        outs = [checked_result(o, n, dtype, shape, name)
-                for o, (dtype, shape, name) in zip(outs, self.out_checks)]
+        outs = self.call.check(self.call.outputs(out), n)
+        if type(done) is np.ndarray and done.dtype == bool and done.shape == (n,):
+            return outs, done  # the common case, checked cheaply
         done = np.asarray(done)
         if done.shape != (n,):
             raise BadResult(f"done: expected bool[{n}], got {done.dtype}{list(done.shape)}")

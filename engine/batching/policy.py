@@ -23,8 +23,7 @@ import bisect
 import dataclasses
 from typing import Optional
 
-from engine import ring
-
+from engine.shm import ring
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +40,10 @@ class FlushRule:
             max_n = limit if limit > 1 else 1
         if draining:
             return max_n, 1, ring.MAX_NS
-        return max_n, max_n, now_ns - self.max_delay_ns
+        # the clock starts at boot: a delay longer than the uptime is a cutoff
+        # before every arrival (the C takes it unsigned)
+        cutoff_ns = now_ns - self.max_delay_ns
+        return max_n, max_n, cutoff_ns if cutoff_ns > 0 else 0
 
     def wait_ns(self, oldest_ns: int, now_ns: int) -> int:
         """With requests queued but not due: how long until the oldest is."""

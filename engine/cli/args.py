@@ -65,7 +65,7 @@ def numbers(kind):
 
 
 def knobs():
-    from engine.supervisor import KNOBS  # Engine(...)'s keywords, each once
+    from engine.serving.supervisor import KNOBS  # Engine(...)'s keywords, each once
     return KNOBS
 
 
@@ -95,3 +95,14 @@ def knob_flag(p, knob, with_default: bool = False) -> None:
 
 def cpu_list(text: str):
     return numbers(int)(text)
+
+
+def config_shape(value, key):
+    """A shape as a config file gives it: a list, an int, or the --shape text."""
+    if value is None or isinstance(value, (list, tuple)):
+        return None if value is None else tuple(
+            None if d is None or (isinstance(d, str) and d.lower() == "none") else int(d)
+            for d in value)
+    if isinstance(value, int):
+        return (value,)
+    return shape(str(value))

@@ -5,8 +5,8 @@ import signal
 import sys
 import tomllib
 
-from engine import clitools
-from engine.cliargs import Parser, key_values, knob_flag, knobs, shape
+from engine.cli import tooling
+from engine.cli.args import Parser, config_shape, key_values, knob_flag, knobs
 from engine.errors import EngineError
 
 # serve's own keys: its flags, and a --config file's top level beside an
@@ -36,16 +36,6 @@ def _serve_parser(sub):
                    help="a larger request body is refused (413) before it is read "
                         "(default 64 MiB)")
     p.add_argument("--log-level", default="INFO")
-
-
-def _config_shape(value, key):
-    if value is None or isinstance(value, (list, tuple)):
-        return None if value is None else tuple(
-            None if d is None or (isinstance(d, str) and d.lower() == "none") else int(d)
-            for d in value)
-    if isinstance(value, int):
-        return (value,)
-    return shape(str(value))
 
 
 def _read_config(path: str) -> dict:
@@ -125,7 +115,7 @@ def _engine_settings(settings: dict, args, where) -> dict:
     settings["backend_args"] = {**settings.get("backend_args", {}), **flags}
     for knob in all_knobs:
         if knob.metadata["cli"] == "shape" and knob.name in settings:
-            settings[knob.name] = _config_shape(settings[knob.name], knob.name)
+            settings[knob.name] = config_shape(settings[knob.name], knob.name)
         if knob.metadata["cli"] == "gpus" and isinstance(settings.get(knob.name), str):
             settings[knob.name] = [g.strip() for g in settings[knob.name].split(",") if g.strip()]
     spec = ("inputs", "outputs") if "inputs" in settings else ("input_shape", "output_shape")
@@ -142,8 +132,8 @@ def cmd_serve(args) -> int:
     import logging
     import threading
 
-    from engine import notify
-    from engine.serving import Serving
+    from engine.cli.serve import Serving
+    from engine.serving import notify
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("shmbatch")
@@ -178,22 +168,23 @@ def _status_parser(sub):
 
 
 def state_name(state: int) -> str:
-    from engine import ring
-    return {ring.ENGINE_STARTING: "starting", ring.ENGINE_RUNNING: "running",
-            ring.ENGINE_STOPPING: "stopping", ring.ENGINE_STOPPED: "stopped"}.get(
+    from engine.shm import codes
+    return {codes.ENGINE_STARTING: "starting", codes.ENGINE_RUNNING: "running",
+            codes.ENGINE_STOPPING: "stopping", codes.ENGINE_STOPPED: "stopped"}.get(
                 state, f"state word {state}: written by another process")
 
 
 def cmd_status(args) -> int:
-    from engine import metrics, ring
-    from engine.layout import Segment
+    from engine.segment import Segment
+    from engine.serving import metrics
+    from engine.shm import codes
     seg = Segment.attach(args.name, header_only=True)
     if args.ready:
         try:
             state, alive = seg.engine_state(), seg.holder_alive()
         finally:
             seg.close()
-        serving = alive and state == ring.ENGINE_RUNNING
+        serving = alive and state == codes.ENGINE_RUNNING
         print(f"engine {args.name!r} " + (state_name(state) if alive else "dead"))
         return 0 if serving else 1
     if seg.holder_alive():  # running: every figure, the slots' included
@@ -204,7 +195,7 @@ def cmd_status(args) -> int:
         alive = seg.holder_alive()
         state = state_name(seg.engine_state())
         stats["state"] = state if alive else f"dead (run: shmbatch cleanup {args.name})"
-        stats["supervisor_pid"] = seg.ring.word(ring.W_SUPERVISOR_PID)
+        stats["supervisor_pid"] = seg.ring.word(codes.W_SUPERVISOR_PID)
     finally:
         seg.close()
     if args.json:
@@ -215,7 +206,7 @@ def cmd_status(args) -> int:
 
 
 def status_table(s: dict) -> str:
-    from engine.layout import size_text
+    from engine.segment import size_text
     q, sv = s["queue_wait_ms"], s["service_ms"]
     slots = ("slots not read (the engine is dead)" if s["slots_in_use"] is None else
              f"{s['queue_depth']} waiting, {s['slots_in_use']} slots in use")
@@ -258,22 +249,23 @@ def _cleanup_parser(sub):
 def cmd_cleanup(args) -> int:
     import psutil
 
-    from engine import layout, liveness, ring
+    from engine import segment
     from engine.errors import EngineUnavailable
+    from engine.shm import codes, liveness
     try:  # the header page only: a leftover of any size goes without touching its memory
-        seg = layout.Segment.attach(args.name, header_only=True)
+        seg = segment.Segment.attach(args.name, header_only=True)
     except EngineUnavailable:
         seg = None  # absent, or not a valid segment: the lock decides below
     if seg is not None:
         try:
             if seg.holder_alive():
-                raise layout.EngineAlreadyRunning(
+                raise segment.EngineAlreadyRunning(
                     f"engine {args.name!r} is already running (supervisor pid "
-                    f"{seg.ring.word(ring.W_SUPERVISOR_PID)}); stop it instead")
+                    f"{seg.ring.word(codes.W_SUPERVISOR_PID)}); stop it instead")
             r = seg.ring
             # both banks: a reload's old and new batchers hold different numbers
-            numbers = range(min(2 * seg.config.instances, ring.MAX_INSTANCES))
-            batchers = [(r.word(ring.W_BATCHER_PID + i), r.word(ring.W_BATCHER_START + i))
+            numbers = range(min(2 * seg.config.instances, codes.MAX_INSTANCES))
+            batchers = [(r.word(codes.W_BATCHER_PID + i), r.word(codes.W_BATCHER_START + i))
                         for i in numbers]
         finally:
             seg.close()
@@ -282,11 +274,11 @@ def cmd_cleanup(args) -> int:
             _, still = psutil.wait_procs([psutil.Process(p) for p in live if psutil.pid_exists(p)],
                                          timeout=3)
             if still:
-                raise layout.EngineAlreadyRunning(f"engine {args.name!r} still has live "
+                raise segment.EngineAlreadyRunning(f"engine {args.name!r} still has live "
                                                   f"batchers {[p.pid for p in still]}")
-    if not layout.remove_if_dead(args.name):
+    if not segment.remove_if_dead(args.name):
         raise EngineUnavailable(f"no engine named {args.name!r} (nothing in /dev/shm)")
-    print(f"removed /dev/shm{layout.segment_name(args.name)}")
+    print(f"removed /dev/shm{segment.segment_name(args.name)}")
     return 0
 
 
@@ -313,7 +305,7 @@ def _reload_parser(sub):
 
 
 def cmd_reload(args) -> int:
-    from engine import control
+    from engine.serving import control
     reply = control.request(args.name, {"op": "reload", "backend": args.backend,
                                         "backend_args": key_values(args.backend_arg)},
                             timeout_s=args.timeout)
@@ -332,8 +324,8 @@ def main(argv=None) -> int:
     _status_parser(sub)
     _reload_parser(sub)
     _cleanup_parser(sub)
-    clitools.bench_parser(sub)
-    clitools.tune_parser(sub)
+    tooling.bench_parser(sub)
+    tooling.tune_parser(sub)
     args = parser.parse_args(argv)
     # a backend module in the working directory imports, as under gunicorn and uvicorn
     # (a console script's sys.path[0] is its own folder)
@@ -343,7 +335,7 @@ def main(argv=None) -> int:
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         return {"serve": cmd_serve, "status": cmd_status, "reload": cmd_reload,
-                "cleanup": cmd_cleanup, "bench": clitools.cmd_bench, "tune": clitools.cmd_tune}[args.command](args)
+                "cleanup": cmd_cleanup, "bench": tooling.cmd_bench, "tune": tooling.cmd_tune}[args.command](args)
     except KeyboardInterrupt:
         return 130
     except (EngineError, ValueError, RuntimeError, OSError) as e:

@@ -17,9 +17,9 @@ import os
 import threading
 from typing import List, Optional
 
-from engine import metrics
 from engine.errors import EngineError
-from engine.supervisor import Engine
+from engine.serving import metrics
+from engine.serving.supervisor import Engine
 
 log = logging.getLogger("shmbatch")
 
@@ -59,8 +59,8 @@ class Serving:
         import importlib.util
         if importlib.util.find_spec("uvicorn") is None:
             raise ValueError("--http-port needs uvicorn: pip install 'shmbatch[http]'")
-        from engine import openinference
-        from engine.oip_tensors import datatype_of
+        from engine.http import openinference
+        from engine.http.oip_tensors import datatype_of
         self.http_workers = 1 if workers is None else int(workers)
         self.http_timeout_s = float(openinference.DEFAULT_TIMEOUT_S if timeout_s is None
                                     else timeout_s)
@@ -85,8 +85,8 @@ class Serving:
         stops what started and raises."""
         try:
             if self.http_port is not None:
-                from engine import http_workers
-                self._sock = http_workers.bind(self.http_host, self.http_port)
+                from engine.http import workers
+                self._sock = workers.bind(self.http_host, self.http_port)
             for eng in self.engines:
                 try:
                     eng.start()
@@ -111,8 +111,8 @@ class Serving:
             raise
 
     def _start_http(self) -> None:
-        from engine import http_workers
-        self._workers = http_workers.Workers(
+        from engine.http import workers
+        self._workers = workers.Workers(
             self._sock, self.http_workers, {e.name: e.config.to_json() for e in self.engines},
             timeout_s=self.http_timeout_s, max_body_bytes=self.http_max_body_bytes,
             graceful_s=max(e.options.drain_timeout_s for e in self.engines),

@@ -6,7 +6,7 @@ import json
 import os
 import tomllib
 
-from engine.cliargs import key_values, knob_flag, knobs, numbers
+from engine.cli.args import config_shape, key_values, knob_flag, knobs, numbers
 
 
 def _backend_flags(p) -> None:
@@ -46,10 +46,10 @@ def bench_parser(sub):
     p.add_argument("--model", choices=("synthetic", "onnx", "decoder"), default="synthetic",
                    help="onnx: a transformer encoder built at run time, through ONNX Runtime "
                         "on the CPU, with and without length_buckets (needs .[onnx]); decoder: "
-                        "a generative transformer served the static and the continuous way")
+                        "a transformer decoder served the one-shot and the iterative way")
     p.add_argument("--rates", type=numbers(float),
                    help="--model decoder: offered requests/s of the rows (default: 0.25x, 1x "
-                        "and 3x the static way's capacity)")
+                        "and 3x the one-shot way's capacity)")
     p.add_argument("--out", metavar="DIR", help="write DIR/bench.json and DIR/bench.png")
 
 
@@ -204,11 +204,10 @@ def cmd_tune(args) -> int:
         specs = tuple(tensors.spec_of(name, value, bounds.get(name), "input")
                       for name, value in settings["inputs"].items())
     else:
-        from engine.cli import _config_shape
         from engine.config import EngineConfig
         for key in ("input_shape", "max_input_shape", "output_shape"):
             if key in settings:
-                settings[key] = _config_shape(settings[key], key)
+                settings[key] = config_shape(settings[key], key)
         settings.pop("outputs", None)
         specs = EngineConfig(name="tune", **{k: v for k, v in settings.items()
                                               if k != "max_input_shapes"}).input_specs

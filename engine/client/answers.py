@@ -10,8 +10,9 @@ from typing import Optional
 
 import numpy as np
 
-from engine import ring, waiting
+from engine.client import waiting
 from engine.errors import EngineCorrupt, EngineError
+from engine.shm import codes
 
 
 def take(seg, slot: int, gen: int, outs: Optional[tuple]):
@@ -24,13 +25,13 @@ def take(seg, slot: int, gen: int, outs: Optional[tuple]):
         code, stamps = seg.ring.take_timed(slot, gen, into)
         return code, stamps, (into,)
     code = seg.ring.wait_slot(slot, gen, 0, 0)
-    return code, None, read(seg, slot, gen, outs) if code == ring.OK else None
+    return code, None, read(seg, slot, gen, outs) if code == codes.OK else None
 
 
 def read(seg, slot: int, gen: int, outs: Optional[tuple]) -> tuple:
     """An answered ticket's outputs, copied into outs' arrays (or new ones);
     the slot freed."""
-    if seg.steps:  # an iterative engine's: the chunks its batcher wrote
+    if seg.iterative:  # an iterative engine's: the chunks its batcher wrote
         steps = chunk_count(seg, slot, gen)
         outs = tuple(region[slot, :steps].copy() for region in seg.out_regions)
     elif outs is None:
@@ -45,12 +46,12 @@ def read(seg, slot: int, gen: int, outs: Optional[tuple]) -> tuple:
 def chunk_count(seg, slot: int, gen: int) -> int:
     """How many chunks a settled iterative request's batcher wrote (checked
     in C against the engine's max_steps; EngineCorrupt beyond it)."""
-    code, word = seg.ring.wait_chunks(slot, gen, ring.CHUNKS_END - 1, 0)
-    if code != ring.OK:
+    code, word = seg.ring.wait_chunks(slot, gen, codes.CHUNKS_END - 1, 0)
+    if code != codes.OK:
         seg.ring.release_slot(slot, gen)  # settled (the caller saw it): ours to free
         raise EngineCorrupt(f"engine {seg.name!r}: expected the request's chunk count within "
                             f"max_steps {seg.steps}, got one beyond it (code {code})")
-    return word & (ring.CHUNKS_END - 1)
+    return word & (codes.CHUNKS_END - 1)
 
 
 def settle_now(seg, slot: int, gen: int, outs: Optional[tuple],
@@ -61,12 +62,12 @@ def settle_now(seg, slot: int, gen: int, outs: Optional[tuple],
     abandoned and error returned (unless it was answered that instant);
     without, (False, None, None, None)."""
     code, stamps, outputs = take(seg, slot, gen, outs)
-    if code == ring.ETIMEOUT:
+    if code == codes.ETIMEOUT:
         if error is None:
             return False, None, None, None
         if waiting.give_up(seg, slot, gen, error) is not None:
             return True, None, error, None
         code, stamps, outputs = take(seg, slot, gen, outs)
-    if code == ring.OK:
+    if code == codes.OK:
         return True, seg.config.answer(outputs), None, stamps
     return True, None, waiting.failed(seg, slot, gen, code), None

@@ -10,17 +10,17 @@ import os
 import time
 from typing import Optional
 
-from engine import ring
 from engine.config import NAME_RE
 from engine.errors import EngineUnavailable
-from engine.layout import Segment, segment_name
+from engine.segment import Segment, segment_name
+from engine.shm import codes
 
 # A Client waiting for its engine (wait_s) looks again this often: the
 # segment's creation is not an event it can sleep on.
 ATTACH_POLL_S = 0.02
 
-_STATE_TEXT = {ring.ENGINE_STARTING: "is starting (not ready yet)",
-               ring.ENGINE_STOPPING: "is stopping", ring.ENGINE_STOPPED: "is not running (it stopped)"}
+_STATE_TEXT = {codes.ENGINE_STARTING: "is starting (not ready yet)",
+               codes.ENGINE_STOPPING: "is stopping", codes.ENGINE_STOPPED: "is not running (it stopped)"}
 
 
 def attach(name: str, wait_s: float = 0.0, old: Optional[Segment] = None) -> Segment:
@@ -53,20 +53,20 @@ def _attach_running(name: str, old: Optional[Segment]) -> Segment:
         head = Segment.attach(name, header_only=True)  # one page: cheap while it cannot serve
     except EngineUnavailable:
         if _being_created(name):
-            raise EngineUnavailable(f"engine {name!r} {_STATE_TEXT[ring.ENGINE_STARTING]}") \
+            raise EngineUnavailable(f"engine {name!r} {_STATE_TEXT[codes.ENGINE_STARTING]}") \
                 from None
         raise
     try:
         state, alive = head.engine_state(), head.holder_alive()
     finally:
         head.close()
-    if state != ring.ENGINE_RUNNING or not alive:
+    if state != codes.ENGINE_RUNNING or not alive:
         what = _STATE_TEXT.get(state, "is not running") if alive else \
             f"is not running (it died; `shmbatch cleanup {name}` removes what it left)"
         raise EngineUnavailable(f"engine {name!r} {what}")
     seg = Segment.attach(name)
     if (old is not None and seg.incarnation == old.incarnation) or \
-            seg.engine_state() != ring.ENGINE_RUNNING:
+            seg.engine_state() != codes.ENGINE_RUNNING:
         seg.close()
         raise EngineUnavailable(f"engine {name!r} is stopping or not running")
     return seg

@@ -4,33 +4,37 @@ The requests go in chunks of at most half the queue_capacity, so one bulk call
 leaves room for other clients; each chunk is one C call each way (acquire,
 publish, wait, release), its rows written and read as one numpy copy.
 """
+from typing import Optional
+
 import numpy as np
 
-from engine import ring, room, waiting
+from engine.client import room, waiting
+from engine.client.handle import Handle
 from engine.errors import EngineUnavailable, InvalidInput
+from engine.shm import codes
 
 
-def infer_many(client, xs, timeout, priority: int) -> np.ndarray:
+def infer_many(client: Handle, xs, timeout: Optional[float], priority: int) -> np.ndarray:
     """The answers to xs[0], xs[1], ... stacked (see Client.infer_many)."""
     deadline = waiting.deadline_ns(timeout)
-    seg, (xs,), (length,), _ = client._validated(xs, many=True, priority=priority)
-    if seg.steps:
+    seg, (xs,), (length,), _ = client.validated(xs, many=True, priority=priority)
+    if seg.iterative:
         raise InvalidInput("infer_many: an iterative engine's answers have as many chunks as "
                            "they take; expected infer(), submit() or stream() of each request")
     cfg, n, r = seg.config, len(xs), seg.ring
     out = np.empty((n, *cfg.output_shape), cfg.output_dtype)
     chunk = min(n, max(1, seg.capacity // 2))
     slots, gens = np.empty(chunk, np.uint32), np.empty(chunk, np.uint32)
-    codes = np.empty(chunk, np.int32)
+    outcomes = np.empty(chunk, np.int32)
     done = 0
     while done < n:
         want = min(chunk, n - done)
-        k = r.acquire_many(client._pid, client._start_ticks, want, slots, gens)
+        k = r.acquire_many(client.pid, client.start_ticks, want, slots, gens)
         if k == 0:
-            code, slots[0], gens[0] = room.make_room(seg, client._pid, client._start_ticks, deadline)
-            if code != ring.OK:
+            code, slots[0], gens[0] = room.make_room(seg, client.pid, client.start_ticks, deadline)
+            if code != codes.OK:
                 raise EngineUnavailable(f"cannot enqueue on engine {client.name!r} (code {code})")
-            k = 1 + r.acquire_many(client._pid, client._start_ticks, want - 1, slots[1:], gens[1:])
+            k = 1 + r.acquire_many(client.pid, client.start_ticks, want - 1, slots[1:], gens[1:])
         s, g = slots[:k], gens[:k]
         rows = xs[done:done + k]
         if cfg.var_axis is not None:  # equal lengths, zero-padded to the bound
@@ -42,10 +46,10 @@ def infer_many(client, xs, timeout, priority: int) -> np.ndarray:
             seg.lengths[s, 0] = length
         r.publish_many(s, g, k, length, deadline or 0, priority)
         _await_all(client, seg, s, g, k, deadline, timeout)
-        r.poll(s, g, codes[:k])
-        failed = np.nonzero(codes[:k] == ring.EFAILED)[0]
+        r.poll(s, g, outcomes[:k])
+        failed = np.nonzero(outcomes[:k] == codes.EFAILED)[0]
         if len(failed):
-            error = waiting.failed(seg, int(s[failed[0]]), int(g[failed[0]]), ring.EFAILED)
+            error = waiting.failed(seg, int(s[failed[0]]), int(g[failed[0]]), codes.EFAILED)
             r.release_many(s, g, k)
             raise error
         out[done:done + k] = seg.out_regions[0][s]
@@ -54,22 +58,22 @@ def infer_many(client, xs, timeout, priority: int) -> np.ndarray:
     return out
 
 
-def _await_all(client, seg, slots, gens, k, deadline, timeout) -> None:
+def _await_all(client: Handle, seg, slots, gens, k, deadline, timeout) -> None:
     """Waits for k tickets; on a timeout or a dead engine abandons them all
     (answered ones released) and raises."""
     r = seg.ring
     why, code = waiting.wait(
-        lambda slice_ns: r.wait_all(slots, gens, k, slice_ns, client._spin_ns),
+        lambda slice_ns: r.wait_all(slots, gens, k, slice_ns, client.spin_ns),
         lambda: waiting.engine_lives(seg), deadline)
-    if why == waiting.ANSWERED and code == ring.OK:
+    if why == waiting.ANSWERED and code == codes.OK:
         return
     abandoned = 0
     for slot, gen in zip(slots.tolist(), gens.tolist()):
         code_k = r.abandon(slot, gen)
-        abandoned += code_k == ring.OK
-        if code_k == ring.EBUSY:
+        abandoned += code_k == codes.OK
+        if code_k == codes.EBUSY:
             r.release_slot(slot, gen)
     if why == waiting.EXPIRED:
-        r.add_word(ring.W_TIMEOUTS, abandoned)
+        r.add_word(codes.W_TIMEOUTS, abandoned)
         raise waiting.timed_out(timeout, k)
     raise waiting.engine_gone(client.name)

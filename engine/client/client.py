@@ -19,10 +19,10 @@ answers waiting to be read do not count. A client that finds every slot
 taken first makes room: it settles its own process's answered Futures (copy
 out, free), reclaims the slots of dead owners, and asks every other client
 process (through its evictor thread) to do the same, waiting a bounded time
-for a freed slot (engine.room). Only then is the request refused (QueueFull).
+for a freed slot (engine.client.room). Only then is the request refused (QueueFull).
 
 Finding the engine (at once, after a wait, or lazily at each request, and
-again after the engine restarts) is engine.attaching's.
+again after the engine restarts) is engine.client.attach's.
 
 A Client is shared by threads freely; after os.fork() the child rebinds its
 process identity and drops the parent's pending tickets, which stay the
@@ -33,16 +33,23 @@ import concurrent.futures
 import functools
 import os
 import threading
-from typing import Any, AsyncIterator, Dict, Iterator, Optional, TypeVar
+import weakref
+from typing import Any, AsyncIterator, Dict, Iterator, Optional, Tuple, TypeVar
 
 import numpy as np
 
-from engine import answers, bulk, futures, liveness, ring, room, streams, waiting
-from engine.errors import EngineError, EngineUnavailable, InvalidInput, Overloaded, QueueFull
-from engine.attaching import attach
-from engine.layout import Segment
-from engine.lent import SlotRequest
-
+from engine.client import answers, bulk, futures, room, streams, waiting
+from engine.client.attach import attach
+from engine.client.lent import SlotRequest
+from engine.errors import (
+    EngineError,
+    EngineUnavailable,
+    InvalidInput,
+    Overloaded,
+    QueueFull,
+)
+from engine.segment import Segment
+from engine.shm import codes, liveness, ring
 
 # Priority shares: a request of priority p > 0 is refused while the requests
 # queued at p or less urgent fill (SHARE_STEPS - p) / SHARE_STEPS of the queue.
@@ -63,15 +70,23 @@ class Client:
     engine: each request attaches if it can and raises EngineUnavailable at
     once ("not started yet", "starting") while it cannot, so a web app may be
     started before its sidecar. Any Client re-attaches by itself when its
-    engine is restarted under the same name."""
+    engine is restarted under the same name.
+
+    Every request method takes ``(x, timeout=1.0, *, priority=0,
+    max_steps=None, out=None)``, or those of them it has, in that order.
+
+    The attributes name, pid, start_ticks, spin_ns, attached, held,
+    futures_lock and futures_cond, and the methods completer(), validated()
+    and await_answer(), are handle.Handle: what the client's helpers use of
+    it. Callers need none of them."""
 
     def __init__(self, name: str, *, wait_s: float = 0.0, lazy: bool = False) -> None:
         self.name = name
         self._closed = False
-        self._seg: Optional[Segment] = None
+        self.attached: Optional[Segment] = None
         self._checked_ns = 0
         try:
-            self._seg = attach(name, wait_s)
+            self.attached = attach(name, wait_s)
         except EngineUnavailable:
             if not lazy:
                 raise
@@ -80,19 +95,20 @@ class Client:
         _clients.add(self)
 
     def _bind_process(self) -> None:
-        self._pid = os.getpid()
-        self._start_ticks = liveness.start_ticks(self._pid) or 0
+        # the handle.Handle fields, documented there
+        self.pid = os.getpid()
+        self.start_ticks = liveness.start_ticks(self.pid) or 0
+        self.spin_ns = ring.SPIN_NS  # see _wait_slice
+        self.futures_lock = threading.RLock()
+        self.futures_cond = threading.Condition(self.futures_lock)
+        self.held: Dict[int, "weakref.ref[Any]"] = {}
         self._lock = threading.Lock()
         self._completer: Optional[futures.Completer] = None
-        self._spin_ns = ring.SPIN_NS  # see _wait_slice; shared by threads, a hint only
-        self._futures_lock = threading.RLock()  # see futures.Request
-        self._futures_cond = threading.Condition(self._futures_lock)
-        self._held: Dict[int, Any] = {}  # slot -> weakref of the pending submit() Future
         self._evictor: Optional[futures.Evictor] = None
 
     # -- public API ---------------------------------------------------------
-    def infer(self, x: Tensors, timeout: Optional[float] = 1.0, out: Optional[Tensors] = None,
-              priority: int = 0, max_steps: Optional[int] = None) -> Tensors:
+    def infer(self, x: Tensors, timeout: Optional[float] = 1.0, *, priority: int = 0,
+              max_steps: Optional[int] = None, out: Optional[Tensors] = None) -> Tensors:
         """Blocks until the answer to x comes; returns it as a new array, or
         in out (a writable C-contiguous array of the output's dtype and shape,
         reused by the caller: a large answer then lands in warm memory). The
@@ -100,28 +116,28 @@ class Client:
         is the most urgent. An iterative engine's answer is its chunks
         stacked, (steps, *chunk_shape), at most max_steps of them."""
         deadline = waiting.deadline_ns(timeout)
-        seg, slot, gen, outs = self._enqueue(x, deadline, out, priority, max_steps)
-        return self._await(seg, slot, gen, deadline, timeout, outs)
+        seg, slot, gen, outs = self._enqueue(x, deadline, priority, max_steps, out)
+        return self.await_answer(seg, slot, gen, deadline, timeout, outs)
 
-    def submit(self, x: Tensors, timeout: Optional[float] = 1.0, out: Optional[Tensors] = None,
-               priority: int = 0, max_steps: Optional[int] = None
+    def submit(self, x: Tensors, timeout: Optional[float] = 1.0, *, priority: int = 0,
+               max_steps: Optional[int] = None, out: Optional[Tensors] = None
                ) -> "concurrent.futures.Future[Tensors]":
         """Enqueues x now; the Future resolves to its answer (or error), in
         out if given (as for infer). cancel() withdraws the request while no
         batch has answered it."""
         deadline = waiting.deadline_ns(timeout)
-        seg, slot, gen, outs = self._enqueue(x, deadline, out, priority, max_steps)
+        seg, slot, gen, outs = self._enqueue(x, deadline, priority, max_steps, out)
         if self._evictor is None:
             self._start_evictor()
         return futures.Request(self, seg, slot, gen, deadline, timeout, outs)
 
-    async def infer_async(self, x: Tensors, timeout: Optional[float] = 1.0,
+    async def infer_async(self, x: Tensors, timeout: Optional[float] = 1.0, *,
                           priority: int = 0, max_steps: Optional[int] = None) -> Tensors:
         """infer() for asyncio: awaits the answer without blocking the loop."""
         deadline = waiting.deadline_ns(timeout)
         loop = asyncio.get_running_loop()
         future: "asyncio.Future[Tensors]" = loop.create_future()
-        seg, slot, gen, _ = self._enqueue(x, deadline, None, priority, max_steps)
+        seg, slot, gen, _ = self._enqueue(x, deadline, priority, max_steps)
 
         def settle(value, error):
             if not future.done():
@@ -133,38 +149,38 @@ class Client:
             except RuntimeError:
                 pass
 
-        self._completer_for().add(futures.Ticket(
-            self, seg, slot, gen, deadline, timeout, lambda v: deliver(v, None),
+        self.completer().add(futures.Ticket(
+            seg, slot, gen, deadline, timeout, lambda v: deliver(v, None),
             lambda e: deliver(None, e)))
         return await future
 
-    def stream(self, x: Tensors, timeout: Optional[float] = 1.0, max_steps: Optional[int] = None,
-               priority: int = 0) -> Iterator[Tensors]:
+    def stream(self, x: Tensors, timeout: Optional[float] = 1.0, *, priority: int = 0,
+               max_steps: Optional[int] = None) -> Iterator[Tensors]:
         """The answer to x chunk by chunk as the engine writes them, each a new
         array (iterative engines: one per step, at most max_steps; a one-shot
         engine's answer comes once). timeout bounds the whole answer. Leaving
         the loop early (break, close(), or dropping it) withdraws the request."""
         deadline = waiting.deadline_ns(timeout)
         seg = self._segment()
-        if not seg.steps:
+        if not seg.iterative:
             return streams.Answered(self.submit(x, timeout, priority=priority))
-        seg, slot, gen, _ = self._enqueue(x, deadline, None, priority, max_steps)
+        seg, slot, gen, _ = self._enqueue(x, deadline, priority, max_steps)
         return streams.Stream(self, seg, slot, gen, deadline, timeout)
 
-    async def stream_async(self, x: Tensors, timeout: Optional[float] = 1.0,
-                           max_steps: Optional[int] = None,
-                           priority: int = 0) -> AsyncIterator[Tensors]:
+    async def stream_async(self, x: Tensors, timeout: Optional[float] = 1.0, *,
+                           priority: int = 0, max_steps: Optional[int] = None
+                           ) -> AsyncIterator[Tensors]:
         """stream() for asyncio: ``async for chunk in client.stream_async(x)``;
         the loop is never blocked."""
         deadline = waiting.deadline_ns(timeout)
         seg = self._segment()
-        if not seg.steps:
-            yield await self.infer_async(x, timeout, priority)
+        if not seg.iterative:
+            yield await self.infer_async(x, timeout, priority=priority)
             return
-        seg, slot, gen, _ = self._enqueue(x, deadline, None, priority, max_steps)
+        seg, slot, gen, _ = self._enqueue(x, deadline, priority, max_steps)
         chunks = streams.AsyncStream(streams.Stream(self, seg, slot, gen, deadline, timeout),
                                      asyncio.get_running_loop())
-        self._completer_for().add(chunks)
+        self.completer().add(chunks)
         try:
             async for chunk in chunks:
                 yield chunk
@@ -186,14 +202,14 @@ class Client:
         if not seg.config.lends_rows:
             raise InvalidInput(f"request() lends a row of a fixed input shape, got an engine "
                                f"of input {seg.config.input_spec()}")
-        code, slot, gen = seg.ring.acquire(self._pid, self._start_ticks)
-        if code == ring.EFULL:
-            code, slot, gen = room.make_room(seg, self._pid, self._start_ticks, None)
-        if code != ring.OK:
+        code, slot, gen = seg.ring.acquire(self.pid, self.start_ticks)
+        if code == codes.EFULL:
+            code, slot, gen = room.make_room(seg, self.pid, self.start_ticks, None)
+        if code != codes.OK:
             raise EngineUnavailable(f"cannot enqueue on engine {self.name!r} (code {code})")
         return SlotRequest(self, seg, slot, gen)
 
-    def infer_many(self, xs: np.ndarray, timeout: Optional[float] = 1.0,
+    def infer_many(self, xs: np.ndarray, timeout: Optional[float] = 1.0, *,
                    priority: int = 0) -> np.ndarray:
         """Sends xs[0], xs[1], ... as len(xs) requests at once and blocks until all
         are answered; returns the answers stacked, shape (n, *output_shape).
@@ -219,7 +235,7 @@ class Client:
         completer, self._completer = self._completer, None
         if completer is not None:
             completer.close()
-        self._seg = None
+        self.attached = None
 
     def __enter__(self) -> "Client":
         return self
@@ -228,58 +244,60 @@ class Client:
         self.close()
 
     # -- the request path ---------------------------------------------------
-    def _validated(self, x, many=False, out=None, priority=0, max_steps=None):
+    def validated(self, x: Any, many: bool = False, priority: int = 0,
+                  max_steps: Optional[int] = None, out: Any = None
+                  ) -> Tuple[Segment, tuple, tuple, Optional[tuple]]:
         """(segment, arrays, real lengths, outs): the running engine's segment,
-        and x (and out, and priority) checked against its spec before anything
-        is enqueued; arrays and outs in spec order (outs None without out)."""
+        and x (and priority, max_steps, out) checked against its spec before
+        anything is enqueued; arrays and outs in spec order (outs None without out)."""
         seg = self._segment()  # a forked child was rebound at the fork (register_at_fork)
         try:
             arrays, lengths = (seg.config.check_many if many else seg.config.check_input)(x)
-            if seg.steps and (out is not None or max_steps is not None):
+            if seg.iterative and (out is not None or max_steps is not None):
                 _check_steps(seg.config, out, max_steps)
             outs = None if out is None else seg.config.check_out(out)
             if priority and not (type(priority) is int and 0 <= priority < seg.config.priority_levels):
                 raise InvalidInput(f"priority: expected an int in [0, "
                                    f"{seg.config.priority_levels}), got {priority!r}")
         except EngineError:
-            seg.ring.add_word(ring.W_INVALID)
+            seg.ring.add_word(codes.W_INVALID)
             raise
         return seg, arrays, lengths, outs
 
-    def _enqueue(self, x, deadline, out=None, priority=0, max_steps=None):
+    def _enqueue(self, x, deadline, priority=0, max_steps=None, out=None):
         """(segment, slot, generation, outs) of x enqueued."""
-        seg, arrays, lengths, outs = self._validated(x, False, out, priority, max_steps)
+        seg, arrays, lengths, outs = self.validated(x, False, priority, max_steps, out)
         r = seg.ring
         if priority:
             self._check_share(seg, priority)
         admit = deadline is not None and seg.admit_by_deadline
         # an iterative request's stream is opened between its write and its publish
-        fused = seg.fused_in and arrays[0].flags.c_contiguous and not seg.steps
+        fused = seg.fused_in and arrays[0].flags.c_contiguous and not seg.iterative
         if fused:  # one C call: admit, take, copy, publish
-            code, slot, gen = r.submit(self._pid, self._start_ticks, arrays[0], 0,
+            code, slot, gen = r.submit(self.pid, self.start_ticks, arrays[0], 0,
                                        deadline or 0, priority, admit)
-            if code == ring.OK:  # the common case: enqueued
+            if code == codes.OK:  # the common case: enqueued
                 return seg, slot, gen, outs
         else:
-            code, slot = r.admit(priority, deadline) if admit else (ring.OK, 0)
-            if code == ring.OK:
-                code, slot, gen = r.acquire(self._pid, self._start_ticks)
-        if code == ring.EOVERLOADED:  # then `slot` holds the predicted wait, in ms
+            code, slot = r.admit(priority, deadline) if admit else (codes.OK, 0)
+            if code == codes.OK:
+                code, slot, gen = r.acquire(self.pid, self.start_ticks)
+        if code == codes.EOVERLOADED:  # then `slot` holds the predicted wait, in ms
             raise self._overloaded(deadline, slot)
-        if code == ring.EFULL:
-            code, slot, gen = room.make_room(seg, self._pid, self._start_ticks, deadline)
+        if code == codes.EFULL:
+            code, slot, gen = room.make_room(seg, self.pid, self.start_ticks, deadline)
             fused = False
-        if code == ring.OK and not fused:
+        if code == codes.OK and not fused:
             try:
                 _write_rows(seg, slot, arrays, lengths)
-                if seg.steps:
+                if seg.iterative:
                     r.stream_open(slot, gen, max_steps or 0)
             except BaseException:
                 r.cancel(slot, gen)
                 raise
             # the request's length, for length buckets: its longest input's
             code = r.publish(slot, gen, max(lengths), deadline or 0, priority)
-        if code != ring.OK:
+        if code != codes.OK:
             raise EngineUnavailable(f"cannot enqueue on engine {self.name!r} (code {code}: the "
                                     f"engine reclaimed the request or refused it)")
         return seg, slot, gen, outs
@@ -293,7 +311,7 @@ class Client:
         held = r.queued(seg.config.priority_levels - 1) - r.queued(priority - 1)
         share = seg.capacity * (SHARE_STEPS - priority) // SHARE_STEPS
         if held >= share:
-            r.add_word(ring.W_REJECTED)
+            r.add_word(codes.W_REJECTED)
             raise QueueFull(f"priority {priority} may hold {share} of queue_capacity "
                             f"{seg.capacity} (the rest is kept for more urgent requests), "
                             f"got {held} queued")
@@ -313,8 +331,8 @@ class Client:
     def _segment(self) -> Segment:
         """The running engine's segment; attaches (lazy) or re-attaches (after
         a restart of the engine) when it can, EngineUnavailable while not."""
-        seg = self._seg
-        if seg is not None and seg.engine_state() == ring.ENGINE_RUNNING:
+        seg = self.attached
+        if seg is not None and seg.engine_state() == codes.ENGINE_RUNNING:
             now = ring.now_ns()
             if now - self._checked_ns < waiting.LIVENESS_SLICE_NS:
                 return seg
@@ -324,12 +342,14 @@ class Client:
         with self._lock:
             if self._closed:
                 raise EngineUnavailable(f"client of {self.name!r} is closed")
-            if self._seg is seg:  # no other thread attached meanwhile
-                self._seg = attach(self.name, old=seg)
+            if self.attached is seg:  # no other thread attached meanwhile
+                self.attached = attach(self.name, old=seg)
                 self._checked_ns = ring.now_ns()
-            return self._seg
+            return self.attached
 
-    def _await(self, seg, slot, gen, deadline, timeout, outs=None, take=True):
+    def await_answer(self, seg: Segment, slot: int, gen: int, deadline: Optional[int],
+                     timeout: Optional[float], outs: Optional[tuple] = None,
+                     take: bool = True) -> Any:
         """Waits for the ticket's answer and, with take, copies it out (into
         outs' arrays or new ones), frees the slot and returns it in the
         caller's form; without, leaves it in the slot and returns None. Errors
@@ -345,8 +365,8 @@ class Client:
             left_ns = deadline - ring.now_ns()
             if left_ns < slice_ns:
                 slice_ns = left_ns
-        code = self._wait_slice(r, slot, gen, into, slice_ns) if slice_ns > 0 else ring.ETIMEOUT
-        if code == ring.ETIMEOUT:
+        code = self._wait_slice(r, slot, gen, into, slice_ns) if slice_ns > 0 else codes.ETIMEOUT
+        if code == codes.ETIMEOUT:
             wait_slice = functools.partial(self._wait_slice, r, slot, gen, into)
             why, code = waiting.wait(wait_slice, functools.partial(waiting.engine_lives, seg),
                                      deadline)
@@ -356,7 +376,7 @@ class Client:
                 if waiting.give_up(seg, slot, gen, error) is not None:
                     raise error
                 code = wait_slice(0)  # answered at the last instant: take it
-        if code != ring.OK:
+        if code != codes.OK:
             raise waiting.failed(seg, slot, gen, code)
         if not take:
             return None
@@ -372,20 +392,20 @@ class Client:
         the next one sleeps at once, so a slow backend's clients burn no CPU."""
         started_ns = ring.now_ns()
         if into is not None:
-            code = r.take(slot, gen, slice_ns, self._spin_ns, into)
+            code = r.take(slot, gen, slice_ns, self.spin_ns, into)
         else:
-            code = r.wait_slot(slot, gen, slice_ns, self._spin_ns)
+            code = r.wait_slot(slot, gen, slice_ns, self.spin_ns)
         spin_ns = ring.SPIN_NS
-        self._spin_ns = spin_ns if ring.now_ns() - started_ns <= spin_ns else 0
+        self.spin_ns = spin_ns if ring.now_ns() - started_ns <= spin_ns else 0
         return code
 
-    def _completer_for(self) -> futures.Completer:
+    def completer(self) -> futures.Completer:
+        """The completion thread, started on first use."""
         with self._lock:
             if self._completer is None:
                 self._completer = futures.Completer(self)
                 self._completer.start()
             return self._completer
-
 
 
 def _check_steps(cfg, outs, max_steps) -> None:
@@ -421,7 +441,8 @@ def _write(row: np.ndarray, array: np.ndarray, var_axis, length: int) -> None:
 def _after_fork_in_child() -> None:
     # the parent's threads and locks do not exist here; its tickets stay its own
     for client in list(_clients):
-        client._bind_process()
+        if isinstance(client, Client):
+            client._bind_process()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

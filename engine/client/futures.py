@@ -12,8 +12,9 @@ batch. The evictor sleeps on evict_seq and, when a client of any process
 finds the ring full, settles this client's answered Futures so their slots
 are free.
 
-Each class here reads a few fields of its client (duck-typed: this module
-does not import client.py, which imports it).
+Each class here sees its client as a handle.Handle, and the completer
+sees its requests as handle.Item (this module does not import client.py,
+which imports it).
 """
 import collections
 import concurrent.futures
@@ -22,11 +23,14 @@ import logging
 import os
 import threading
 import weakref
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from engine import answers, ring, waiting
+from engine.client import answers, waiting
+from engine.client.handle import ANSWER, CHUNKS, Handle, Item
+from engine.errors import EngineError
+from engine.shm import codes, ring
 
 # a Future's states, as concurrent.futures names them
 _PENDING, _FINISHED = concurrent.futures._base.PENDING, concurrent.futures._base.FINISHED
@@ -39,22 +43,27 @@ EVICTOR_SLICE_NS = 1_000_000_000
 
 class Request(concurrent.futures.Future):
     """The Future of submit(): settled by whoever asks first (see the module
-    docstring). A Future dropped while its request is pending gives its slot back."""
+    docstring). A Future dropped while its request is pending gives its slot
+    back. To the completer, an item of kind ANSWER."""
+    kind = ANSWER
+    _waiter_list: Optional["_WatchOnAppend"]
+    _done_callbacks: List[Callable[..., object]]
 
-    def __init__(self, client, seg, slot, gen, deadline, timeout, outs=None):
+    def __init__(self, client: Handle, seg, slot: int, gen: int, deadline: Optional[int],
+                 timeout: Optional[float], outs: Optional[tuple] = None) -> None:
         # Future.__init__'s state, set here so that all futures of a client share
         # one condition: Future.__init__ makes one per request (~2 us, as much as
         # the rest of submit()). The stdlib only ever locks it around short
         # updates, never waits on it here (result() and exception() are ours).
-        self._condition = client._futures_cond
+        self._condition = client.futures_cond
         self._state, self._result, self._exception = _PENDING, None, None
         self._waiter_list, self._done_callbacks = None, []
         self.client, self.seg, self.slot, self.gen = client, seg, slot, gen
         self.deadline, self.timeout, self.outs = deadline, timeout, outs  # outs: in spec order
-        self._pid = client._pid
+        self._pid = client.pid
         self._watched = False
         self._ref = weakref.ref(self)
-        client._held[slot] = self._ref  # for sweep(), when the ring is full
+        client.held[slot] = self._ref  # for sweep(), when the ring is full
         # once answered: the engine's (arrival_ns, claim_ns, done_ns) of the request
         # (CLOCK_MONOTONIC): its queue wait is claim - arrival, its batch done - claim
         self.stamps_ns: Optional[Tuple[int, int, int]] = None
@@ -78,7 +87,7 @@ class Request(concurrent.futures.Future):
 
     def cancel(self) -> bool:
         with self._condition:
-            if self._state != _PENDING or self.seg.ring.abandon(self.slot, self.gen) != ring.OK:
+            if self._state != _PENDING or self.seg.ring.abandon(self.slot, self.gen) != codes.OK:
                 return False  # settled, or answered already: too late to withdraw
             return super().cancel()
 
@@ -97,19 +106,19 @@ class Request(concurrent.futures.Future):
     def _watch(self) -> None:
         if not self._watched and self._state == _PENDING:
             self._watched = True
-            self.client._completer_for().add(self)
+            self.client.completer().add(self)
 
-    def try_settle(self, error=None) -> bool:
+    def try_settle(self, error: Optional[EngineError] = None) -> bool:
         """Settles the future if its request is over (answers.settle_now)."""
         # one settler at a time, the asker or the completer: the lock under
         # self._condition, taken without the Condition's Python-level wrapper
-        with self.client._futures_lock:
+        with self.client.futures_lock:
             if self._state != _PENDING:
                 return True
             settled, value, failure, self.stamps_ns = answers.settle_now(
                 self.seg, self.slot, self.gen, self.outs, error)
-            if settled and self.client._held.get(self.slot) is self._ref:
-                del self.client._held[self.slot]
+            if settled and self.client.held.get(self.slot) is self._ref:
+                del self.client.held[self.slot]
             if settled and failure is None and not self._waiter_list and not self._done_callbacks:
                 self._result, self._state = value, _FINISHED  # set_result, when nobody waits
             elif failure is not None:
@@ -126,21 +135,21 @@ class Request(concurrent.futures.Future):
         client, seg = self.client, self.seg
         until = None if wait_s is None else ring.now_ns() + max(0, int(wait_s * 1e9))
         why, _ = waiting.wait(
-            lambda slice_ns: seg.ring.wait_slot(self.slot, self.gen, slice_ns, client._spin_ns),
-            lambda: client._seg is not None and waiting.engine_lives(seg), self.deadline, until)
+            lambda slice_ns: seg.ring.wait_slot(self.slot, self.gen, slice_ns, client.spin_ns),
+            lambda: client.attached is not None and waiting.engine_lives(seg), self.deadline, until)
         if why == waiting.ANSWERED:
             self.try_settle()  # answered (or no longer ours): settles for sure
         elif why == waiting.EXPIRED:
             self.try_settle(waiting.timed_out(self.timeout))
         elif why == waiting.GONE:
-            self.try_settle(waiting.client_closed(client.name) if client._seg is None
+            self.try_settle(waiting.client_closed(client.name) if client.attached is None
                             else waiting.engine_gone(client.name))
 
     def __del__(self):
         # only in the process that sent it: a forked child's copy is not the owner
         try:
             if (self._state == _PENDING and os.getpid() == self._pid and not self.seg.closed
-                    and self.seg.ring.abandon(self.slot, self.gen) == ring.EBUSY):
+                    and self.seg.ring.abandon(self.slot, self.gen) == codes.EBUSY):
                 self.seg.ring.release_slot(self.slot, self.gen)
         except Exception:  # at interpreter exit, modules may be gone already
             pass
@@ -160,15 +169,19 @@ class _WatchOnAppend(list):
 
 
 class Ticket:
-    """An infer_async() request: settled through the callbacks it was given."""
-    __slots__ = ("client", "seg", "slot", "gen", "deadline", "timeout", "on_value", "on_error")
+    """An infer_async() request, settled through the callbacks it was given:
+    to the completer, an item of kind ANSWER."""
+    __slots__ = ("seg", "slot", "gen", "deadline", "timeout", "on_value", "on_error")
+    kind = ANSWER
 
-    def __init__(self, client, seg, slot, gen, deadline, timeout, on_value, on_error):
-        self.client, self.seg, self.slot, self.gen = client, seg, slot, gen
+    def __init__(self, seg, slot: int, gen: int, deadline: Optional[int],
+                 timeout: Optional[float], on_value: Callable[[Any], object],
+                 on_error: Callable[[EngineError], object]) -> None:
+        self.seg, self.slot, self.gen = seg, slot, gen
         self.deadline, self.timeout = deadline, timeout
         self.on_value, self.on_error = on_value, on_error
 
-    def try_settle(self, error=None) -> bool:
+    def try_settle(self, error: Optional[EngineError] = None) -> bool:
         settled, value, failure, _ = answers.settle_now(self.seg, self.slot, self.gen, None, error)
         if failure is not None:
             self.on_error(failure)
@@ -182,20 +195,20 @@ class Completer(threading.Thread):
     waits without asking. It sleeps on done_seq, so it wakes once per finished
     batch, not per request."""
 
-    def __init__(self, client):
+    def __init__(self, client: Handle) -> None:
         super().__init__(name=f"shmbatch-completer-{client.name}", daemon=True)
         self.client = client
         self.cond = threading.Condition()
-        self.incoming = collections.deque()  # appended by add(), drained by run()
-        self.pending = {}  # the completer's own: id -> request
+        self.incoming: Deque[Item] = collections.deque()  # appended by add(), drained by run()
+        self.pending: Dict[int, Item] = {}  # the completer's own: id -> item
         self.ids = itertools.count()
         self.idle = False
         self.closed = False
         self.checked_ns = ring.now_ns()
-        self.lives = None  # the engine's liveness as this pass probed it (None: not yet)
+        self.lives: Optional[bool] = None  # the engine's liveness this pass (None: not probed)
 
-    def add(self, request) -> None:
-        self.incoming.append(request)
+    def add(self, item: Item) -> None:
+        self.incoming.append(item)
         if self.idle:  # else it takes the request on its next pass: waking it per
             with self.cond:  # request would cost a context switch each
                 self.cond.notify()
@@ -244,10 +257,10 @@ class Completer(threading.Thread):
             seg = group[0][1].seg
             slots = np.fromiter((t.slot for _, t in group), np.uint32, len(group))
             gens = np.fromiter((t.gen for _, t in group), np.uint32, len(group))
-            codes = np.empty(len(group), np.int32)
-            seg.ring.poll(slots, gens, codes)
+            outcomes = np.empty(len(group), np.int32)
+            seg.ring.poll(slots, gens, outcomes)
             self.lives = None  # probed at most once a pass, and only if needed
-            for (key, t), code in zip(group, codes.tolist()):
+            for (key, t), code in zip(group, outcomes.tolist()):
                 try:
                     settled = self._settle_one(t, code, now, seg)
                 except Exception as e:  # this request's fault: the others are still settled
@@ -257,14 +270,16 @@ class Completer(threading.Thread):
                     settled = True
                 if settled:
                     del self.pending[key]
-                elif t.deadline is not None:
+                elif t.kind == ANSWER and t.deadline is not None:
                     next_deadline = min(next_deadline or t.deadline, t.deadline)
         return next_deadline
 
-    def _settle_one(self, t, code: int, now: int, seg) -> bool:
-        """Whether request t is over (settled now or before)."""
-        if code != ring.EBUSY or getattr(t, "streams", False):
-            return t.try_settle()  # (a stream: has its chunk word moved?)
+    def _settle_one(self, t: Item, code: int, now: int, seg) -> bool:
+        """Whether item t is over (settled now or before)."""
+        if t.kind == CHUNKS:
+            return t.try_settle()  # wakes its loop if its chunk word moved
+        if code != codes.EBUSY:
+            return t.try_settle()  # answered, failed, or no longer its own
         if t.deadline is not None and now >= t.deadline:
             return t.try_settle(waiting.timed_out(t.timeout))
         if self.lives is None:  # a probe costs 2 syscalls: at most one a slice
@@ -285,22 +300,22 @@ class Evictor(threading.Thread):
     any process finds it full (it bumps evict_seq): one sleeping thread per
     client that has used submit(), woken only then."""
 
-    def __init__(self, client):
+    def __init__(self, client: Handle) -> None:
         super().__init__(name=f"shmbatch-evictor-{client.name}", daemon=True)
         self.client = weakref.ref(client)  # the thread must not keep its client alive
 
     def run(self) -> None:
         while True:
             client = self.client()
-            if client is None or client._seg is None or client._pid != os.getpid():
+            if client is None or client.attached is None or client.pid != os.getpid():
                 return
-            seg, client = client._seg, None
+            seg, client = client.attached, None
             seen = seg.ring.evict_seq()
             seg.ring.wait_evict(seen, EVICTOR_SLICE_NS)
             if seg.ring.evict_seq() != seen:
                 client = self.client()
                 if client is not None:
-                    sweep(client._held)
+                    sweep(client.held)
                     client = None
 
 

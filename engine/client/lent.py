@@ -5,22 +5,24 @@ from typing import Optional
 
 import numpy as np
 
-from engine import ring, waiting
+from engine.client import waiting
+from engine.client.handle import Handle
 from engine.errors import EngineUnavailable, InvalidInput
+from engine.shm import codes
 
 
 class SlotRequest:
     """A slot lent by Client.request(): its input row to fill, then its answer
     to read in place. Use it as a context manager, in the process that made it."""
 
-    def __init__(self, client, seg, slot: int, gen: int):
+    def __init__(self, client: Handle, seg, slot: int, gen: int) -> None:
         self.client, self.seg, self.slot, self.gen = client, seg, slot, gen
         # writable: the request's row in shared memory (0-d for a scalar input)
         self.input = seg.in_regions[0][slot, ...]
         self._sent = False
-        self._pid = client._pid
+        self._pid = client.pid
 
-    def infer(self, timeout: Optional[float] = 1.0, priority: int = 0) -> np.ndarray:
+    def infer(self, timeout: Optional[float] = 1.0, *, priority: int = 0) -> np.ndarray:
         """Sends the row as it is now; blocks until its answer; returns it as a
         read-only view of the slot's output row (valid until the slot is freed)."""
         if self._sent:
@@ -30,10 +32,10 @@ class SlotRequest:
             raise InvalidInput(f"priority: expected an int in [0, {levels}), got {priority!r}")
         deadline = waiting.deadline_ns(timeout)
         self._sent = True
-        if self.seg.ring.publish(self.slot, self.gen, 0, deadline or 0, priority) != ring.OK:
+        if self.seg.ring.publish(self.slot, self.gen, 0, deadline or 0, priority) != codes.OK:
             raise EngineUnavailable(f"engine {self.client.name!r} reclaimed the request "
                                     f"before it was queued")
-        self.client._await(self.seg, self.slot, self.gen, deadline, timeout, take=False)
+        self.client.await_answer(self.seg, self.slot, self.gen, deadline, timeout, take=False)
         answer = self.seg.out_regions[0][self.slot, ...].view()  # 0-d for a scalar answer
         answer.flags.writeable = False
         return answer
@@ -47,7 +49,7 @@ class SlotRequest:
         r = self.seg.ring
         if not self._sent:
             r.cancel(self.slot, self.gen)
-        elif r.abandon(self.slot, self.gen) == ring.EBUSY:  # answered: ours to release
+        elif r.abandon(self.slot, self.gen) == codes.EBUSY:  # answered: ours to release
             r.release_slot(self.slot, self.gen)
 
     def __enter__(self) -> "SlotRequest":

@@ -10,8 +10,10 @@ is the request refused, with what holds the slots.
 import os
 import weakref
 
-from engine import futures, reaper, ring
+from engine.client import futures
+from engine.client.handle import Handle
 from engine.errors import QueueFull
+from engine.shm import codes, reaper, ring
 
 # How long a client that found the ring full of answers waits for other
 # processes' evictors to move them out, before it raises QueueFull. It waits
@@ -20,16 +22,16 @@ from engine.errors import QueueFull
 EVICT_WAIT_NS = 100_000_000
 
 # Every Client of this process (their answered Futures are settled together).
-clients: "weakref.WeakSet" = weakref.WeakSet()
+clients: "weakref.WeakSet[Handle]" = weakref.WeakSet()
 
 
 def queue_full(seg, census: reaper.Census) -> QueueFull:
     """The refusal, counted, with what holds the slots (after making room)."""
-    seg.ring.add_word(ring.W_REJECTED)
-    busy = census.count(ring.READY, ring.CLAIMED, ring.ABANDONED)
+    seg.ring.add_word(codes.W_REJECTED)
+    busy = census.count(codes.READY, codes.CLAIMED, codes.ABANDONED)
     held = census.answered_by_pid()
     text = (f"queue_capacity {seg.capacity} reached: expected a free slot, got {busy} requests "
-            f"queued or being computed, {census.count(ring.WRITING)} being written or lent")
+            f"queued or being computed, {census.count(codes.WRITING)} being written or lent")
     if held:
         text += (f", {sum(held.values())} answers not yet read by live processes "
                  f"{sorted(held)}")
@@ -41,10 +43,10 @@ def sweep_process(seg) -> int:
     engine of seg (copy out, free the slot); returns how many."""
     freed = 0
     for client in list(clients):
-        other = client._seg
-        if (other is not None and client._pid == os.getpid() and other.name == seg.name
+        other = client.attached
+        if (other is not None and client.pid == os.getpid() and other.name == seg.name
                 and other.incarnation == seg.incarnation):
-            freed += futures.sweep(client._held)
+            freed += futures.sweep(client.held)
     return freed
 
 
@@ -56,12 +58,12 @@ def make_room(seg, pid: int, start_ticks: int, deadline):
     r = seg.ring
     if sweep_process(seg):
         code, slot, gen = r.acquire(pid, start_ticks)
-        if code != ring.EFULL:
+        if code != codes.EFULL:
             return code, slot, gen
     census = reaper.Census(r, seg.capacity)
     if reaper.reap_dead_clients(r, census):
         code, slot, gen = r.acquire(pid, start_ticks)
-        if code != ring.EFULL:
+        if code != codes.EFULL:
             return code, slot, gen
         census = reaper.Census(r, seg.capacity)
     held = sum(census.answered_by_pid().values())  # answers other processes have not read
@@ -73,7 +75,7 @@ def make_room(seg, pid: int, start_ticks: int, deadline):
         if deadline is not None:
             wait_ns = max(0, min(wait_ns, deadline - ring.now_ns()))
         code, slot, gen = r.acquire_wait(pid, start_ticks, wait_ns)
-        if code != ring.EFULL:
+        if code != codes.EFULL:
             return code, slot, gen
         census = reaper.Census(r, seg.capacity)
     raise queue_full(seg, census)

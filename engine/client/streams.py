@@ -13,16 +13,19 @@ Leaving a stream before its end (break, close(), or dropping it) withdraws
 the request: its batcher sees the slot abandoned at its next step, calls
 the model's leave and frees the slot.
 
-Each class reads a few fields of its client (duck-typed: client.py imports
-this module, not the other way round).
+A stream sees its client as a handle.Handle; an AsyncStream is, to the
+client's completion thread, a handle.Item of kind CHUNKS.
 """
 import asyncio
 import os
 from typing import Any, Optional
 
-from engine import ring, waiting
+from engine.client import waiting
+from engine.client.handle import CHUNKS, Handle
+from engine.errors import EngineError
+from engine.shm import codes, ring
 
-COUNT_MASK = ring.CHUNKS_END - 1
+COUNT_MASK = codes.CHUNKS_END - 1
 _NOT_YET = object()  # no chunk to hand out yet: wait for the next
 
 
@@ -31,7 +34,8 @@ class Stream:
     (or a dict of them with named outputs). Iterate it; close() withdraws
     the request if it has not ended."""
 
-    def __init__(self, client, seg, slot: int, gen: int, deadline: Optional[int], timeout):
+    def __init__(self, client: Handle, seg, slot: int, gen: int, deadline: Optional[int],
+                 timeout: Optional[float]) -> None:
         self.client, self.seg, self.slot, self.gen = client, seg, slot, gen
         self.deadline, self.timeout = deadline, timeout
         self._word = 0        # the slot's chunk word as last read
@@ -56,7 +60,7 @@ class Stream:
             return
         self._open = False
         r = self.seg.ring
-        if r.abandon(self.slot, self.gen) == ring.EBUSY:  # settled meanwhile: ours to free
+        if r.abandon(self.slot, self.gen) == codes.EBUSY:  # settled meanwhile: ours to free
             r.release_slot(self.slot, self.gen)
 
     def __enter__(self) -> "Stream":
@@ -83,13 +87,13 @@ class Stream:
         if self._sent < count:
             self._sent += 1
             return self._chunk(self._sent - 1)
-        if not (self._word & ring.CHUNKS_END or self._settled):
+        if not (self._word & codes.CHUNKS_END or self._settled):
             return _NOT_YET
         code = self.seg.ring.wait_slot(self.slot, self.gen, 0, 0)
-        if code == ring.ETIMEOUT:  # the count is final, the slot settles an instant later
+        if code == codes.ETIMEOUT:  # the count is final, the slot settles an instant later
             code = self._await_settled()
         self._open = False
-        if code == ring.OK:
+        if code == codes.OK:
             self.seg.ring.release_slot(self.slot, self.gen)
             raise StopIteration
         raise waiting.failed(self.seg, self.slot, self.gen, code)
@@ -101,7 +105,7 @@ class Stream:
     def _read_word(self, code: int, word: int) -> None:
         """A wait_chunks outcome: the new word, or the slot settled (the word
         unchanged); EngineCorrupt and the like end the stream."""
-        if code == ring.OK:
+        if code == codes.OK:
             if word == self._word or (word & COUNT_MASK) < (self._word & COUNT_MASK):
                 self._settled = True  # no new chunk (a count never shrinks): settled
             if (word & COUNT_MASK) >= (self._word & COUNT_MASK):
@@ -113,7 +117,7 @@ class Stream:
     def _poll(self) -> bool:
         """Whether the stream has moved on since the last look (no wait)."""
         code, word = self.seg.ring.wait_chunks(self.slot, self.gen, self._word, 0)
-        return code != ring.ETIMEOUT
+        return code != codes.ETIMEOUT
 
     def _give_up(self, error) -> None:
         """Withdraws the request and raises error, unless it was answered that
@@ -133,10 +137,10 @@ class Stream:
         def wait_slice(slice_ns: int) -> int:
             started_ns = ring.now_ns()
             code, word = r.wait_chunks(self.slot, self.gen, self._word, slice_ns,
-                                       client._spin_ns)
-            # spin next time only if this chunk came within the spin (as _wait_slice)
-            client._spin_ns = ring.SPIN_NS if ring.now_ns() - started_ns <= ring.SPIN_NS else 0
-            if code != ring.ETIMEOUT:
+                                       client.spin_ns)
+            # spin next time only if this chunk came within the spin (as Client._wait_slice)
+            client.spin_ns = ring.SPIN_NS if ring.now_ns() - started_ns <= ring.SPIN_NS else 0
+            if code != codes.ETIMEOUT:
                 self._read_word(code, word)
             return code
 
@@ -149,16 +153,19 @@ class Stream:
         r = self.seg.ring
         why, code = waiting.wait(lambda ns: r.wait_slot(self.slot, self.gen, ns, 0),
                                  lambda: waiting.engine_lives(self.seg), None)
-        return code if why == waiting.ANSWERED else ring.ESTALE
+        return code if why == waiting.ANSWERED else codes.ESTALE
 
 
 class AsyncStream:
     """A Stream for asyncio: ``async for chunk in client.stream_async(x)``.
     The client's completion thread, woken by every step's end, tells it
-    when its chunk word moves; the loop is never blocked."""
+    when its chunk word moves; the loop is never blocked, and minds the
+    deadline and the engine itself."""
+    kind = CHUNKS  # to the completion thread
 
-    def __init__(self, stream: Stream, loop: asyncio.AbstractEventLoop):
+    def __init__(self, stream: Stream, loop: asyncio.AbstractEventLoop) -> None:
         self.stream, self.loop = stream, loop
+        self.seg, self.slot, self.gen = stream.seg, stream.slot, stream.gen  # its ticket
         self.moved = asyncio.Event()
         self.over = False  # read by the completion thread: drop this ticket
         self.failed = None  # the completion thread's error for it (its client closed)
@@ -185,7 +192,7 @@ class AsyncStream:
                 continue
             self.moved.clear()
             code, word = s.seg.ring.wait_chunks(s.slot, s.gen, s._word, 0)
-            if code != ring.ETIMEOUT:  # moved before the clear: read it
+            if code != codes.ETIMEOUT:  # moved before the clear: read it
                 self._read(code, word)
                 continue
             wait_ns = waiting.LIVENESS_SLICE_NS
@@ -221,9 +228,7 @@ class AsyncStream:
         self.over = True
 
     # -- the completion thread's side (futures.Completer) --------------------------
-    streams = True
-
-    def try_settle(self, error=None) -> bool:
+    def try_settle(self, error: Optional[EngineError] = None) -> bool:
         """Wakes the loop when the chunk word moved, or with error (its client
         closed: the loop's side withdraws the request and raises it); True once
         the stream is over for the completer, which then forgets it."""
@@ -244,22 +249,6 @@ class AsyncStream:
                 self.stream.close()
                 return True
         return False
-
-    @property
-    def seg(self):
-        return self.stream.seg
-
-    @property
-    def slot(self) -> int:
-        return self.stream.slot
-
-    @property
-    def gen(self) -> int:
-        return self.stream.gen
-
-    @property
-    def deadline(self) -> Optional[int]:
-        return None  # the loop's side minds the deadline
 
 
 class Answered:

@@ -11,9 +11,14 @@ answer can never reach a newer request that reuses the slot.
 """
 from typing import Callable, Optional
 
-from engine import ring
-from engine.errors import (BackendError, EngineCorrupt, EngineError, EngineUnavailable,
-                           RequestTimeout)
+from engine.errors import (
+    BackendError,
+    EngineCorrupt,
+    EngineError,
+    EngineUnavailable,
+    RequestTimeout,
+)
+from engine.shm import codes, ring
 
 # How often a waiting client checks that the engine still lives (its lock).
 LIVENESS_SLICE_NS = 100_000_000
@@ -32,7 +37,7 @@ def deadline_ns(timeout: Optional[float]) -> Optional[int]:
 
 
 def engine_lives(seg) -> bool:
-    return seg.engine_state() != ring.ENGINE_STOPPED and seg.holder_alive()
+    return seg.engine_state() != codes.ENGINE_STOPPED and seg.holder_alive()
 
 
 def wait(wait_slice: Callable[[int], int], lives: Callable[[], bool],
@@ -42,15 +47,15 @@ def wait(wait_slice: Callable[[int], int], lives: Callable[[], bool],
     while True:
         now = ring.now_ns()
         if deadline is not None and now >= deadline:
-            return EXPIRED, ring.ETIMEOUT
+            return EXPIRED, codes.ETIMEOUT
         if until is not None and now >= until:
-            return WAITED, ring.ETIMEOUT
+            return WAITED, codes.ETIMEOUT
         slice_ns = LIVENESS_SLICE_NS
         for t in (deadline, until):
             if t is not None and t - now < slice_ns:
                 slice_ns = t - now
         code = wait_slice(slice_ns)
-        if code != ring.ETIMEOUT:
+        if code != codes.ETIMEOUT:
             return ANSWERED, code
         if slice_ns == LIVENESS_SLICE_NS and not lives():
             return GONE, code
@@ -74,28 +79,28 @@ def client_closed(name: str) -> EngineUnavailable:
 
 
 def backend_error(status: int, text: str) -> EngineError:
-    if status == ring.STATUS_BATCHER_DIED:
+    if status == codes.STATUS_BATCHER_DIED:
         return BackendError("BatcherDied", text)
-    if status == ring.STATUS_BACKEND:
+    if status == codes.STATUS_BACKEND:
         exc_type, _, message = text.partition(": ")
         return BackendError(exc_type, message)
-    if status == ring.STATUS_CORRUPT:
+    if status == codes.STATUS_CORRUPT:
         return EngineCorrupt(f"the request failed unstarted: {text}")
-    return EngineCorrupt(f"expected a failed request's status in 1..{ring.STATUS_CORRUPT}, "
+    return EngineCorrupt(f"expected a failed request's status in 1..{codes.STATUS_CORRUPT}, "
                          f"got {status} (its slot was written by another process)")
 
 
 def failed(seg, slot: int, gen: int, code: int) -> EngineError:
     """The error of a ticket whose wait ended with code (neither OK nor
     ETIMEOUT); a FAILED slot's error is read and the slot released."""
-    if code == ring.EFAILED:
+    if code == codes.EFAILED:
         status, text = seg.ring.slot_error(slot)
         seg.ring.release_slot(slot, gen)
-        if status == ring.STATUS_EXPIRED:
+        if status == codes.STATUS_EXPIRED:
             return RequestTimeout(f"expected an answer before the request's deadline, got "
                                   f"none: {text}")
         return backend_error(status, text)
-    if code == ring.ECORRUPT:
+    if code == codes.ECORRUPT:
         return EngineCorrupt(f"engine {seg.name!r}: expected the request's slot in a state of "
                              f"the ring, got a control word no engine process writes")
     return EngineUnavailable(f"engine {seg.name!r} reclaimed the request (code {code})")
@@ -104,8 +109,8 @@ def failed(seg, slot: int, gen: int, code: int) -> EngineError:
 def give_up(seg, slot: int, gen: int, error: EngineError) -> Optional[EngineError]:
     """Abandons the ticket; returns error, or None when it was answered that
     instant (then its answer is the caller's to take). A timeout is counted."""
-    if seg.ring.abandon(slot, gen) == ring.EBUSY:
+    if seg.ring.abandon(slot, gen) == codes.EBUSY:
         return None
     if isinstance(error, RequestTimeout):
-        seg.ring.add_word(ring.W_TIMEOUTS)
+        seg.ring.add_word(codes.W_TIMEOUTS)
     return error

@@ -18,9 +18,9 @@ answer, as Client.stream does.
 import asyncio
 import json
 
-from engine import oip_tensors
 from engine.errors import EngineError
-from engine.oip_tensors import BadRequest, datatype_of, json_text
+from engine.http import oip_tensors
+from engine.http.oip_tensors import BadRequest, datatype_of, json_text
 
 PARAMETERS = ("timeout", "priority", "max_steps")
 _END, _GONE = object(), object()  # the stream ended; the caller went away
@@ -41,7 +41,7 @@ def read_request(model, body: bytes, default_timeout_s: float):
     max_steps = params.get("max_steps")
     if max_steps is not None and (type(max_steps) is not int or max_steps < 1):
         raise BadRequest(f"max_steps: expected an integer >= 1, got {json_text(max_steps)}")
-    x = dict(arrays) if model.config.named else arrays[""]
+    x = model.config.request_of(arrays)
     return (x, oip_tensors.timeout_s(params.get("timeout", 0), default_timeout_s),
             model.engine_priority(params.get("priority", 0)), max_steps, request.get("id"))
 
@@ -51,7 +51,7 @@ def answer_json(model, answer, request_id) -> dict:
     out = {"model_name": model.name, "model_version": "1"}
     if request_id is not None:
         out["id"] = request_id
-    values = answer if model.config.named else {"": answer}
+    values = model.config.by_name(answer)
     for name, spec in model.outputs:
         out[name] = values[spec.name].tolist()
     return out
@@ -59,7 +59,8 @@ def answer_json(model, answer, request_id) -> dict:
 
 async def generate(model, body: bytes, default_timeout_s: float):
     x, timeout_s, priority, max_steps, request_id = read_request(model, body, default_timeout_s)
-    answer = await model.client.infer_async(x, timeout_s, priority, max_steps)
+    answer = await model.client.infer_async(x, timeout_s, priority=priority,
+                                             max_steps=max_steps)
     return 200, json.dumps(answer_json(model, answer, request_id)).encode(), []
 
 
@@ -67,7 +68,7 @@ async def generate_stream(model, body: bytes, default_timeout_s: float, receive,
     """Streams the answer through send (the response is this function's to
     write once its first chunk came; an error before that is raised)."""
     x, timeout_s, priority, max_steps, request_id = read_request(model, body, default_timeout_s)
-    chunks = model.client.stream_async(x, timeout_s, max_steps, priority)
+    chunks = model.client.stream_async(x, timeout_s, priority=priority, max_steps=max_steps)
     gone = asyncio.ensure_future(_disconnected(receive))
     try:
         item = await _next(chunks, gone)  # an EngineError here is an ordinary error response

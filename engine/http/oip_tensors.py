@@ -11,7 +11,7 @@ Everything here is a pure function of a body's bytes, and every size is
 checked against the bytes that came before anything is allocated for it:
 a declared size can refuse a body, never make one. A bad body is BadRequest,
 whose message names what was expected and what came; matching the tensors
-to an engine's is engine.openinference's.
+to an engine's is engine.http.openinference's.
 """
 import json
 import math

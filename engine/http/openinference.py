@@ -1,12 +1,12 @@
 """The Open Inference Protocol (KServe v2 REST, as Triton serves it) for the engines of a serve.
 
 An ASGI application, run by each HTTP worker process of `shmbatch serve
---http-port` (engine.http_workers) and usable under any ASGI server. Each
+--http-port` (engine.http.workers) and usable under any ASGI server. Each
 engine is a model of its own name, reached through one Client per worker
 process, so the requests of every worker batch together in its queue. The
 routes: GET /v2/health/live, /v2/health/ready, /v2, /v2/models/NAME (also
 under /versions/1), .../ready, .../config; POST .../infer, and Triton's
-generate extension, .../generate and .../generate_stream (engine.oip_generate);
+generate extension, .../generate and .../generate_stream (engine.http.oip_generate);
 POST /v2/repository/index.
 
 As Triton does for a model with max_batch_size > 0, a tensor's first dim
@@ -31,12 +31,18 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from engine import oip_generate, oip_tensors
-from engine.client import Client
+from engine.client.client import Client
 from engine.config import EngineConfig
-from engine.errors import (BackendError, EngineError, EngineUnavailable, InvalidInput, QueueFull,
-                           RequestTimeout)
-from engine.oip_tensors import BadRequest, datatype_of, json_text
+from engine.errors import (
+    BackendError,
+    EngineError,
+    EngineUnavailable,
+    InvalidInput,
+    QueueFull,
+    RequestTimeout,
+)
+from engine.http import oip_generate, oip_tensors
+from engine.http.oip_tensors import BadRequest, datatype_of, json_text
 
 log = logging.getLogger("shmbatch")
 
@@ -153,12 +159,13 @@ class Model:
         c = self.client
         if not self.config.named:
             if k == 1:
-                return [(await c.infer_async(arrays[0][0], timeout_s, priority))[None]]
-            bulk = functools.partial(c.infer_many, arrays[0], timeout_s, priority)
+                return [(await c.infer_async(arrays[0][0], timeout_s, priority=priority))[None]]
+            bulk = functools.partial(c.infer_many, arrays[0], timeout_s, priority=priority)
             return [await asyncio.get_running_loop().run_in_executor(None, bulk)]
         specs = [spec for _, spec in self.inputs]
         answers = await asyncio.gather(
-            *(c.infer_async({s.name: a[i] for s, a in zip(specs, arrays)}, timeout_s, priority)
+            *(c.infer_async({s.name: a[i] for s, a in zip(specs, arrays)}, timeout_s,
+                           priority=priority)
               for i in range(k)), return_exceptions=True)
         for a in answers:
             if isinstance(a, BaseException):

@@ -3,7 +3,7 @@
 serve binds the listening socket before any engine starts (a port in use
 fails the start with nothing created) and starts the workers once its
 engines serve. A worker is a fresh interpreter, as a batcher is, running
-uvicorn on that socket with engine.openinference's app and one Client per
+uvicorn on that socket with engine.http.openinference's app and one Client per
 engine: the kernel hands each connection to one worker, and the requests of
 every worker batch together in the engines' queues. A worker is ready once
 its Clients attached; it dies with serve (parent-death signal), and serve
@@ -13,14 +13,13 @@ the engines' drain timeout), then the worker exits.
 """
 import logging
 import math
-import multiprocessing.connection
-import os
-import pickle
 import signal
 import socket
 import subprocess
 import sys
 from typing import Dict, List, Optional
+
+from engine import launch
 
 log = logging.getLogger("shmbatch")
 
@@ -62,7 +61,7 @@ class Workers:
         self._args = dict(configs=configs, timeout_s=timeout_s, max_body_bytes=max_body_bytes,
                           graceful_s=max(1, math.ceil(graceful_s)), log_level=log_level.lower(),
                           fd=sock.fileno())
-        self.procs: List[Optional[subprocess.Popen]] = [None] * count
+        self.procs: List[Optional[launch.Child]] = [None] * count
 
     @property
     def pids(self) -> List[int]:
@@ -73,9 +72,9 @@ class Workers:
         worker stopped) if one is not."""
         launched = []
         try:
-            for _ in range(self.count):
+            for i in range(self.count):
                 launched.append(self._launch())
-                self.procs[len(launched) - 1] = launched[-1][0]
+                self.procs[i] = launched[-1][0]
             for i, (proc, reader) in enumerate(launched):
                 _await_ready(i, proc, reader, timeout_s)
         finally:
@@ -89,6 +88,7 @@ class Workers:
                 continue
             log.warning("HTTP worker %d (pid %d) exited (code %s); starting another", i,
                         proc.pid, proc.returncode)
+            proc.close()
             self.procs[i] = None
             new, reader = self._launch()
             self.procs[i] = new
@@ -96,6 +96,8 @@ class Workers:
                 _await_ready(i, new, reader, START_TIMEOUT_S)
             except RuntimeError as e:
                 log.error("%s; trying again in a second", e)
+            finally:
+                reader.close()
 
     def stop(self) -> None:
         """Graceful shutdown of every worker (SIGTERM); those still running
@@ -111,66 +113,35 @@ class Workers:
                 log.warning("HTTP worker pid %d did not stop; killing it", proc.pid)
                 proc.kill()
                 proc.wait(10)
+            proc.close()
         self.procs = [None] * self.count
 
     def _launch(self):
-        read_fd, write_fd = os.pipe()
-        reader = multiprocessing.connection.Connection(read_fd, writable=False)
-        try:
-            payload = pickle.dumps(list(sys.path)) + pickle.dumps({**self._args,
-                                                                   "ready_fd": write_fd})
-            proc = subprocess.Popen(
-                [sys.executable, "-c", "from engine.http_workers import _entry; _entry()"],
-                stdin=subprocess.PIPE, pass_fds=(write_fd, self.sock.fileno()),
-                # its own process group: a terminal's Ctrl-C reaches serve alone, which
-                # stops the workers first, then drains the engines
-                process_group=0)
-        except BaseException:
-            reader.close()
-            raise
-        finally:
-            os.close(write_fd)
-        try:
-            proc.stdin.write(payload)
-            proc.stdin.close()
-        except BrokenPipeError:
-            pass  # it died at once: the readiness wait says so
-        return proc, reader
+        return launch.launch("engine.http.workers", self._args, pass_fds=(self.sock.fileno(),))
 
 
-def _await_ready(i: int, proc: subprocess.Popen, reader, timeout_s: float) -> None:
+def _await_ready(i: int, proc: launch.Child, reader, timeout_s: float) -> None:
     try:
-        if not reader.poll(timeout_s):
-            msg = ("error", "StartTimeout", f"not ready within {timeout_s:g} s")
-        else:
-            try:
-                msg = reader.recv()
-            except EOFError:
-                msg = ("error", "WorkerDied", "exited during start")
-    finally:
-        reader.close()
-    if msg != "ready":
-        proc.kill()
-        proc.wait(10)
-        raise RuntimeError(f"HTTP worker {i} did not start: {msg[1]}: {msg[2]}")
+        launch.await_ready(proc, reader, timeout_s, f"HTTP worker {i}", died="WorkerDied")
+    except launch.ChildFailed as e:
+        launch.kill(proc)
+        raise RuntimeError(f"HTTP worker {i} did not start: {e.kind}: {e.message}") from None
 
 
 def _entry() -> None:
-    """A worker process: uvicorn with the protocol's app on the socket serve passed."""
-    from engine import liveness
+    """A worker process (engine.launch): uvicorn with the protocol's app on the
+    socket serve passed."""
+    from engine.shm import liveness
     liveness.die_with_parent()
-    stdin = sys.stdin.buffer
-    sys.path[:] = pickle.load(stdin)
-    args = pickle.load(stdin)
-    ready = multiprocessing.connection.Connection(args["ready_fd"], readable=False)
+    args, ready = launch.child_args()
     logging.basicConfig(level=args["log_level"].upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = None
     try:
         import uvicorn
 
-        from engine import openinference
         from engine.config import EngineConfig
+        from engine.http import openinference
         # rebuilt from the fd, the socket's protocol is read from it: asyncio sets
         # TCP_NODELAY on accepted connections only when it is IPPROTO_TCP (a
         # socket rebuilt with proto 0 leaves Nagle's algorithm on, and a
@@ -178,7 +149,7 @@ def _entry() -> None:
         sock = socket.socket(fileno=args["fd"])
         configs = {name: EngineConfig.from_json(blob) for name, blob in args["configs"].items()}
         app = openinference.App(configs, args["timeout_s"], args["max_body_bytes"],
-                                on_ready=lambda: ready.send("ready"))
+                                on_ready=lambda: launch.tell_ready(ready))
         # uvicorn's own lines at INFO (four per worker start and stop) say what
         # serve's one line says already
         level = max(logging.getLevelName(args["log_level"].upper()), logging.WARNING)
@@ -187,15 +158,8 @@ def _entry() -> None:
             timeout_graceful_shutdown=args["graceful_s"]))
         server.run(sockets=[sock])
     except BaseException as e:
-        _tell(ready, ("error", type(e).__name__, str(e)))
+        launch.tell_failed(ready, e)
         raise
     if app is not None and app.startup_error is not None:
-        _tell(ready, ("error", "StartFailed", app.startup_error))
+        launch.tell_failed(ready, launch.ChildFailed("StartFailed", app.startup_error))
         sys.exit(1)
-
-
-def _tell(conn, msg) -> None:
-    try:
-        conn.send(msg)
-    except OSError:
-        pass  # serve is gone, or stopped waiting

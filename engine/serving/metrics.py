@@ -8,32 +8,32 @@ within 25 % of the truth) and are clamped to the exact recorded maximum.
 """
 import numpy as np
 
-from engine import liveness, ring
+from engine.shm import codes, liveness, ring
 
 _LOWER_NS, _UPPER_NS = ring.hist_bounds_ns()
 
 # The counters, each named once: (stats() key, header word, Prometheus outcome
 # of shmbatch_requests_total or None).
 COUNTERS = (
-    ("requests_total", ring.W_REQUESTS, None),
-    ("answered_total", ring.W_ANSWERED, "ok"),
-    ("rejected_total", ring.W_REJECTED, "rejected"),
-    ("timeouts_total", ring.W_TIMEOUTS, "timeout"),
-    ("errors_total", ring.W_ERRORS, "error"),
-    ("invalid_total", ring.W_INVALID, "invalid"),
-    ("batches_total", ring.W_BATCHES, None),
-    ("zero_copy_batches", ring.W_ZERO_COPY, None),
-    ("gathered_batches", ring.W_GATHERED, None),
-    ("reclaimed_slots_total", ring.W_RECLAIMED, None),
-    ("stale_completions_total", ring.W_STALE, None),
-    ("batcher_restarts_total", ring.W_RESTARTS, None),
-    ("overloaded_total", ring.W_OVERLOADED, "overloaded"),
-    ("expired_total", ring.W_EXPIRED, "expired"),
-    ("isolated_failures_total", ring.W_ISOLATED, None),
-    ("isolation_calls_total", ring.W_RETRY_CALLS, None),
-    ("retried_alone_total", ring.W_RETRIED, None),  # after their batcher died
-    ("tokens_total", ring.W_TOKENS, None),
-    ("padded_tokens_total", ring.W_PADDED_TOKENS, None),
+    ("requests_total", codes.W_REQUESTS, None),
+    ("answered_total", codes.W_ANSWERED, "ok"),
+    ("rejected_total", codes.W_REJECTED, "rejected"),
+    ("timeouts_total", codes.W_TIMEOUTS, "timeout"),
+    ("errors_total", codes.W_ERRORS, "error"),
+    ("invalid_total", codes.W_INVALID, "invalid"),
+    ("batches_total", codes.W_BATCHES, None),
+    ("zero_copy_batches", codes.W_ZERO_COPY, None),
+    ("gathered_batches", codes.W_GATHERED, None),
+    ("reclaimed_slots_total", codes.W_RECLAIMED, None),
+    ("stale_completions_total", codes.W_STALE, None),
+    ("batcher_restarts_total", codes.W_RESTARTS, None),
+    ("overloaded_total", codes.W_OVERLOADED, "overloaded"),
+    ("expired_total", codes.W_EXPIRED, "expired"),
+    ("isolated_failures_total", codes.W_ISOLATED, None),
+    ("isolation_calls_total", codes.W_RETRY_CALLS, None),
+    ("retried_alone_total", codes.W_RETRIED, None),  # after their batcher died
+    ("tokens_total", codes.W_TOKENS, None),
+    ("padded_tokens_total", codes.W_PADDED_TOKENS, None),
 )
 
 
@@ -66,8 +66,8 @@ def batcher_numbers(r: ring.Ring, instances: int) -> range:
     batchers in the other bank of `instances` numbers (supervisor.reload), and
     the bank follows the epoch word (E, then E+1 while the old ones retire,
     then E+2 for the new ones: each bank holds two epochs)."""
-    bank = (r.word(ring.W_EPOCH) // 2) % 2
-    if (bank + 1) * instances > ring.MAX_INSTANCES:  # no reload for so many: one bank
+    bank = (r.word(codes.W_EPOCH) // 2) % 2
+    if (bank + 1) * instances > codes.MAX_INSTANCES:  # no reload for so many: one bank
         bank = 0
     return range(bank * instances, (bank + 1) * instances)
 
@@ -76,8 +76,8 @@ def batcher_pids(r: ring.Ring, instances: int):
     """The live batchers' pids, as the batchers registered them."""
     pids = []
     for i in batcher_numbers(r, instances):
-        pid = r.word(ring.W_BATCHER_PID + i)
-        if pid and liveness.is_alive(pid, r.word(ring.W_BATCHER_START + i)):
+        pid = r.word(codes.W_BATCHER_PID + i)
+        if pid and liveness.is_alive(pid, r.word(codes.W_BATCHER_START + i)):
             pids.append(pid)
     return pids
 
@@ -88,16 +88,16 @@ def read_stats(segment) -> dict:
     need the slots' control words, which live outside the header."""
     r = segment.ring
     w = r.word
-    batches, items = w(ring.W_BATCHES), w(ring.W_ITEMS)
-    sizes = r.histogram(ring.H_BATCH_SIZE)  # bucket n counts batches of n (n < 127)
+    batches, items = w(codes.W_BATCHES), w(codes.W_ITEMS)
+    sizes = r.histogram(codes.H_BATCH_SIZE)  # bucket n counts batches of n (n < 127)
     pids = batcher_pids(r, segment.config.instances)
     levels = segment.config.priority_levels
     queue_depth = slots_in_use = None
     if not segment.header_only:
         ctl = np.zeros(segment.capacity, dtype=np.uint64)
         r.snapshot(ctl, np.zeros_like(ctl))
-        queue_depth = int((ring.ctl_state(ctl) == ring.READY).sum())
-        slots_in_use = int((ring.ctl_state(ctl) != ring.FREE).sum())
+        queue_depth = int((ring.ctl_state(ctl) == codes.READY).sum())
+        slots_in_use = int((ring.ctl_state(ctl) != codes.FREE).sum())
     return {
         "name": segment.name,
         **{key: w(word) for key, word, _ in COUNTERS},
@@ -105,10 +105,10 @@ def read_stats(segment) -> dict:
         "slots_in_use": slots_in_use,
         "avg_batch_size": items / batches if batches else 0.0,
         "batch_size_counts": {int(n): int(c) for n, c in enumerate(sizes) if c},
-        "queue_wait_ms": _summary_ms(r.histogram(ring.H_QUEUE_WAIT), w(ring.W_QUEUE_WAIT_MAX_NS),
-                                     w(ring.W_QUEUE_WAIT_SUM_NS)),
-        "service_ms": _summary_ms(r.histogram(ring.H_SERVICE), w(ring.W_SERVICE_MAX_NS),
-                                  w(ring.W_SERVICE_SUM_NS)),
+        "queue_wait_ms": _summary_ms(r.histogram(codes.H_QUEUE_WAIT), w(codes.W_QUEUE_WAIT_MAX_NS),
+                                     w(codes.W_QUEUE_WAIT_SUM_NS)),
+        "service_ms": _summary_ms(r.histogram(codes.H_SERVICE), w(codes.W_SERVICE_MAX_NS),
+                                  w(codes.W_SERVICE_SUM_NS)),
         "instances": segment.config.instances,
         "instances_alive": len(pids),
         "batcher_pids": pids,
@@ -128,7 +128,7 @@ def _stream_stats(r: ring.Ring) -> dict:
     """An iterative engine's figures (all 0 for a one-shot one)."""
     steps, chunks, active = r.stream_counts()
     times = {}
-    for key, which in (("ttft_ms", ring.H_TTFT), ("chunk_ms", ring.H_CHUNK)):
+    for key, which in (("ttft_ms", codes.H_TTFT), ("chunk_ms", codes.H_CHUNK)):
         sum_ns, max_ns = r.stream_times(which)
         summary = _summary_ms(r.histogram(which), max_ns, sum_ns)
         times[key] = {k: summary[k] for k in ("p50", "p99", "max")}
@@ -172,12 +172,12 @@ FAMILIES = (
 # The time histograms: (name, help, ring histogram, header word of its sum)
 TIME_HISTOGRAMS = (
     ("shmbatch_queue_wait_seconds", "Arrival to dispatch, per request.",
-     ring.H_QUEUE_WAIT, ring.W_QUEUE_WAIT_SUM_NS),
+     codes.H_QUEUE_WAIT, codes.W_QUEUE_WAIT_SUM_NS),
     ("shmbatch_service_seconds", "Dispatch to answers, per batch.",
-     ring.H_SERVICE, ring.W_SERVICE_SUM_NS),
+     codes.H_SERVICE, codes.W_SERVICE_SUM_NS),
     ("shmbatch_ttft_seconds", "Arrival to first chunk, per request (iterative).",
-     ring.H_TTFT, None),
-    ("shmbatch_chunk_seconds", "Between a request's chunks (iterative).", ring.H_CHUNK, None),
+     codes.H_TTFT, None),
+    ("shmbatch_chunk_seconds", "Between a request's chunks (iterative).", codes.H_CHUNK, None),
 )
 
 
@@ -188,8 +188,11 @@ class Collector:
         self.segment = segment
 
     def collect(self):
-        from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
-                                            HistogramMetricFamily)
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
         kinds = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
         r, engine = self.segment.ring, self.segment.name
         stats = read_stats(self.segment)
@@ -209,10 +212,10 @@ class Collector:
         tokens.add_metric([engine, "real"], stats["tokens_total"])
         tokens.add_metric([engine, "padded"], stats["padded_tokens_total"])
         yield tokens
-        sizes = r.histogram(ring.H_BATCH_SIZE)
+        sizes = r.histogram(codes.H_BATCH_SIZE)
         hist = HistogramMetricFamily("shmbatch_batch_size", "Requests per batch.", labels=["engine"])
         hist.add_metric([engine], _cumulative(sizes, np.arange(len(sizes)), BATCH_BUCKETS),
-                        sum_value=float(r.word(ring.W_ITEMS)))
+                        sum_value=float(r.word(codes.W_ITEMS)))
         yield hist
         for name, doc, which, sum_word in TIME_HISTOGRAMS:
             h = HistogramMetricFamily(name, doc, labels=["engine"])

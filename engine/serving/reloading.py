@@ -1,13 +1,14 @@
 """A reload's state machine: new batchers take over the ring from the old ones.
 
 Engine.reload() starts new batchers (new backend args or weights, or a new
-backend) beside the old ones and hands the ring over without overlap, by the
-header's epoch word (a batcher serves while the word is its epoch, waits
-while it is older, exits between batches once it is newer): the new batchers
-start with epoch E+2 and wait; once every one of them is ready the word goes
-to E+1 (the old ones, epoch E, finish their batch and exit), then, when they
-are gone, to E+2 (the new ones serve). Every request the old weights answer
-is claimed before any the new ones answer; requests queue meanwhile. The old
+backend) beside the old ones and hands the ring over by the header's epoch
+word. The new batchers start with epoch E+2 and wait; once every one of them
+is ready the word goes to E+1. A one-shot engine's old batchers (epoch E)
+finish their batch and exit, and when they are gone the word goes to E+2 and
+the new ones serve: no overlap, every request the old weights answer is
+claimed before any the new ones answer, and requests queue meanwhile. An
+iterative engine's reload overlaps: from E+1 the new batchers join new
+requests while the old ones finish their running streams and exit. The old
 and new batchers of a reload hold different batcher numbers (two banks of
 `instances`, flipping each reload, so reload needs instances <= 16).
 
@@ -22,9 +23,10 @@ import logging
 import threading
 from typing import Any, Callable, Optional
 
-from engine import processes, ring
-from engine.restarts import Instance
 from engine.errors import BackendError, EngineError, EngineUnavailable
+from engine.serving import processes
+from engine.serving.restarts import Instance
+from engine.shm import codes, ring
 
 log = logging.getLogger("shmbatch")
 
@@ -35,10 +37,10 @@ def options_for(current, instances: int, backend, backend_args: Optional[dict],
     and `backend_args` (None: the current ones; else they replace them, or
     with merge are merged over them). ValueError for a malformed spec or more
     instances than two banks of batcher numbers hold."""
-    limit = ring.MAX_INSTANCES // 2
+    limit = codes.MAX_INSTANCES // 2
     if instances > limit:
         raise ValueError(f"reload needs instances <= {limit} (the new batchers start beside "
-                         f"the old ones, and the ring numbers at most {ring.MAX_INSTANCES} "
+                         f"the old ones, and the ring numbers at most {codes.MAX_INSTANCES} "
                          f"batchers); this engine has {instances}")
     if backend_args is not None and not isinstance(backend_args, dict):
         raise ValueError(f"backend_args must be a dict, got {type(backend_args).__name__}")
@@ -58,7 +60,7 @@ def retire_bound_s(options, iterative: bool = False) -> float:
 
 
 def control_request(request: dict, reload_with: Callable[..., dict]) -> dict:
-    """One request of the control socket (engine.control), as `shmbatch reload`
+    """One request of the control socket (engine.serving.control), as `shmbatch reload`
     sends it: {"op": "reload", "backend": None or "MOD:FACTORY", "backend_args":
     {...} merged over the current args}; reload_with(backend, args, merge) runs it."""
     if request.get("op") != "reload":
@@ -97,8 +99,8 @@ class Reload:
                  [b.index for b in self.new], self.epoch)
         for b in self.new:
             seg.mark_batch(b.index, 0)
-            b.proc, self.readers[b.index] = processes.launch(
-                engine, b, self.options.backend, self.options.backend_args, cpus[b.position],
+            b.proc, self.readers[b.index] = processes.spawn(
+                engine, b.index, self.options.backend, self.options.backend_args, cpus[b.position],
                 gpus[b.position], self.epoch)
 
     def ready(self, engine: str) -> bool:
@@ -110,7 +112,7 @@ class Reload:
                 if reader.poll(0):
                     del self.readers[b.index]
                     try:
-                        processes.await_ready(engine, b, b.proc, reader)
+                        processes.await_ready(engine, b.index, b.proc, reader)
                     finally:
                         reader.close()
             elif not b.proc.is_alive():
@@ -202,7 +204,7 @@ class Reload:
             if b.proc is not None:
                 processes.kill(b.proc)
                 b.proc = None
-            seg.ring.set_word(ring.W_BATCHER_PID + b.index, 0)
+            seg.ring.set_word(codes.W_BATCHER_PID + b.index, 0)
         if isinstance(error, EngineUnavailable):
             self.error = error
         else:
@@ -237,6 +239,6 @@ def _retire(seg, engine: str, b: Instance, bound_s: float, batch_timeout_s: Opti
         log.warning("engine %s: batcher %d (pid %d), in a reload, %s; failed %d claimed "
                     "request(s)", engine, b.index, proc.pid, why, failed)
     seg.mark_batch(b.index, 0)
-    r.set_word(ring.W_BATCHER_PID + b.index, 0)
+    r.set_word(codes.W_BATCHER_PID + b.index, 0)
     proc.close()
     b.proc, b.hung = None, False

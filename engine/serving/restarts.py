@@ -12,7 +12,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
-    from engine.processes import BatcherProcess
+    from engine.serving.processes import BatcherProcess
 
 RESTART_BACKOFF_MAX_S = 10.0
 

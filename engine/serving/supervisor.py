@@ -15,11 +15,12 @@ then wakes on any batcher's exit or every REAP_INTERVAL_S:
   slot's control word, and death is judged by pid + start time.
 
 reload() starts new batchers (new backend args or weights, or a new backend)
-beside the old ones and hands the ring over without overlap, by the header's
-epoch word; the monitor thread runs it step by step (engine.reloading says
-how). `shmbatch reload NAME` reaches a running engine through its control
-socket (engine.control). The batcher processes themselves (handles, launch,
-readiness) are engine.processes', the restart policy engine.restarts'.
+beside the old ones and hands the ring over by the header's epoch word; the
+monitor thread runs it step by step (engine.serving.reloading says how, and
+when old and new overlap). `shmbatch reload NAME` reaches a running engine
+through its control socket (engine.serving.control). The batcher processes
+themselves (launch, readiness) are engine.serving.processes', the restart
+policy engine.serving.restarts'.
 
 stop() refuses new requests (EngineUnavailable), serves what is queued,
 stops the batchers and unlinks the segment.
@@ -33,15 +34,15 @@ import threading
 import weakref
 from typing import Any, Dict, Optional, Union
 
-from engine import backends, control, liveness, metrics, processes, reaper, restarts, ring
-from engine.processes import BatcherProcess
-from engine.restarts import Instance
+from engine import spec
+from engine.config import REAP_INTERVAL_S, EngineConfig, EngineOptions, per_instance
 from engine.errors import BackendError, EngineUnavailable
-from engine.config import REAP_INTERVAL_S, EngineConfig, per_instance
-from engine.config import EngineOptions
-from engine.layout import Segment
-from engine import reloading
-from engine.reloading import Reload
+from engine.segment import Segment
+from engine.serving import control, metrics, processes, reloading, restarts
+from engine.serving.processes import BatcherProcess
+from engine.serving.reloading import Reload
+from engine.serving.restarts import Instance
+from engine.shm import codes, liveness, reaper, ring
 
 log = logging.getLogger("shmbatch")
 
@@ -116,12 +117,12 @@ class Engine:
     def _start(self) -> "Engine":
         seg = self._seg
         pid = os.getpid()
-        seg.own_word(ring.W_ENGINE_STATE, ring.ENGINE_STARTING)
-        seg.own_word(ring.W_SUPERVISOR_START, liveness.start_ticks(pid) or 0)
-        seg.own_word(ring.W_SUPERVISOR_PID, pid)
-        seg.own_word(ring.W_INSTANCES, self.config.instances)
+        seg.own_word(codes.W_ENGINE_STATE, codes.ENGINE_STARTING)
+        seg.own_word(codes.W_SUPERVISOR_START, liveness.start_ticks(pid) or 0)
+        seg.own_word(codes.W_SUPERVISOR_PID, pid)
+        seg.own_word(codes.W_INSTANCES, self.config.instances)
         self._epoch = 0
-        seg.own_word(ring.W_EPOCH, 0)
+        seg.own_word(codes.W_EPOCH, 0)
         self._started_ns = ring.now_ns()  # no batch the watchdog sees starts before it
         self._corrupt_logged, self._corrupt_log_at_ns = 0, 0
         self._instances = [Instance(i, i) for i in range(self.config.instances)]
@@ -139,7 +140,7 @@ class Engine:
             self._start_error = BackendError("StartTimeout", "batchers did not start in time")
         if self._start_error is not None:
             raise self._start_error
-        seg.own_word(ring.W_ENGINE_STATE, ring.ENGINE_RUNNING)
+        seg.own_word(codes.W_ENGINE_STATE, codes.ENGINE_RUNNING)
         try:
             self._control = control.Server(
                 self.name, lambda request: reloading.control_request(request, self._reload_with))
@@ -158,7 +159,7 @@ class Engine:
             return
         _live_engines.discard(self)
         r = seg.ring
-        seg.own_word(ring.W_ENGINE_STATE, ring.ENGINE_STOPPING)
+        seg.own_word(codes.W_ENGINE_STATE, codes.ENGINE_STOPPING)
         r.wake_work()  # a batcher waiting for a deadline flushes now
         self._drain(self.options.drain_timeout_s)
         self._teardown()
@@ -169,8 +170,8 @@ class Engine:
         deadline = ring.now_ns() + int(timeout_s * 1e9)
         while ring.now_ns() < deadline:
             seen = r.done_seq()
-            if not reaper.Census(r, self._seg.capacity).count(ring.WRITING, ring.READY,
-                                                              ring.CLAIMED):
+            if not reaper.Census(r, self._seg.capacity).count(codes.WRITING, codes.READY,
+                                                              codes.CLAIMED):
                 return
             # a reload's new batchers count: they serve once the old ones have left
             reload = self._reload
@@ -186,7 +187,7 @@ class Engine:
         self._stopping.set()
         if self._control is not None:
             self._control.close()  # no new request; one in progress is answered
-        self._seg.own_word(ring.W_ENGINE_STATE, ring.ENGINE_STOPPED)
+        self._seg.own_word(codes.W_ENGINE_STATE, codes.ENGINE_STOPPED)
         self._seg.ring.wake_work()  # batchers see STOPPED and exit once idle
         if self._wake_w is not None:
             os.write(self._wake_w, b"x")
@@ -227,7 +228,7 @@ class Engine:
         return metrics.read_stats(self._seg)
 
     # -- reload -------------------------------------------
-    def reload(self, backend: Union[None, str, backends.Factory] = None,
+    def reload(self, backend: Union[None, str, spec.Factory] = None,
                backend_args: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
         """Starts new batchers beside the old ones, with `backend` (MOD:FACTORY
         or a picklable callable; None keeps the current one) and `backend_args`
@@ -247,7 +248,7 @@ class Engine:
 
     def _reload_with(self, backend, backend_args: Optional[dict], merge: bool) -> dict:
         options = reloading.options_for(self.options, self.config.instances, backend,
-                                        backend_args, merge)
+                                           backend_args, merge)
         with self._reload_lock:
             if self._seg is None or self._stopping.is_set():
                 raise EngineUnavailable(f"engine {self.name!r} is not running")
@@ -299,7 +300,7 @@ class Engine:
 
     def _set_epoch(self, epoch: int) -> None:
         self._epoch = epoch
-        self._seg.own_word(ring.W_EPOCH, epoch)
+        self._seg.own_word(codes.W_EPOCH, epoch)
         self._seg.ring.wake_work()  # sleeping batchers look at the word now
 
     # -- the monitor thread --------------------------------------------------
@@ -307,7 +308,7 @@ class Engine:
         """Starts b's batcher (current options and epoch) and waits until it serves
         (or its factory fails)."""
         o = self.options
-        return processes.start(self.name, b, o.backend, o.backend_args, self.cpus[b.position],
+        return processes.start(self.name, b.index, o.backend, o.backend_args, self.cpus[b.position],
                               self.gpus[b.position], self._epoch, o.start_timeout_s)
 
     def _monitor_main(self) -> None:
@@ -383,13 +384,13 @@ class Engine:
             # an engine that answers in place may have written answers over the
             # batch's inputs before its batcher died: never retried
             retry = self.config.isolate_failures and not self._seg.in_place
-            retried = r.word(ring.W_RETRIED)
+            retried = r.word(codes.W_RETRIED)
             failed, kept = r.reap_batcher(i, *restarts.reap_terms(b, proc.pid, why, retried,
                                                                   retry),
                                           restarts.begun_stream(b, proc.pid, why))
             b.kept, b.retried_at_keep = kept, retried
-            r.set_word(ring.W_BATCHER_PID + i, 0)
-            r.add_word(ring.W_RESTARTS)
+            r.set_word(codes.W_BATCHER_PID + i, 0)
+            r.add_word(codes.W_RESTARTS)
             log.warning("engine %s: batcher %d (pid %d) died (%s); failed %d claimed "
                         "request(s), kept %d to retry alone; restarting", self.name, i,
                         proc.pid, why, failed, kept)

@@ -7,7 +7,7 @@ finds the ring full calls it at once, before it refuses a request.
 """
 import numpy as np
 
-from engine import liveness, ring
+from engine.shm import codes, liveness, ring
 
 
 class Census:
@@ -25,7 +25,7 @@ class Census:
 
     def answered_by_pid(self) -> dict:
         """{pid: answers (DONE or FAILED) its process has not read yet}."""
-        held = np.isin(self.states, (ring.DONE, ring.FAILED)) & (self.pids != 0)
+        held = np.isin(self.states, (codes.DONE, codes.FAILED)) & (self.pids != 0)
         pids, counts = np.unique(self.pids[held], return_counts=True)
         return dict(zip(pids.tolist(), counts.tolist()))
 
@@ -34,13 +34,13 @@ def reap_dead_clients(r: ring.Ring, census: Census) -> list:
     """Frees (or, if claimed, abandons) every slot whose owner is dead; one
     CAS each, which fails if the slot moved since the census. Returns the
     (slot, pid) pairs reclaimed."""
-    owned = np.nonzero((census.states != ring.FREE) & (census.states != ring.ABANDONED)
+    owned = np.nonzero((census.states != codes.FREE) & (census.states != codes.ABANDONED)
                        & (census.pids != 0))[0]
     verdicts, reclaimed = {}, []
     for slot in owned.tolist():
         owner = (int(census.pids[slot]), int(census.owner_start[slot]))
         if owner not in verdicts:
             verdicts[owner] = not liveness.is_alive(*owner)
-        if verdicts[owner] and r.reap_slot(slot, int(census.ctl[slot])) == ring.OK:
+        if verdicts[owner] and r.reap_slot(slot, int(census.ctl[slot])) == codes.OK:
             reclaimed.append((slot, owner[0]))
     return reclaimed

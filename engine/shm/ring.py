@@ -7,8 +7,7 @@ method that returns plain ints, so that no other module sees cffi objects.
 Codes are returned, not raised: what an outcome means for a request is
 decided by the client and batcher modules.
 
-The SB_* constants of csrc/ring.h are re-exported without their prefix
-(``ring.READY``, ``ring.ETIMEOUT``, ``ring.W_REQUESTS`` ...).
+The SB_* constants of csrc/ring.h are engine.shm.codes'.
 """
 import os
 import threading
@@ -17,8 +16,7 @@ import time
 import numpy as np
 
 from engine._ringc import ffi, lib
-
-globals().update({n[3:]: getattr(lib, n) for n in dir(lib) if n.startswith("SB_")})
+from engine.shm import codes
 
 # CLOCK_MONOTONIC, as sb_now_ns reads it; from Python without a C call, which
 # would let another thread take the GIL (a context switch when one waits)
@@ -32,24 +30,6 @@ MAX_NS = 2**64 - 1  # "any time": a cutoff every arrival is before
 # side. Read at import, before a batcher pins itself.
 SPIN_NS = 50_000 if len(os.sched_getaffinity(0)) > 1 else 0
 spin_ns = lib.sb_spin_ns  # busy-waits in C, without the GIL
-
-
-def pingpong_floor_ns(rounds: int = 5000, spin_ns: int = 0) -> np.ndarray:
-    """Round trips of a raw futex ping-pong between this process and a forked
-    child on one shared word: the floor of any cross-process request. With
-    spin_ns, each side spins that long before it sleeps (as the ring does)."""
-    import mmap
-    import os
-    shared = mmap.mmap(-1, 64)
-    word = ffi.from_buffer(shared)
-    out = np.zeros(rounds, dtype=np.uint64)
-    pid = os.fork()
-    if pid == 0:
-        lib.sb_pingpong(word, 1, rounds, spin_ns, ffi.NULL)
-        os._exit(0)
-    done = lib.sb_pingpong(word, 0, rounds, spin_ns, _ptr(out, "uint64_t *"))
-    os.waitpid(pid, 0)
-    return out[:done]
 
 
 def new_fit(warmup: int = 0):
@@ -173,7 +153,7 @@ class Ring:
         request or batch: an index is one aligned load or store, with no C call
         and no numpy scalar (~50 ns, where int(array[i]) costs ~180). It holds
         the mapping: views must be dropped before the segment closes."""
-        return memoryview(self._mapping)[OFF_WORDS:OFF_WORDS + WORDS * 8].cast("Q")
+        return memoryview(self._mapping)[codes.OFF_WORDS:codes.OFF_WORDS + codes.WORDS * 8].cast("Q")
 
     # -- client -----------------------------------------------------------
     def _buffer(self, name: str, ctype: str):
@@ -272,9 +252,9 @@ class Ring:
 
     def slot_error(self, slot: int):
         """(status, message) of a FAILED slot."""
-        buf = ffi.new("char[]", ERRMSG_BYTES)
+        buf = ffi.new("char[]", codes.ERRMSG_BYTES)
         length = ffi.new("uint32_t *")
-        status = lib.sb_slot_error(self.r, slot, buf, ERRMSG_BYTES, length)
+        status = lib.sb_slot_error(self.r, slot, buf, codes.ERRMSG_BYTES, length)
         return status, ffi.unpack(buf, length[0]).decode("utf-8", "replace")
 
     def acquire_wait(self, pid: int, start_ticks: int, timeout_ns: int):
@@ -326,8 +306,9 @@ class Ring:
                          batch.c_shape, batch.c_scratch, batch.scratch_n, batch.c_slots,
                          batch.c_gens, batch.c_lengths, batch.c_report)
         report = batch.c_report
-        batch.bucket = report[R_BUCKET]
-        return n, report[R_CLAIM_NS], report[R_READY], report[R_OLDEST_NS], report[R_EXPIRED]
+        batch.bucket = report[codes.R_BUCKET]
+        return (n, report[codes.R_CLAIM_NS], report[codes.R_READY], report[codes.R_OLDEST_NS],
+                report[codes.R_EXPIRED])
 
     def complete(self, batcher: int, batch: ClaimBuffers, n: int, status=0,
                  message: bytes = b"") -> int:
@@ -434,29 +415,29 @@ class Ring:
 
     def level_wait(self, level: int):
         """(histogram, max_ns, sum_ns) of the queue wait of one priority level."""
-        out = np.zeros(HIST_BUCKETS, dtype=np.uint64)
+        out = np.zeros(codes.HIST_BUCKETS, dtype=np.uint64)
         sums = ffi.new("uint64_t[2]")
         lib.sb_level_wait(self.r, level, _ptr(out, "uint64_t *"), sums, sums + 1)
         return out, sums[1], sums[0]
 
     def histogram(self, which: int) -> np.ndarray:
-        out = np.zeros(HIST_BUCKETS, dtype=np.uint64)
+        out = np.zeros(codes.HIST_BUCKETS, dtype=np.uint64)
         lib.sb_histogram(self.r, which, _ptr(out, "uint64_t *"))
         return out
 
 
 def ctl_state(ctl: np.ndarray) -> np.ndarray:
     """The state field of control words (vectorised; ring.h's bit layout)."""
-    return ctl & np.uint64(STATE_MASK)
+    return ctl & np.uint64(codes.STATE_MASK)
 
 
 def ctl_pid(ctl: np.ndarray) -> np.ndarray:
-    return (ctl >> np.uint64(PID_SHIFT)) & np.uint64(PID_MASK)
+    return (ctl >> np.uint64(codes.PID_SHIFT)) & np.uint64(codes.PID_MASK)
 
 
 def hist_bounds_ns():
-    """(lower, upper) of each time histogram bucket in ns, as ring.c buckets them
+    """(lower, upper) of each time histogram bucket in ns, as csrc/stats.c buckets them
     (the last bucket's upper edge: where the next would start)."""
-    lower = np.array([lib.sb_bucket_lower_ns(b) for b in range(HIST_BUCKETS)], np.float64)
+    lower = np.array([lib.sb_bucket_lower_ns(b) for b in range(codes.HIST_BUCKETS)], np.float64)
     top = float(lower[-1] + (lower[-1] - lower[-2]))
     return lower, np.append(lower[1:], top)

@@ -1,4 +1,5 @@
-"""What a Python user would write instead of shmbatch, for `shmbatch bench --compare`.
+"""What a Python user would write instead of shmbatch, for `shmbatch bench --compare`,
+and the floor of any cross-process request (a raw futex ping-pong).
 
 Both run the backend in one server process fed by a multiprocessing.Queue,
 and answer each client through a queue of its own (inputs and outputs are
@@ -9,20 +10,23 @@ pickled both ways, as multiprocessing does):
   or when the OLDEST queued request has waited max_delay), written with
   Queue.get(timeout=...).
 """
+import mmap
 import os
 import queue
 import threading
 
 import numpy as np
 
-from engine import backends, ring
+from engine import spec
+from engine._ringc import ffi, lib
+from engine.shm import ring
 
 STOP = None
 
 
 def serve(backend, backend_args, requests_q, reply_qs, max_batch: int, max_delay_ms: float) -> None:
     """The server process: requests are (client, k, x, arrival_ns)."""
-    fn = backends.resolve(backend)(**(backend_args or {}))
+    fn = spec.resolve(backend)(**(backend_args or {}))
     max_delay_ns = int(max_delay_ms * 1e6)
     parent = os.getppid()
     stopping = False
@@ -103,3 +107,19 @@ class Caller:
 
     def wait_received(self, timeout_s: float) -> None:
         self.receiver.join(timeout_s)
+
+
+def pingpong_floor_ns(rounds: int = 5000, spin_ns: int = 0) -> np.ndarray:
+    """Round trips of a raw futex ping-pong between this process and a forked
+    child on one shared word: the floor of any cross-process request. With
+    spin_ns, each side spins that long before it sleeps (as the ring does)."""
+    shared = mmap.mmap(-1, 64)
+    word = ffi.from_buffer(shared)
+    out = np.zeros(rounds, dtype=np.uint64)
+    pid = os.fork()
+    if pid == 0:
+        lib.sb_pingpong(word, 1, rounds, spin_ns, ffi.NULL)
+        os._exit(0)
+    done = lib.sb_pingpong(word, 0, rounds, spin_ns, ffi.from_buffer("uint64_t[]", out))
+    os.waitpid(pid, 0)
+    return out[:done]

@@ -15,14 +15,25 @@ from typing import Sequence
 
 import numpy as np
 
-from engine import ring, tools
-from engine.client import Client
+from engine import tools
+from engine.client.client import Client
 from engine.errors import EngineError, QueueFull, RequestTimeout
+from engine.shm import codes, ring
 from engine.tools import procs
 from engine.tools.baselines import Caller
-from engine.tools.load import (Load, check_answer, expected_fn, fine_timer_slack, paced,
-                               percentiles_ms, poisson_offsets_ns, sample_index,
-                               split_requests, tag_value, theoretical_rps)
+from engine.tools.load import (
+    Load,
+    check_answer,
+    expected_fn,
+    fine_timer_slack,
+    paced,
+    percentiles_ms,
+    poisson_offsets_ns,
+    sample_index,
+    split_requests,
+    tag_value,
+    theoretical_rps,
+)
 
 DEFAULT_ROWS = [(1, 0.0), (32, 0.0), (8, 1.0), (32, 2.0), (32, 5.0)]
 
@@ -52,7 +63,7 @@ def _open_loop_client(cid, n, load: Load, conn, server=None) -> None:
     def settle(k, get_answer, stamps_ns=None):
         answered[k] = ring.now_ns()
         if stamps_ns is not None:  # the engine's own stamp of when k's batch finished
-            batch_done[k] = stamps_ns[ring.T_DONE]
+            batch_done[k] = stamps_ns[codes.T_DONE]
         try:
             ok = check_answer(copies[k], get_answer(), expect, index, load.input_shape)
             outcome[k] = OK if ok else WRONG

@@ -14,9 +14,9 @@ from collections import deque
 
 import numpy as np
 
-from engine import ring
-from engine.client import Client
-from engine.tools import procs
+from engine.client.client import Client
+from engine.shm import ring
+from engine.tools import baselines, procs
 from engine.tools.baselines import Caller
 from engine.tools.load import AnswerCheck, Load, expected_fn, sample_index, tag_value
 
@@ -134,8 +134,8 @@ def copy_once_rps(shape, dtype, repeats: int = 2000) -> float:
 
 def overhead(load: Load, seconds: float = 2.0, log=print) -> dict:
     """The engine's own cost, side by side with the baselines, in one run."""
-    floor = ring.pingpong_floor_ns(5000)
-    spin_floor = ring.pingpong_floor_ns(5000, ring.SPIN_NS)
+    floor = baselines.pingpong_floor_ns(5000)
+    spin_floor = baselines.pingpong_floor_ns(5000, ring.SPIN_NS)
     out = {"floor_p50_us": float(np.percentile(floor, 50) / 1e3),
            "floor_p99_us": float(np.percentile(floor, 99) / 1e3),
            "spin_floor_p50_us": float(np.percentile(spin_floor, 50) / 1e3),

@@ -1,12 +1,12 @@
-"""`shmbatch bench --model decoder`: a generative model served the static way
-and the continuous way, on the same open-loop arrivals in the same run.
+"""`shmbatch bench --model decoder`: a transformer decoder served the one-shot way
+and the iterative way, on the same open-loop arrivals in the same run.
 
 The model is engine.decoder's transformer (random weights from a seed).
 Prompt and output lengths are drawn from geometric distributions (long
 tails: mean 32, capped), seeded, and each request asks for its own number
-of tokens (max_steps). The static way is a one-shot engine whose backend
+of tokens (max_steps). The one-shot way is a one-shot engine whose backend
 runs the whole generate loop of its batch (every row until the longest is
-done; the answer comes at the end); the continuous way is an iterative
+done; the answer comes at the end); the iterative way is an iterative
 engine whose requests join and leave the running batch at every step and
 stream their tokens. Every answer is checked against the model decoding
 that request alone.
@@ -26,16 +26,20 @@ from typing import List, Optional
 
 import numpy as np
 
-from engine import Client, Engine, decoder, processes, ring
+from engine import decoder
+from engine.client import Client
+from engine.serving import processes
+from engine.serving.supervisor import Engine
+from engine.shm import ring
 from engine.tools import load as loads
 
-STATIC, CONTINUOUS = "static", "continuous"
+ONE_SHOT, ITERATIVE = "one-shot", "iterative"
 
 
 @dataclasses.dataclass
 class Setup:
     seconds: float = 8.0           # of arrivals per row
-    rates: Optional[tuple] = None  # offered requests/s; None: 0.25x, 1x, 3x the static capacity
+    rates: Optional[tuple] = None  # offered requests/s; None: 0.25x, 1x, 3x the one-shot capacity
     max_batch_size: int = 16
     max_steps: int = 128
     max_prompt: int = 128
@@ -64,7 +68,7 @@ def draw(setup: Setup, n: int, seed: int, vocab: int):
 def engine_settings(mode: str, setup: Setup, name: str) -> dict:
     common = dict(max_batch_size=setup.max_batch_size, queue_capacity=1024,
                   backend_args=dict(setup.model), drain_timeout_s=setup.timeout_s)
-    if mode == CONTINUOUS:
+    if mode == ITERATIVE:
         return dict(name=name, backend="engine.decoder:steps", iterative=True,
                     max_steps=setup.max_steps, input_shape=(None,), input_dtype="int64",
                     max_input_shape=(setup.max_prompt,), output_shape=(), output_dtype="int64",
@@ -76,13 +80,13 @@ def engine_settings(mode: str, setup: Setup, name: str) -> dict:
                 outputs={"tokens": ["int64", [setup.max_steps]]}, **common)
 
 
-def static_capacity_rps(setup: Setup, seed: int, batches: int = 2) -> float:
-    """The static way's capacity, measured on its engine: `batches` full
+def one_shot_capacity_rps(setup: Setup, seed: int, batches: int = 2) -> float:
+    """The one-shot way's capacity, measured on its engine: `batches` full
     batches of drawn requests sent at once, until the last is answered."""
     vocab = decoder.Decoder(**setup.model).vocab
     offered = draw(setup, setup.max_batch_size * batches, seed, vocab)
     name = f"bench-dec-{os.getpid()}-capacity"
-    with Engine(**engine_settings(STATIC, setup, name)), Client(name) as client:
+    with Engine(**engine_settings(ONE_SHOT, setup, name)), Client(name) as client:
         started = time.perf_counter()
         futures = [client.submit({"prompt": p, "max_new_tokens": np.array([o], np.int64)},
                                  timeout=setup.timeout_s) for p, o in offered]
@@ -111,7 +115,7 @@ def _client(name: str, mode: str, requests: list, conn) -> None:
             await asyncio.sleep(delay)
         times, tokens = [], []
         try:
-            if mode == CONTINUOUS:
+            if mode == ITERATIVE:
                 async for token in client.stream_async(prompt, timeout=timeout, max_steps=steps):
                     times.append(ring.now_ns())
                     tokens.append(int(token))
@@ -295,7 +299,7 @@ def engine_cost(setup: Setup) -> list:
         np.zeros(2, np.int64).tofile(path)
         name = f"bench-cost-{os.getpid()}-{active}"
         try:
-            settings = engine_settings(CONTINUOUS, dataclasses.replace(setup, max_batch_size=max(actives)),
+            settings = engine_settings(ITERATIVE, dataclasses.replace(setup, max_batch_size=max(actives)),
                                        name)
             settings.update(backend="engine.tools.decoder_bench:timed_steps",
                             backend_args={"path": path, **setup.model}, cpus=_batcher_cpus())
@@ -339,10 +343,10 @@ def run(setup: Setup, out_dir: Optional[str] = None) -> dict:
     for var in processes.THREAD_POOLS:
         os.environ.setdefault(var, "1")
     model = decoder.Decoder(**setup.model)
-    capacity = static_capacity_rps(setup, setup.seed)
+    capacity = one_shot_capacity_rps(setup, setup.seed)
     rates = setup.rates or tuple(round(capacity * f, 1) for f in (0.25, 1.0, 3.0))
     print(f"shmbatch bench --model decoder: {model.layers} layers, d_model {model.d}, vocab "
-          f"{model.vocab}, max_batch_size {setup.max_batch_size}; the static way's capacity "
+          f"{model.vocab}, max_batch_size {setup.max_batch_size}; the one-shot way's capacity "
           f"{capacity:.1f} req/s (measured); {setup.seconds:g} s of Poisson arrivals a row, "
           f"prompt and output lengths geometric (mean {setup.mean_prompt:g}, "
           f"{setup.mean_output:g}; capped {setup.max_prompt}, {setup.max_steps})", flush=True)
@@ -351,7 +355,7 @@ def run(setup: Setup, out_dir: Optional[str] = None) -> dict:
         n = max(setup.min_requests, int(rate * setup.seconds))
         offered = draw(setup, n, setup.seed + 1000 * row, model.vocab)
         oracle = oracles(setup, offered)
-        for mode in (STATIC, CONTINUOUS):
+        for mode in (ONE_SHOT, ITERATIVE):
             r = run_row(mode, setup, rate, offered, oracle, row)
             result["rows"].append(r)
             print(row_line(r), flush=True)
@@ -371,7 +375,7 @@ def plot(path: str, rows: list) -> None:
     from engine import tools
     plt = tools.pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for mode, style in ((STATIC, "s--"), (CONTINUOUS, "o-")):
+    for mode, style in ((ONE_SHOT, "s--"), (ITERATIVE, "o-")):
         sel = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["offered_rps"])
         xs = [r["offered_rps"] for r in sel]
         ax1.plot(xs, [r["tokens_per_s"] for r in sel], style, label=mode)

@@ -9,7 +9,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from engine import ring
+from engine.shm import ring
+
 
 @dataclasses.dataclass
 class Load:

@@ -19,8 +19,8 @@ from typing import List, Optional
 
 import numpy as np
 
-from engine import ring
-from engine.client import Client
+from engine.client.client import Client
+from engine.shm import ring
 from engine.tools import procs
 from engine.tools.load import percentiles_ms
 
@@ -96,7 +96,7 @@ def run_row(model_path: str, max_batch_size: int, buckets: Optional[tuple], setu
                                          setup.clients)
     eng = None
     try:
-        from engine.supervisor import Engine
+        from engine.serving.supervisor import Engine
         eng = Engine(name, backend="engine.backends:onnx",
                      backend_args={"path": model_path, "intra_op_threads": setup.threads},
                      inputs=inputs, outputs=outputs,

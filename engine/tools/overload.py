@@ -18,10 +18,11 @@ from typing import List
 
 import numpy as np
 
-from engine import ring, tools
-from engine.client import Client
-from engine.supervisor import Engine
+from engine import tools
+from engine.client.client import Client
 from engine.errors import EngineError, Overloaded, QueueFull, RequestTimeout
+from engine.serving.supervisor import Engine
+from engine.shm import ring
 from engine.tools import load, procs
 
 OK, LATE, REFUSED, OVERLOADED, EXPIRED, ERROR, PENDING = range(7)

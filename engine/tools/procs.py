@@ -7,10 +7,11 @@ import time
 from multiprocessing.connection import wait as wait_any
 from typing import Callable
 
-from engine import ring
-from engine.supervisor import Engine
+from engine.serving.supervisor import Engine
+from engine.shm import ring
 from engine.tools.baselines import Server
 from engine.tools.load import Load
+
 
 def await_target(conn):
     """A client's first step: the name of the engine (or server) once it runs,

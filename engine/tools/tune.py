@@ -28,7 +28,7 @@ from typing import Dict, List, Sequence
 
 import numpy as np
 
-from engine import backends, tools
+from engine import spec, tools
 
 
 def batch_sizes(limit: int) -> List[int]:
@@ -62,7 +62,7 @@ def random_batch(specs, n: int, rng: np.random.Generator):
 def measure(backend, backend_args: dict, specs, sizes: Sequence[int],
             repeats: int = 15) -> Dict[int, float]:
     """S(n) in ms for each n: the median of `repeats` calls after one warm-up."""
-    fn = backends.resolve(backend)(**(backend_args or {}))
+    fn = spec.resolve(backend)(**(backend_args or {}))
     rng = np.random.default_rng(0)
     out = {}
     for n in sizes:

@@ -1,0 +1,10 @@
+"""The batcher process: gather requests, call the model once, scatter answers.
+
+`batcher` runs a one-shot engine (one call answers each request) and
+`iterative` an iterative one (one step per call, a chunk per running request).
+Both share `loop` (the wait for work and the loop's constants) and `results`
+(what a model's result must be, and the conversion between one array and
+named tensors). `policy` says when to flush and whom to take, `admission`
+fits the service time that clients predict waits from, `aimd` adapts the
+batch limit to a latency objective.
+"""

@@ -1,0 +1,42 @@
+"""What both batcher loops share: their constants, the wait for work, and a
+failure's text.
+
+A batcher with nothing due sleeps on the ring's work word, which every
+publish bumps: there is no flush timer while idle. With requests queued but
+not yet due (max_delay_ms), it sleeps until the oldest one's arrival +
+max_delay, or until the next publish.
+"""
+from engine.shm import codes
+
+# The idle wait has no flush timer; this bound only lets a batcher notice a
+# lost parent even if the kernel's parent-death signal did not fire.
+IDLE_CHECK_NS = 1_000_000_000
+
+# A batcher started by a reload waits for its epoch; it notices within this.
+ACTIVATION_CHECK_NS = 2_000_000
+
+# Why a loop's run() returned.
+STOPPED, RETIRED = "stopped", "retired"
+
+
+def error_text(e: BaseException) -> bytes:
+    """A model's exception as a failed request's error text."""
+    return f"{type(e).__name__}: {e}".encode("utf-8", "replace")[:codes.ERRMSG_BYTES]
+
+
+def await_epoch(r) -> None:
+    """A reload's batcher, not let in yet: look again at each finished batch,
+    or within ACTIVATION_CHECK_NS; never asleep on the work word, whose wake
+    (one sleeper's) is meant for a batcher that serves."""
+    r.wait_done_seq(r.done_seq(), ACTIVATION_CHECK_NS)
+
+
+def await_work(r, rule, seen: int, ready: int, oldest_ns: int, cutoff_ns: int, now_ns: int,
+               spin_ns: int) -> None:
+    """After a claim that took nothing: with nothing READY, sleep until a
+    publish (spinning spin_ns first); with the oldest not due yet, until it
+    is due or a publish. (Otherwise a publish raced the claim: no wait.)"""
+    if ready == 0:
+        r.wait_work(seen, IDLE_CHECK_NS, spin_ns)
+    elif oldest_ns > cutoff_ns:
+        r.wait_work(seen, rule.wait_ns(oldest_ns, now_ns))

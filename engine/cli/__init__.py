@@ -1,0 +1,8 @@
+"""The `shmbatch` command (also `python -m engine`).
+
+`commands` parses the command line and runs a command, `args` turns flags into
+settings, `serve` runs engines with their HTTP and metrics ports until a
+signal, and `tooling` runs the bench and tune commands (engine.tools, loaded
+only by those commands).
+"""
+from engine.cli.commands import main as main

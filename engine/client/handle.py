@@ -1,0 +1,105 @@
+"""The typed interfaces inside the client side.
+
+`Handle` is what a Client lends its helpers (futures, streams, bulk, lent,
+room): the few fields and calls they use, and nothing else of it. The
+Client is its own Handle: the fields are its plain attributes, so the
+request path reads them without an extra hop.
+
+`Item` is what the completion thread (futures.Completer) settles for an
+owner that waits without asking. Its `kind` says how:
+
+- ANSWER (futures.Request, futures.Ticket): over once its slot is answered
+  or failed; the completer fails it at its deadline, or when the engine dies;
+- CHUNKS (streams.AsyncStream): follows a stream's chunk word; the completer
+  calls try_settle() on every pass to tell its event loop whether the word
+  moved, and its loop minds the deadline and the engine.
+
+Protocols, so that this module imports neither client.py nor its helpers.
+"""
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any, Dict, Literal, Optional, Protocol, Tuple, Union
+
+from engine.errors import EngineError
+
+if TYPE_CHECKING:
+    from engine.segment import Segment
+
+ANSWER: Literal["answer"] = "answer"
+CHUNKS: Literal["chunks"] = "chunks"
+
+
+class Handle(Protocol):
+    """A Client, as its helpers see it."""
+
+    name: str
+    # the process the client is bound to (rebound in a forked child): with
+    # start_ticks, the owner the ring records for the slots it takes
+    pid: int
+    start_ticks: int
+    # how long the next wait spins before it sleeps: ring.SPIN_NS if the last
+    # wait ended within it, else 0. A hint, written by every waiter, unlocked.
+    spin_ns: int
+    attached: Optional["Segment"]  # the segment attached last; None once closed
+    # slot -> weakref of its pending submit() Future, for futures.sweep() when
+    # the ring is full; guarded by futures_lock
+    held: Dict[int, "weakref.ref[Any]"]
+    # one lock for all of the client's Futures (futures.Request says why),
+    # and the Condition over it that they share
+    futures_lock: "threading.RLock"
+    futures_cond: threading.Condition
+
+    def completer(self) -> "Completion":
+        """The client's completion thread (futures.Completer), started on first use."""
+        ...
+
+    def validated(self, x: Any, many: bool = False, priority: int = 0,
+                  max_steps: Optional[int] = None, out: Any = None
+                  ) -> Tuple["Segment", tuple, tuple, Optional[tuple]]:
+        """(segment, arrays, lengths, outs) of a request checked against the
+        running engine's spec, before anything is enqueued."""
+        ...
+
+    def await_answer(self, seg: "Segment", slot: int, gen: int, deadline: Optional[int],
+                     timeout: Optional[float], outs: Optional[tuple] = None,
+                     take: bool = True) -> Any:
+        """Waits for a ticket's answer; with take, copies it out and frees
+        the slot, without leaves it there. Errors free the slot and raise."""
+        ...
+
+
+class Watched(Protocol):
+    """What every item of the completion thread has: its ticket, and
+    try_settle(error=None) -> whether it is over for the completer (with
+    error: fail it with that, unless it was answered that instant)."""
+
+    seg: "Segment"
+    slot: int
+    gen: int
+
+    def try_settle(self, error: Optional[EngineError] = None) -> bool:
+        ...
+
+
+class AwaitsAnswer(Watched, Protocol):
+    """An item of kind ANSWER: settled when its slot is over."""
+
+    kind: Literal["answer"]
+    deadline: Optional[int]  # ring.now_ns() clock; None: none
+    timeout: Optional[float]  # as the caller gave it, for RequestTimeout's text
+
+
+class FollowsChunks(Watched, Protocol):
+    """An item of kind CHUNKS: a stream whose loop is woken as chunks come."""
+
+    kind: Literal["chunks"]
+
+
+Item = Union[AwaitsAnswer, FollowsChunks]
+
+
+class Completion(Protocol):
+    """The completion thread, as its items reach it."""
+
+    def add(self, item: Item) -> None:
+        ...

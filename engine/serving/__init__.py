@@ -1,0 +1,7 @@
+"""Running an engine: the supervisor and the processes it keeps alive.
+
+`supervisor.Engine` creates the segment, starts the batchers (`processes`,
+through the one child launcher `launch`), restarts them (`restarts`), swaps
+them on a reload (`reloading`), answers the control socket (`control`) and
+exports metrics (`metrics`); `notify` tells a service manager it is ready.
+"""

@@ -1,0 +1,118 @@
+"""Iterative engines under asyncio: Client.stream_async streams run
+concurrently, each with its own chunks; leaving one early withdraws its
+request; one past its timeout raises after the chunks that came in time;
+and closing the client ends them with EngineUnavailable.
+"""
+import asyncio
+
+import pytest
+from conftest import wait_until_no_slot_in_use
+from iterative_helpers import (
+    assert_each_joined_request_left_once,
+    bits,
+    left,
+    scripted,
+    slot_states,
+    tag_length,
+    wait_idle,
+    wait_left,
+)
+from step_models import HOLD, chunks, request
+
+import engine
+from engine.shm import codes
+
+
+def test_async_streams_run_concurrently_each_with_its_own_chunks(make_engine, log):
+    eng = scripted(make_engine, "async", log, max_steps=24, max_batch_size=8)
+
+    async def read(c, tag):
+        return [int(chunk) async for chunk in c.stream_async(request(tag, tag_length(tag)),
+                                                             timeout=60)]
+
+    async def main(c):
+        streamed = asyncio.gather(*(read(c, tag) for tag in range(1, 13)))
+        whole = asyncio.gather(*(c.infer_async(request(tag, tag_length(tag)), timeout=60)
+                                 for tag in range(13, 17)))
+        return await streamed, await whole
+
+    with engine.Client(eng.name) as c:
+        streamed, whole = asyncio.run(main(c))
+    for tag, got in zip(range(1, 13), streamed):
+        assert got == chunks(tag, tag_length(tag)), tag
+    for tag, y in zip(range(13, 17), whole):
+        assert y.tolist() == chunks(tag, tag_length(tag)), tag
+    assert_each_joined_request_left_once(log)
+
+
+def test_breaking_out_of_an_async_stream_cancels_its_request(make_engine, log, gate):
+    eng = scripted(make_engine, "async-cancel", log, gate=gate, max_steps=64)
+
+    async def until(predicate, what):
+        for _ in range(30_000):  # 30 s at most
+            if predicate():
+                return
+            await asyncio.sleep(0.001)
+        raise TimeoutError(what)
+
+    async def leave_early(c):
+        got = []
+        async for chunk in c.stream_async(request(1, 50, HOLD, bits(3)), timeout=60):
+            got.append(int(chunk))
+            if len(got) == 3:
+                break
+        # the generator, dropped, is closed by the loop: the request is withdrawn
+        await until(lambda: codes.ABANDONED in slot_states(eng), "the request withdrawn")
+        gate.open()
+        return got
+
+    async def other(c):
+        return [int(chunk) async for chunk in c.stream_async(request(2, 8), timeout=60)]
+
+    async def main(c):
+        return await asyncio.gather(leave_early(c), other(c))
+
+    with engine.Client(eng.name) as c:
+        got, others = asyncio.run(main(c))
+    assert got == chunks(1, 3) and others == chunks(2, 8)
+    assert wait_left(log, 1) == [4]
+    wait_idle(eng)
+    assert_each_joined_request_left_once(log)
+
+
+def test_an_async_stream_past_its_timeout_raises_after_the_chunks_that_came_in_time(
+        make_engine, log, gate):
+    eng = scripted(make_engine, "async-timeout", log, gate=gate)
+
+    async def main(c):
+        got = []
+        with pytest.raises(engine.RequestTimeout):
+            async for chunk in c.stream_async(request(1, 10, HOLD, bits(2)), timeout=1.5):
+                got.append(int(chunk))
+        return got
+
+    with engine.Client(eng.name) as c:
+        assert asyncio.run(main(c)) == chunks(1, 2)
+        gate.open()
+        assert wait_left(log, 1) == [3]
+        assert wait_idle(eng)["timeouts_total"] == 1
+    assert_each_joined_request_left_once(log)
+
+
+def test_closing_the_client_ends_its_async_streams_with_engine_unavailable(make_engine, log, gate):
+    eng = scripted(make_engine, "closeasync", log, gate=gate, max_steps=16)
+    c = engine.Client(eng.name)
+
+    async def main():
+        got = []
+        with pytest.raises(engine.EngineUnavailable, match="closed"):
+            async for chunk in c.stream_async(request(1, 8, HOLD, bits(2)), timeout=60):
+                got.append(int(chunk))
+                if len(got) == 2:  # held before its third chunk: close the client meanwhile
+                    await asyncio.get_running_loop().run_in_executor(None, c.close)
+        return got
+
+    assert asyncio.run(main()) == chunks(1, 2)
+    gate.open()
+    assert wait_until_no_slot_in_use(eng)  # the batcher freed the withdrawn slot
+    assert len(left(log, 1)) == 1

@@ -1,0 +1,56 @@
+"""One launcher starts every child process (batchers, HTTP workers): it hands
+the child its arguments, waits for its one readiness message, and reports a
+failure by its kind and message."""
+import pytest
+
+from engine import launch
+
+CHILD = "launch_child"
+
+
+def start(**args):
+    return launch.launch(CHILD, args)
+
+
+def test_a_ready_child_is_reported_ready_and_keeps_running():
+    proc, reader = start(do="ready")
+    try:
+        launch.await_ready(proc, reader, 30, "child", died="ChildDied")
+        assert proc.is_alive()
+    finally:
+        reader.close()
+        launch.kill(proc)
+    assert proc.exitcode is not None
+
+
+def failure(timeout_s=30, what="child", **args) -> launch.ChildFailed:
+    """How a child that does not become ready is reported."""
+    proc, reader = start(**args)
+    try:
+        with pytest.raises(launch.ChildFailed) as info:
+            launch.await_ready(proc, reader, timeout_s, what, died="ChildDied")
+    finally:
+        reader.close()
+        launch.kill(proc)
+    return info.value
+
+
+def test_a_child_that_raises_reports_its_error_type_and_message():
+    e = failure(do="raise", path="/models/x")
+    assert (e.kind, e.message) == ("LookupError", "no model at /models/x")
+    assert "LookupError" in e.trace
+
+
+def test_a_child_that_exits_during_start_is_named_with_its_exit_code():
+    e = failure(do="exit", what="child 7")
+    assert (e.kind, e.message) == ("ChildDied", "child 7 exited during start (exit code 3)")
+
+
+def test_a_child_not_ready_in_time_is_a_start_timeout():
+    assert failure(do="hang", timeout_s=0.2).kind == "StartTimeout"
+
+
+def test_arguments_that_cannot_be_pickled_fail_before_any_process_starts():
+    with pytest.raises(launch.ChildFailed) as info:
+        start(do="ready", fn=lambda: None)
+    assert "pickle" in info.value.message.lower() or "lambda" in info.value.message
