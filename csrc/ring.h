@@ -54,8 +54,9 @@
  *          |             its variable dim (0: fixed), set while WRITING|
  *          +------------------------------------------- 64-aligned ----+
  *          | stream[C]   sb_slot_stream, 64 B per slot (steps > 0):    |
- *          |             chunks written (the client's futex word; bit  |
- *          |             31 SB_CHUNKS_END), sleepers, its max_steps    |
+ *          |             chunks written (the client's futex word: bits |
+ *          |             0-28 the count, 29-31 how it ended), sleepers,|
+ *          |             its max_steps                                 |
  *          +------------------------------------------- 4096-aligned --+
  *          | tensor 0    tensor_slot_bytes[0] per slot: ONE C-order    |
  *          |             array [C, *max_shape] of its dtype            |
@@ -98,9 +99,12 @@
  *
  *   STREAMS (an iterative engine): a slot stays CLAIMED(g, b) while its
  *   batcher writes one chunk per step and publishes the count in the slot's
- *   chunk word; the client reads chunks [seen, count) meanwhile. Settling it
- *   (DONE, FAILED, or FREE once withdrawn) ends the stream: SB_CHUNKS_END is
- *   set before that CAS, the client woken after it. A dead batcher's slots
+ *   chunk word; the client reads chunks [seen, count) meanwhile. The step
+ *   that completes a request publishes its last count with SB_CHUNKS_END and
+ *   why (SB_CHUNKS_STOP: its model said done; SB_CHUNKS_LIMIT: its
+ *   max_steps), so its client knows the last chunk as it reads it. Settling
+ *   it (DONE, FAILED, or FREE once withdrawn) ends the stream: SB_CHUNKS_END
+ *   is set before that CAS, the client woken after it. A dead batcher's slots
  *   that had a chunk fail; those that had none are kept for its successor.
  *
  *   Every transition that leaves a slot FREE bumps the generation, so a late
@@ -187,7 +191,7 @@
 #include <stdint.h>
 
 /* --- cdef: everything from here to "cdef end" is read by cffi --------- */
-#define SB_LAYOUT_VERSION 9 /* 7: retry; 8: corrupt_total; 9: streamed answers */
+#define SB_LAYOUT_VERSION 10 /* 8: corrupt_total; 9: streamed answers; 10: how a stream ended */
 #define SB_HEADER_BYTES 20480
 #define SB_CONFIG_BYTES 2048
 #define SB_OFF_CONFIG 128
@@ -201,7 +205,10 @@
 #define SB_MAX_TAKE 1024
 #define SB_HIST_BUCKETS 128
 #define SB_MAX_STEPS 65536      /* an iterative engine's chunks per slot */
-#define SB_CHUNKS_END 0x80000000u /* a slot's chunk count is final */
+#define SB_CHUNKS_END 0x80000000u   /* a slot's chunk count is final */
+#define SB_CHUNKS_STOP 0x40000000u  /* ... its model said done at that count */
+#define SB_CHUNKS_LIMIT 0x20000000u /* ... it reached its max_steps */
+#define SB_CHUNKS_COUNT 0x1FFFFFFFu /* the count's bits */
 
 /* the control word's fields (drawn above) that Python reads too */
 #define SB_STATE_MASK 0xF
@@ -511,7 +518,8 @@ uint64_t sb_bucket_lower_ns(uint32_t bucket);
  * its batcher has written. The client, while WRITING (before publish): the
  * request's own bound (0: the engine's). Then it follows the word:
  * sb_wait_chunks returns SB_OK once the word is not `seen` (its value in
- * *chunks: the count, | SB_CHUNKS_END when final) or the slot is settled,
+ * *chunks: the count, | SB_CHUNKS_END when final, | SB_CHUNKS_STOP or
+ * SB_CHUNKS_LIMIT when its request completed) or the slot is settled,
  * SB_ETIMEOUT, SB_ESTALE (not the ticket's slot), SB_ECORRUPT (a count
  * beyond steps). A spinning reader costs its batcher no wake. */
 int sb_stream_open(sb_ring *r, uint32_t slot, uint32_t gen, uint32_t max_steps);
@@ -522,12 +530,14 @@ int sb_wait_chunks(sb_ring *r, uint32_t slot, uint32_t gen, uint32_t seen,
 void sb_stream_limits(sb_ring *r, const uint32_t *slots, uint32_t n, uint32_t *max_steps,
 		      uint64_t *deadlines);
 /* the batcher, after a step wrote chunk counts[k] - 1 of slots[k]: publishes
- * the counts (a wake only for a client asleep) and their time figures;
- * states[k] receives the slot's state (SB_CLAIMED; SB_ABANDONED: withdrawn;
- * -1: no longer this batcher's). Returns how many were published. */
+ * the counts (a wake only for a client asleep) and their time figures, each
+ * with ends[k]: 0, or SB_CHUNKS_END | SB_CHUNKS_STOP or | SB_CHUNKS_LIMIT
+ * for a request this step completed (other bits are dropped); states[k]
+ * receives the slot's state (SB_CLAIMED; SB_ABANDONED: withdrawn; -1: no
+ * longer this batcher's). Returns how many were published. */
 uint32_t sb_stream_put(sb_ring *r, uint32_t batcher, const uint32_t *slots,
 		       const uint32_t *gens, uint32_t n, const uint32_t *counts,
-		       int32_t *states);
+		       const uint32_t *ends, int32_t *states);
 /* a step's figures: the queue wait of the k requests it joined (claimed at
  * start_ns), its service time and its `active` requests (the batch size),
  * and with fit (else NULL) the fit of step time by active requests: 1 when

@@ -83,10 +83,11 @@ typedef struct {
 
 /* An iterative engine's slot: how many of its chunks are written. chunks
  * is the futex word its client follows; only the slot's batcher writes it
- * while CLAIMED (and SB_CHUNKS_END when it answers or fails the slot), its
+ * while CLAIMED (SB_CHUNKS_END and why with the last count of a request it
+ * completes; SB_CHUNKS_END alone when it fails or frees the slot), its
  * client resets it while WRITING. */
 typedef struct {
-	uint32_t chunks;      /* chunks written (bits 0-30), | SB_CHUNKS_END */
+	uint32_t chunks;      /* chunks written (SB_CHUNKS_COUNT), | how it ended */
 	uint32_t waiters;     /* clients asleep on chunks */
 	uint32_t max_steps;   /* the request's own bound (0: the engine's), set while WRITING */
 	uint32_t _pad;

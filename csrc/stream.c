@@ -53,7 +53,7 @@ int sb_wait_chunks(sb_ring *r, uint32_t slot, uint32_t gen, uint32_t seen,
 			 until == UINT64_MAX ? -1 : (int64_t)(until - now));
 		cur = sb_load_acquire(&s->chunks);
 	}
-	if ((cur & ~SB_CHUNKS_END) > r->steps) {
+	if ((cur & SB_CHUNKS_COUNT) > r->steps) {
 		corrupt(r);
 		return SB_ECORRUPT;
 	}
@@ -79,8 +79,9 @@ void sb_stream_limits(sb_ring *r, const uint32_t *slots, uint32_t n, uint32_t *m
 
 uint32_t sb_stream_put(sb_ring *r, uint32_t batcher, const uint32_t *slots,
 		       const uint32_t *gens, uint32_t n, const uint32_t *counts,
-		       int32_t *states)
+		       const uint32_t *ends, int32_t *states)
 {
+	const uint32_t how = SB_CHUNKS_END | SB_CHUNKS_STOP | SB_CHUNKS_LIMIT;
 	uint64_t now = sb_now_ns();
 	uint32_t put = 0;
 	for (uint32_t k = 0; k < n; k++) {
@@ -109,7 +110,7 @@ uint32_t sb_stream_put(sb_ring *r, uint32_t batcher, const uint32_t *slots,
 		/* seq_cst, as seq_bump: publishes the rows written before it, and
 		 * either we see the client's waiter count or its futex_wait sees
 		 * the new count */
-		sb_store_seq_cst(&s->chunks, count);
+		sb_store_seq_cst(&s->chunks, count | (ends[k] & how));
 		if (sb_load_seq_cst(&s->waiters))
 			futex_wake(&s->chunks, INT_MAX);
 		put++;

@@ -62,3 +62,20 @@ class Counting:
 
 def counting(step_ms: float = 0.0):
     return Counting(step_ms)
+
+
+class Wide(Counting):
+    """Counting, each chunk `width` float64 values (start + k + 0.123456789):
+    large events, for callers that stop reading."""
+
+    def __init__(self, width: int, step_ms: float = 0.0):
+        super().__init__(step_ms)
+        self.width = width
+
+    def step(self, ids):
+        out, done = super().step(ids)
+        return np.repeat(out[:, None] + 0.123456789, self.width, axis=1), done
+
+
+def wide(width: int = 1024, step_ms: float = 0.0):
+    return Wide(width, step_ms)

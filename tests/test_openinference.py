@@ -428,10 +428,11 @@ def test_generate_answers_the_whole_answer_and_generate_stream_each_chunk_as_an_
     got, answer = post(server.url, f"/v2/models/{n['gen']}/generate",
                        json.dumps({"INPUT": [10, 5], "id": "a"}).encode(), {})
     assert (got, answer) == (200, {"model_name": n["gen"], "model_version": "1", "id": "a",
-                                   "OUTPUT": [10, 11, 12, 13, 14]})
+                                   "OUTPUT": [10, 11, 12, 13, 14], "finish_reason": "stop"})
     got, answer = post(server.url, f"/v2/models/{n['gen']}/generate",
                        json.dumps({"INPUT": [10, 5], "parameters": {"max_steps": 3}}).encode(), {})
     assert answer["OUTPUT"] == [10, 11, 12]  # the request's own max_steps
+    assert answer["finish_reason"] == "length"
     conn, response = open_post(server.url, f"/v2/models/{n['gen']}/generate_stream",
                                {"INPUT": [7, 4]})
     try:

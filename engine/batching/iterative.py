@@ -103,6 +103,7 @@ class Stepper:
         self.waiting = Group(cfg.max_batch_size)  # claimed, not joined: over the budget
         self.retry: list = []  # a dead predecessor's requests, each to start alone
         self.states = np.zeros(cfg.max_batch_size, np.int32)
+        self.ends = np.zeros(cfg.max_batch_size, np.uint32)
         self.last_claim = (0, 0, 0)  # (ready, oldest_ns, cutoff_ns) the last claim saw
         self.seen = self.claimed_seen = -1  # work_seq this turn, and at the last claim
         self.reported = -1  # the running batch's size as last published
@@ -297,10 +298,14 @@ class Stepper:
             self.finish(joined, n, start_ns)
             return
         steps += 1
-        states = self.states[:n]
-        r.stream_put(self.instance, slots, active.gens[:n], steps, states)
-        finished = done | (steps >= active.limits[:n])
-        over = finished | (states != codes.CLAIMED)
+        states, ends = self.states[:n], self.ends[:n]
+        # the requests this step completes: their last count says so, and why
+        at_limit = steps >= active.limits[:n]
+        ends[:] = 0
+        ends[at_limit] = codes.CHUNKS_END | codes.CHUNKS_LIMIT
+        ends[done] = codes.CHUNKS_END | codes.CHUNKS_STOP
+        r.stream_put(self.instance, slots, active.gens[:n], steps, ends, states)
+        over = done | at_limit | (states != codes.CLAIMED)
         if over.any():
             # withdrawn ones are freed by the same completion (ABANDONED -> FREE)
             self.settle(active, over, codes.STATUS_OK, b"", in_step=True)

@@ -46,12 +46,12 @@ def read(seg, slot: int, gen: int, outs: Optional[tuple]) -> tuple:
 def chunk_count(seg, slot: int, gen: int) -> int:
     """How many chunks a settled iterative request's batcher wrote (checked
     in C against the engine's max_steps; EngineCorrupt beyond it)."""
-    code, word = seg.ring.wait_chunks(slot, gen, codes.CHUNKS_END - 1, 0)
+    code, word = seg.ring.wait_chunks(slot, gen, codes.CHUNKS_COUNT, 0)
     if code != codes.OK:
         seg.ring.release_slot(slot, gen)  # settled (the caller saw it): ours to free
         raise EngineCorrupt(f"engine {seg.name!r}: expected the request's chunk count within "
                             f"max_steps {seg.steps}, got one beyond it (code {code})")
-    return word & (codes.CHUNKS_END - 1)
+    return word & codes.CHUNKS_COUNT
 
 
 def settle_now(seg, slot: int, gen: int, outs: Optional[tuple],

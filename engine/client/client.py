@@ -41,13 +41,7 @@ import numpy as np
 from engine.client import answers, bulk, futures, room, streams, waiting
 from engine.client.attach import attach
 from engine.client.lent import SlotRequest
-from engine.errors import (
-    EngineError,
-    EngineUnavailable,
-    InvalidInput,
-    Overloaded,
-    QueueFull,
-)
+from engine.errors import EngineError, EngineUnavailable, InvalidInput, Overloaded, QueueFull
 from engine.segment import Segment
 from engine.shm import codes, liveness, ring
 
@@ -172,20 +166,28 @@ class Client:
                            ) -> AsyncIterator[Tensors]:
         """stream() for asyncio: ``async for chunk in client.stream_async(x)``;
         the loop is never blocked."""
-        deadline = waiting.deadline_ns(timeout)
-        seg = self._segment()
-        if not seg.iterative:
-            yield await self.infer_async(x, timeout, priority=priority)
-            return
-        seg, slot, gen, _ = self._enqueue(x, deadline, priority, max_steps)
-        chunks = streams.AsyncStream(streams.Stream(self, seg, slot, gen, deadline, timeout),
-                                     asyncio.get_running_loop())
-        self.completer().add(chunks)
+        chunks = self.open_stream_async(x, timeout, priority=priority, max_steps=max_steps)
         try:
             async for chunk in chunks:
                 yield chunk
         finally:
             await chunks.aclose()
+
+    def open_stream_async(self, x: Tensors, timeout: Optional[float] = 1.0, *,
+                          priority: int = 0, max_steps: Optional[int] = None
+                          ) -> "streams.AsyncStream | streams.AsyncAnswered":
+        """stream_async()'s stream as an object, enqueued now (in a running
+        event loop): iterate it, read its finish_reason after its last chunk,
+        and aclose() it when done with it (that withdraws it if unfinished)."""
+        deadline = waiting.deadline_ns(timeout)
+        seg = self._segment()
+        if not seg.iterative:
+            return streams.AsyncAnswered(self.infer_async(x, timeout, priority=priority))
+        seg, slot, gen, _ = self._enqueue(x, deadline, priority, max_steps)
+        chunks = streams.AsyncStream(streams.Stream(self, seg, slot, gen, deadline, timeout),
+                                     asyncio.get_running_loop())
+        self.completer().add(chunks)
+        return chunks
 
     def request(self) -> "SlotRequest":
         """Takes a slot now (QueueFull at once if none) and lends its rows, so

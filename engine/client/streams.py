@@ -25,7 +25,8 @@ from engine.client.handle import CHUNKS, Handle
 from engine.errors import EngineError
 from engine.shm import codes, ring
 
-COUNT_MASK = codes.CHUNKS_END - 1
+COUNT_MASK = codes.CHUNKS_COUNT
+FINISH_REASONS = ((codes.CHUNKS_STOP, "stop"), (codes.CHUNKS_LIMIT, "length"))
 _NOT_YET = object()  # no chunk to hand out yet: wait for the next
 
 
@@ -46,6 +47,17 @@ class Stream:
 
     def __iter__(self) -> "Stream":
         return self
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        """Once the last chunk of a completed answer is handed out: "stop" (its
+        model said done) or "length" (it reached its max_steps); else None. Its
+        batcher publishes the last count with the reason, so this is known as
+        the last chunk is read, not after."""
+        word = self._word
+        if not word & codes.CHUNKS_END or self._sent != word & COUNT_MASK:
+            return None
+        return next((reason for bit, reason in FINISH_REASONS if word & bit), None)
 
     def __next__(self) -> Any:
         while True:
@@ -173,6 +185,10 @@ class AsyncStream:
     def __aiter__(self) -> "AsyncStream":
         return self
 
+    @property
+    def finish_reason(self) -> Optional[str]:
+        return self.stream.finish_reason
+
     async def __anext__(self) -> Any:
         s = self.stream
         while True:
@@ -277,3 +293,27 @@ class Answered:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class AsyncAnswered:
+    """open_stream_async() of a one-shot engine: its one answer, once."""
+
+    def __init__(self, answer) -> None:
+        self.answer = answer  # the infer_async() coroutine, not yet started
+        self.finish_reason: Optional[str] = None
+
+    def __aiter__(self) -> "AsyncAnswered":
+        return self
+
+    async def __anext__(self) -> Any:
+        if self.finish_reason is not None or self.answer is None:
+            raise StopAsyncIteration
+        answer, self.answer = self.answer, None
+        value = await answer
+        self.finish_reason = "stop"
+        return value
+
+    async def aclose(self) -> None:
+        if self.answer is not None:
+            self.answer.close()  # never started: nothing was enqueued
+            self.answer = None

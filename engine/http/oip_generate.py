@@ -5,25 +5,36 @@ name (INPUT for a single-array engine), its value a number or nested lists
 of the tensor's shape, in the engine's datatype; and optionally "id" and
 "parameters" (timeout in microseconds and priority as infer takes them, and
 max_steps). It answers {"model_name", "model_version", "OUTPUT": value, ...}:
-an iterative engine's whole answer, its chunks stacked.
+an iterative engine's whole answer, its chunks stacked, and "finish_reason":
+"stop" (the model said done) or "length" (max_steps).
 
 POST /v2/models/NAME/generate_stream answers the same request as
 server-sent events, one `data: {...}` event per chunk as the engine writes
-it; an error after the first chunk is a last `data: {"error": ...}` event
-(one before it is an ordinary error response). A caller that disconnects
-withdraws its request: its stream is closed, and the batcher drops the
-request at its next step. A one-shot engine answers both with its one
-answer, as Client.stream does.
+it; the last chunk's event of a complete answer carries "finish_reason". A
+stream that ends otherwise (an error, the server stopping, its timeout) ends
+with a last `data: {"error": ...}` event (an error before the first chunk is
+an ordinary error response). A caller that disconnects withdraws its
+request: its stream is closed, and the batcher drops the request at its next
+step; one that stops reading loses it at its deadline. A one-shot engine
+answers both with its one answer, as Client.stream does.
 """
 import asyncio
 import json
+import logging
 
-from engine.errors import EngineError
+import numpy as np
+
+from engine.errors import EngineError, RequestTimeout
 from engine.http import oip_tensors
 from engine.http.oip_tensors import BadRequest, datatype_of, json_text
 
+log = logging.getLogger("shmbatch")
+
 PARAMETERS = ("timeout", "priority", "max_steps")
 _END, _GONE = object(), object()  # the stream ended; the caller went away
+SHUTDOWN = "EngineUnavailable: the server is shutting down; this request was not completed"
+CUT = "EngineUnavailable: the answer ended before it completed"
+CLOSING_S = 5.0
 
 
 def read_request(model, body: bytes, default_timeout_s: float):
@@ -57,41 +68,115 @@ def answer_json(model, answer, request_id) -> dict:
     return out
 
 
-async def generate(model, body: bytes, default_timeout_s: float):
+async def generate(model, body: bytes, default_timeout_s: float, receive):
+    """The whole answer, its chunks stacked, with its finish_reason; None (no
+    answer) once the caller disconnected, which withdraws the request."""
     x, timeout_s, priority, max_steps, request_id = read_request(model, body, default_timeout_s)
-    answer = await model.client.infer_async(x, timeout_s, priority=priority,
-                                             max_steps=max_steps)
-    return 200, json.dumps(answer_json(model, answer, request_id)).encode(), []
+    chunks = model.client.open_stream_async(x, timeout_s, priority=priority, max_steps=max_steps)
+    gone = asyncio.ensure_future(_disconnected(receive))
+    got: list = []
+    try:
+        while True:
+            try:
+                item = await _next(chunks, gone)
+            except RequestTimeout as e:
+                raise RequestTimeout(f"{e} ({len(got)} chunk(s) came; a longer answer asks a "
+                                     f"longer timeout: parameters.timeout, in microseconds)"
+                                     ) from None
+            if item is _GONE:
+                return None
+            if item is _END:
+                break
+            got.append(item)
+    except asyncio.CancelledError:  # the server stops: its drain ran out
+        return 503, json.dumps({"error": SHUTDOWN}).encode(), []
+    finally:
+        gone.cancel()
+        await chunks.aclose()  # withdraws the request unless it ended
+    answer = _stacked(model, got) if model.config.iterative else got[0]
+    out = answer_json(model, answer, request_id)
+    out["finish_reason"] = chunks.finish_reason
+    return 200, json.dumps(out).encode(), []
 
 
 async def generate_stream(model, body: bytes, default_timeout_s: float, receive, send) -> None:
     """Streams the answer through send (the response is this function's to
-    write once its first chunk came; an error before that is raised)."""
+    write once its first chunk came; an error before that is raised). The
+    request's timeout bounds the caller's reading too: a caller that stops
+    reading loses its request at its deadline, and the connection is closed."""
     x, timeout_s, priority, max_steps, request_id = read_request(model, body, default_timeout_s)
-    chunks = model.client.stream_async(x, timeout_s, priority=priority, max_steps=max_steps)
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    chunks = model.client.open_stream_async(x, timeout_s, priority=priority, max_steps=max_steps)
     gone = asyncio.ensure_future(_disconnected(receive))
+    started = False
     try:
         item = await _next(chunks, gone)  # an EngineError here is an ordinary error response
         if item is _GONE:
             return
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream"),
-                                (b"cache-control", b"no-cache")]})
+        await _within(deadline, send({"type": "http.response.start", "status": 200,
+                                      "headers": [(b"content-type", b"text/event-stream"),
+                                                  (b"cache-control", b"no-cache")]}))
+        started = True
         while item is not _END:
-            await send({"type": "http.response.body", "more_body": True,
-                        "body": _event(answer_json(model, item, request_id))})
+            event = answer_json(model, item, request_id)
+            if chunks.finish_reason is not None:  # known with the last chunk itself
+                event["finish_reason"] = chunks.finish_reason
+            await _within(deadline, _send_event(send, event))
             try:
                 item = await _next(chunks, gone)
             except EngineError as e:
-                await send({"type": "http.response.body", "more_body": True,
-                            "body": _event({"error": f"{type(e).__name__}: {e}"})})
-                item = _END
+                await _within(_closing(), _send_event(send, {"error": f"{type(e).__name__}: {e}"}))
+                break
             if item is _GONE:
                 return
-        await send({"type": "http.response.body", "body": b""})
+            if item is _END and chunks.finish_reason is None:  # never a clean end short
+                await _within(_closing(), _send_event(send, {"error": CUT}))
+        await _within(_closing(), send({"type": "http.response.body", "body": b""}))
+    except _SlowReader:  # the caller stopped reading: its request ends here
+        log.warning("model %s: a stream's caller read nothing until its deadline; closed",
+                    model.name)
+    except asyncio.CancelledError:  # the server stops: its drain ran out
+        if not started:
+            await send({"type": "http.response.start", "status": 503,
+                        "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": json.dumps({"error": SHUTDOWN}
+                                                                          ).encode()})
+        else:
+            await _send_event(send, {"error": SHUTDOWN}, more=False)
     finally:
         gone.cancel()
         await chunks.aclose()  # withdraws the request unless it ended
+
+
+def _closing() -> float:
+    """The deadline of a stream's last events: its request is over (its slot
+    free), but a caller that reads nothing still cannot hold the connection."""
+    return asyncio.get_running_loop().time() + CLOSING_S
+
+
+class _SlowReader(Exception):
+    """A send did not complete by the request's deadline: its caller stopped reading."""
+
+
+async def _within(deadline: float, sending) -> None:
+    """One send, bounded by the request's deadline (_SlowReader after it)."""
+    try:
+        await asyncio.wait_for(sending, max(0.0, deadline - asyncio.get_running_loop().time()))
+    except asyncio.TimeoutError:
+        raise _SlowReader from None
+
+
+async def _send_event(send, obj, more: bool = True) -> None:
+    await send({"type": "http.response.body", "more_body": more, "body": _event(obj)})
+
+
+def _stacked(model, chunks: list):
+    """The chunks of an answer stacked, in the caller's form (an empty answer
+    holds no chunk of each output)."""
+    by_name = [model.config.by_name(c) for c in chunks]
+    stacked = {spec.name: np.stack([c[spec.name] for c in by_name]) if by_name
+               else np.empty((0, *spec.shape), spec.dtype) for _, spec in model.outputs}
+    return stacked if model.config.named else stacked[""]
 
 
 async def _next(chunks, gone):

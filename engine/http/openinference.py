@@ -290,7 +290,7 @@ class App:
                 return refused
             body = await _read_body(scope, receive, self.max_body_bytes)
             if rest == ["generate"]:
-                return await oip_generate.generate(model, body, self.timeout_s)
+                return await oip_generate.generate(model, body, self.timeout_s, receive)
             return await oip_generate.generate_stream(model, body, self.timeout_s, receive, send)
         raise NotFound(f"no route {path}")
 

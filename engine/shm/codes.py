@@ -20,6 +20,9 @@ MAX_TAKE = lib.SB_MAX_TAKE
 HIST_BUCKETS = lib.SB_HIST_BUCKETS
 MAX_STEPS = lib.SB_MAX_STEPS
 CHUNKS_END = lib.SB_CHUNKS_END
+CHUNKS_STOP = lib.SB_CHUNKS_STOP
+CHUNKS_LIMIT = lib.SB_CHUNKS_LIMIT
+CHUNKS_COUNT = lib.SB_CHUNKS_COUNT
 
 # the control word's fields (drawn in ring.h) that Python reads too
 STATE_MASK = lib.SB_STATE_MASK

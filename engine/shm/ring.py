@@ -350,12 +350,14 @@ class Ring:
                              _ptr(max_steps, "uint32_t *"), _ptr(deadlines, "uint64_t *"))
 
     def stream_put(self, batcher: int, slots: np.ndarray, gens: np.ndarray, counts: np.ndarray,
-                   states: np.ndarray) -> int:
-        """Publishes counts[k] chunks of slots[k] (uint32 arrays); states (int32)
-        receives each slot's state (CLAIMED, ABANDONED, or -1: not ours)."""
+                   ends: np.ndarray, states: np.ndarray) -> int:
+        """Publishes counts[k] chunks of slots[k], with ends[k] (0, or
+        CHUNKS_END | CHUNKS_STOP or CHUNKS_LIMIT: completed) (uint32 arrays);
+        states (int32) receives each slot's state (CLAIMED, ABANDONED, or -1:
+        not ours)."""
         return lib.sb_stream_put(self.r, batcher, _ptr(slots, "uint32_t *"),
-                                 _ptr(gens, "uint32_t *"), len(slots),
-                                 _ptr(counts, "uint32_t *"), _ptr(states, "int32_t *"))
+                                 _ptr(gens, "uint32_t *"), len(slots), _ptr(counts, "uint32_t *"),
+                                 _ptr(ends, "uint32_t *"), _ptr(states, "int32_t *"))
 
     def finish_step(self, joined: np.ndarray, active: int, start_ns: int, done_ns: int,
                     fit=ffi.NULL) -> int:
