@@ -22,7 +22,7 @@ from engine.errors import (
     EngineUnavailable,
     SegmentTooLarge,
 )
-from engine.shm import codes, ring, sizing
+from engine.shm import codes, liveness, ring, sizing
 from engine.shm.sizing import size_text
 
 
@@ -282,6 +282,22 @@ class Segment:
     def holder_alive(self) -> bool:
         """True while the engine that created the segment holds its lock."""
         return self.owner or _locked(self._shm.fd)
+
+    def serves(self) -> bool:
+        """Whether the engine serves now: it runs, and at least one of its
+        batchers lives and has loaded its model. A batcher registers its pid
+        only once its factory ran, and the supervisor zeroes the word when it
+        reaps a dead one; a pid is judged with its start time (engine.shm.
+        liveness). Both banks of batcher numbers are read: a reload's new
+        batchers register in the other. Readiness, for HTTP and `status --ready`."""
+        if self.engine_state() != codes.ENGINE_RUNNING or not self.holder_alive():
+            return False
+        words = self.words
+        for i in range(min(2 * self.config.instances, codes.MAX_INSTANCES)):
+            pid = int(words[codes.W_BATCHER_PID + i])
+            if pid and liveness.is_alive(pid, int(words[codes.W_BATCHER_START + i])):
+                return True
+        return False
 
     # -- teardown ------------------------------------------------------------
     def _close_mapping(self) -> None:

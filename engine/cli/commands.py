@@ -12,7 +12,8 @@ from engine.errors import EngineError
 # serve's own keys: its flags, and a --config file's top level beside an
 # engine's keys or [engines.NAME] tables
 SERVE_ONLY_KEYS = ("metrics_port", "metrics_host", "http_port", "http_host", "http_workers",
-                   "http_timeout_s", "http_max_body_bytes")
+                   "http_timeout_s", "http_max_body_bytes", "http_read_timeout_s",
+                   "http_max_connections")
 
 
 def _serve_parser(sub):
@@ -23,7 +24,8 @@ def _serve_parser(sub):
     for knob in knobs():
         knob_flag(p, knob)
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
-    p.add_argument("--metrics-host", help="address for /metrics (default 0.0.0.0)")
+    p.add_argument("--metrics-host", help="address for /metrics (default 127.0.0.1; 0.0.0.0: "
+                                          "every interface)")
     p.add_argument("--http-port", type=int, metavar="PORT",
                    help="serve the Open Inference Protocol (KServe v2 REST) for every engine "
                         "on this port (0: any free one); needs the http extra")
@@ -33,8 +35,15 @@ def _serve_parser(sub):
     p.add_argument("--http-timeout-s", type=float, metavar="S",
                    help="the deadline of an infer without a timeout parameter (default 30)")
     p.add_argument("--http-max-body-bytes", type=int, metavar="N",
-                   help="a larger request body is refused (413) before it is read "
-                        "(default 64 MiB)")
+                   help="a larger request body is refused (413) before it is read (default: "
+                        "each engine's, from its queue_capacity and tensors)")
+    p.add_argument("--http-read-timeout-s", type=float, metavar="S",
+                   help="a request's head and body must come within S s of its first byte (of "
+                        "the connection's opening, for the first): a silent connection is "
+                        "closed, a half-sent request answered 408 (default 15)")
+    p.add_argument("--http-max-connections", type=int, metavar="N",
+                   help="open connections per HTTP worker; one more is answered 503 at once "
+                        "(default 1024, lower if the open-file limit requires)")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -163,8 +172,9 @@ def _status_parser(sub):
     p.add_argument("name")
     p.add_argument("--json", action="store_true")
     p.add_argument("--ready", action="store_true",
-                   help="print the state only, and exit 0 only while the engine serves "
-                        "(a readiness probe; reads the header page alone)")
+                   help="print the state only, and exit 0 only while the engine serves: it "
+                        "runs and a live batcher has loaded its model (a readiness probe; "
+                        "reads the header page alone)")
 
 
 def state_name(state: int) -> str:
@@ -179,14 +189,16 @@ def cmd_status(args) -> int:
     from engine.serving import metrics
     from engine.shm import codes
     seg = Segment.attach(args.name, header_only=True)
-    if args.ready:
+    if args.ready:  # as the HTTP routes' readiness: a live batcher has loaded its model
         try:
-            state, alive = seg.engine_state(), seg.holder_alive()
+            state, alive, serves = seg.engine_state(), seg.holder_alive(), seg.serves()
         finally:
             seg.close()
-        serving = alive and state == codes.ENGINE_RUNNING
-        print(f"engine {args.name!r} " + (state_name(state) if alive else "dead"))
-        return 0 if serving else 1
+        said = state_name(state) if alive else "dead"
+        if alive and state == codes.ENGINE_RUNNING and not serves:
+            said += ", not ready: no live batcher has loaded its model yet"
+        print(f"engine {args.name!r} {said}")
+        return 0 if serves else 1
     if seg.holder_alive():  # running: every figure, the slots' included
         seg.close()
         seg = Segment.attach(args.name)

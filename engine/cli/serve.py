@@ -8,9 +8,10 @@ process behind. Ready means every engine serves, /metrics is up and every
 HTTP worker has attached to every engine.
 
 A stop (serve's SIGINT or SIGTERM) first stops the HTTP workers, whose
-requests in progress are answered by the engines still serving, then
-drains every engine at once: each refuses new requests, answers the
-queued ones and removes its segment.
+requests in progress are answered by the engines still serving (a new
+connection meanwhile is answered 503 at once), then drains every engine at
+once: each refuses new requests, answers the queued ones and removes its
+segment.
 """
 import logging
 import os
@@ -36,37 +37,45 @@ class Serving:
                  metrics_host: Optional[str] = None, http_port: Optional[int] = None,
                  http_host: Optional[str] = None, http_workers: Optional[int] = None,
                  http_timeout_s: Optional[float] = None,
-                 http_max_body_bytes: Optional[int] = None) -> None:
+                 http_max_body_bytes: Optional[int] = None,
+                 http_read_timeout_s: Optional[float] = None,
+                 http_max_connections: Optional[int] = None) -> None:
         self.engines: List[Engine] = []
         several = len(engines) > 1  # a single engine's errors read as they always did
         for settings in engines:
             with _Naming(settings.get("name") if several else None):
                 self.engines.append(Engine(**settings))
-        self.metrics_port, self.metrics_host = metrics_port, metrics_host or "0.0.0.0"
+        self.metrics_port, self.metrics_host = metrics_port, metrics_host or "127.0.0.1"
         self.http_port, self.http_host = http_port, http_host or "127.0.0.1"
         given = {"--http-host": http_host, "--http-workers": http_workers,
-                 "--http-timeout-s": http_timeout_s, "--http-max-body-bytes": http_max_body_bytes}
+                 "--http-timeout-s": http_timeout_s, "--http-max-body-bytes": http_max_body_bytes,
+                 "--http-read-timeout-s": http_read_timeout_s,
+                 "--http-max-connections": http_max_connections}
         if http_port is None:
             if any(v is not None for v in given.values()):
                 raise ValueError(f"{', '.join(k for k, v in given.items() if v is not None)} "
                                  f"without --http-port (or http_port in --config)")
         else:
             self._check_http(http_workers, http_timeout_s, http_max_body_bytes)
+            self._check_connections(http_read_timeout_s, http_max_connections)
         self._sock = None
         self._workers = None
 
     def _check_http(self, workers, timeout_s, max_body_bytes) -> None:
         import importlib.util
-        if importlib.util.find_spec("uvicorn") is None:
-            raise ValueError("--http-port needs uvicorn: pip install 'shmbatch[http]'")
+        if importlib.util.find_spec("uvicorn") is None or \
+                importlib.util.find_spec("httptools") is None:
+            raise ValueError("--http-port needs uvicorn and httptools: "
+                             "pip install 'shmbatch[http]'")
         from engine.http import openinference
         from engine.http.oip_tensors import datatype_of
         self.http_workers = 1 if workers is None else int(workers)
         self.http_timeout_s = float(openinference.DEFAULT_TIMEOUT_S if timeout_s is None
                                     else timeout_s)
-        self.http_max_body_bytes = int(openinference.DEFAULT_MAX_BODY_BYTES
-                                       if max_body_bytes is None else max_body_bytes)
-        if self.http_workers < 1 or not self.http_timeout_s > 0 or self.http_max_body_bytes < 1:
+        # None: each model's limit derived from its engine (engine.http.oip_request)
+        self.http_max_body_bytes = None if max_body_bytes is None else int(max_body_bytes)
+        if (self.http_workers < 1 or not self.http_timeout_s > 0
+                or (self.http_max_body_bytes is not None and self.http_max_body_bytes < 1)):
             raise ValueError(f"expected --http-workers >= 1, --http-timeout-s > 0 and "
                              f"--http-max-body-bytes >= 1, got {self.http_workers}, "
                              f"{self.http_timeout_s:g} and {self.http_max_body_bytes}")
@@ -74,6 +83,17 @@ class Serving:
             with _Naming(eng.name):
                 for spec in eng.config.input_specs + eng.config.output_specs:
                     datatype_of(spec.dtype)
+
+    def _check_connections(self, read_timeout_s, max_connections) -> None:
+        from engine.http import connections
+        self.http_read_timeout_s = float(connections.DEFAULT_READ_TIMEOUT_S
+                                         if read_timeout_s is None else read_timeout_s)
+        self.http_max_connections = None if max_connections is None else int(max_connections)
+        if not self.http_read_timeout_s > 0:
+            raise ValueError(f"expected --http-read-timeout-s > 0, got "
+                             f"{self.http_read_timeout_s:g}")
+        if self.http_max_connections is not None and self.http_max_connections < 1:
+            raise ValueError(f"expected --http-max-connections >= 1, got {max_connections}")
 
     @property
     def names(self) -> List[str]:
@@ -116,6 +136,7 @@ class Serving:
             self._sock, self.http_workers, {e.name: e.config.to_json() for e in self.engines},
             timeout_s=self.http_timeout_s, max_body_bytes=self.http_max_body_bytes,
             graceful_s=max(e.options.drain_timeout_s for e in self.engines),
+            read_timeout_s=self.http_read_timeout_s, max_connections=self.http_max_connections,
             log_level=logging.getLevelName(log.getEffectiveLevel()))
         self._workers.start()
         log.info("Open Inference Protocol on %s (%d HTTP worker(s), pids %s)", self.http_url,
@@ -142,10 +163,11 @@ class Serving:
         return line
 
     def watch(self) -> None:
-        """What serve does every second while it serves: a new HTTP worker in
-        place of one that died."""
+        """What serve does every second while it serves, never waiting: a new
+        HTTP worker in place of one that died (one that fails to start is
+        tried again later and later, at most every 10 s)."""
         if self._workers is not None:
-            self._workers.replace_dead()
+            self._workers.watch()
 
     def stop(self) -> None:
         """Stops the HTTP workers, then drains every engine at once."""

@@ -35,6 +35,7 @@ _END, _GONE = object(), object()  # the stream ended; the caller went away
 SHUTDOWN = "EngineUnavailable: the server is shutting down; this request was not completed"
 CUT = "EngineUnavailable: the answer ended before it completed"
 CLOSING_S = 5.0
+SEND_MIN_S = 1.0
 
 
 def read_request(model, body: bytes, default_timeout_s: float):
@@ -159,9 +160,11 @@ class _SlowReader(Exception):
 
 
 async def _within(deadline: float, sending) -> None:
-    """One send, bounded by the request's deadline (_SlowReader after it)."""
+    """One send, bounded by the request's deadline (_SlowReader after it); a
+    send begun at the deadline (its chunk came in time) gets SEND_MIN_S."""
     try:
-        await asyncio.wait_for(sending, max(0.0, deadline - asyncio.get_running_loop().time()))
+        left_s = deadline - asyncio.get_running_loop().time()
+        await asyncio.wait_for(sending, max(SEND_MIN_S, left_s))
     except asyncio.TimeoutError:
         raise _SlowReader from None
 

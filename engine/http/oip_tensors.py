@@ -11,11 +11,14 @@ Everything here is a pure function of a body's bytes, and every size is
 checked against the bytes that came before anything is allocated for it:
 a declared size can refuse a body, never make one. A bad body is BadRequest,
 whose message names what was expected and what came; matching the tensors
-to an engine's is engine.http.openinference's.
+to an engine's is engine.http.oip_request's (read_inputs takes its check,
+which sees every tensor's declared name, datatype and shape before any
+tensor's data is converted).
 """
+import itertools
 import json
 import math
-from typing import List, NamedTuple, Optional, Tuple
+from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -27,6 +30,9 @@ NUMPY = {datatype: np.dtype(name).newbyteorder("<") for name, datatype in DATATY
 _OF_DTYPE = {np.dtype(name): datatype for name, datatype in DATATYPES.items()}  # per request
 # datatypes of the protocol that no engine tensor can hold (numbers of a fixed size only)
 UNHELD = ("BYTES", "BF16")
+# the longest `timeout` a request may ask: a week, in microseconds
+MAX_TIMEOUT_US = 7 * 24 * 3600 * 10**6
+MAX_RANK = 32  # lists nested deeper are no tensor's (numpy's own bound is 64)
 
 # the JSON values each kind of datatype takes: booleans for BOOL, integers for
 # the integer types, any number for the floating ones
@@ -76,12 +82,15 @@ def split(body: bytes, header_length: Optional[str]) -> Tuple[dict, memoryview]:
         if not 0 <= cut <= len(body):
             raise BadRequest(f"Inference-Header-Content-Length: expected a byte count in "
                              f"0..{len(body)} (the body's length), got {header_length!r}")
+    where = "the body" if header_length is None else \
+        f"the body's first {cut} bytes (Inference-Header-Content-Length)"
     try:
         request = json.loads(bytes(view[:cut]))
     except (UnicodeDecodeError, ValueError) as e:
-        where = "the body" if header_length is None else \
-            f"the body's first {cut} bytes (Inference-Header-Content-Length)"
         raise BadRequest(f"expected a JSON object in {where}, got malformed JSON ({e})") from None
+    except RecursionError:
+        raise BadRequest(f"expected a JSON object in {where}, got lists or objects nested "
+                         f"deeper than the parser takes") from None
     if not isinstance(request, dict):
         raise BadRequest(f"expected a JSON object, got a JSON {type(request).__name__}")
     return request, view[cut:]
@@ -103,10 +112,12 @@ def parameters(obj: dict, where: str, known: Tuple[str, ...]) -> dict:
 
 
 def timeout_s(micros, default_s: float) -> float:
-    """A request's `timeout` parameter (microseconds, as Triton's) in seconds."""
-    if type(micros) not in (int, float) or not micros >= 0:
-        raise BadRequest(f"timeout: expected microseconds >= 0 (0: the server's default of "
-                         f"{default_s:g} s), got {json_text(micros)}")
+    """A request's `timeout` parameter (microseconds, as Triton's) in seconds:
+    a number in 0..MAX_TIMEOUT_US (a week), 0 the server's default."""
+    if type(micros) not in (int, float) or not 0 <= micros <= MAX_TIMEOUT_US:
+        raise BadRequest(f"timeout: expected microseconds >= 0 and <= {MAX_TIMEOUT_US} (a "
+                         f"week; 0: the server's default of {default_s:g} s), got "
+                         f"{json_text(micros)}")
     return micros / 1e6 if micros else default_s
 
 
@@ -115,6 +126,9 @@ def value_array(value, datatype: str, name: str) -> np.ndarray:
     tensor's shape) as an array of datatype."""
     shape, inner = [], value
     while isinstance(inner, list):
+        if len(shape) == MAX_RANK:
+            raise BadRequest(f"input {name!r}: expected a value or lists nested at most "
+                             f"{MAX_RANK} deep, got deeper ones")
         shape.append(len(inner))
         if not inner:
             break
@@ -122,30 +136,42 @@ def value_array(value, datatype: str, name: str) -> np.ndarray:
     return _from_json(value if shape else [value], datatype, tuple(shape), name)
 
 
-def read_inputs(request: dict, binary: memoryview) -> List[Tensor]:
+class Declared(NamedTuple):
+    """An input tensor as the request declares it, before its data is read."""
+    name: str
+    datatype: str
+    shape: Tuple[int, ...]
+
+
+def read_inputs(request: dict, binary: memoryview,
+                check: Optional[Callable[[List[Declared]], None]] = None) -> List[Tensor]:
     """The request's input tensors, their data read from the JSON or from
-    `binary`, which they must use up exactly."""
+    `binary`, which they must use up exactly. check (BadRequest to refuse)
+    sees every input's declared name, datatype and shape before any input's
+    data is converted."""
     inputs = request.get("inputs")
     if not isinstance(inputs, list) or not inputs:
         raise BadRequest(f"\"inputs\": expected a non-empty list of tensors, got "
                          f"{json_text(inputs)}")
-    tensors, offset = [], 0
+    declared, sizes = [], []
     for i, obj in enumerate(inputs):
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             raise BadRequest(f"inputs[{i}]: expected a tensor {{\"name\", \"datatype\", "
                              f"\"shape\", \"data\"}}, got {json_text(obj)}")
         name = obj["name"]
-        datatype, shape = _datatype(obj, name), _shape(obj, name)
+        declared.append(Declared(name, _datatype(obj, name), _shape(obj, name)))
         size = parameters(obj, f"input {name!r}", ("binary_data_size",)).get("binary_data_size")
+        if (size is None) == ("data" not in obj):
+            raise BadRequest(f"input {name!r}: expected \"data\" or a binary_data_size "
+                             f"parameter, got {'neither' if size is None else 'both'}")
+        sizes.append(size)
+    if check is not None:
+        check(declared)
+    tensors, offset = [], 0
+    for (name, datatype, shape), obj, size in zip(declared, inputs, sizes):
         if size is None:
-            if "data" not in obj:
-                raise BadRequest(f"input {name!r}: expected \"data\" or a binary_data_size "
-                                 f"parameter, got neither")
             array = _from_json(obj["data"], datatype, shape, name)
         else:
-            if "data" in obj:
-                raise BadRequest(f"input {name!r}: expected \"data\" or a binary_data_size "
-                                 f"parameter, got both")
             array = _from_binary(binary, offset, size, datatype, shape, name)
             offset += size
         tensors.append(Tensor(name, datatype, shape, array))
@@ -168,10 +194,10 @@ def _datatype(obj: dict, name: str) -> str:
 
 def _shape(obj: dict, name: str) -> Tuple[int, ...]:
     shape = obj.get("shape")
-    if not (isinstance(shape, list)
+    if not (isinstance(shape, list) and len(shape) <= MAX_RANK
             and all(type(d) is int and d >= 0 for d in shape)):
-        raise BadRequest(f"input {name!r}: expected a shape (a list of dims >= 0), got "
-                         f"{json_text(shape)}")
+        raise BadRequest(f"input {name!r}: expected a shape (a list of at most {MAX_RANK} dims "
+                         f">= 0), got {json_text(shape)}")
     return tuple(shape)
 
 
@@ -190,14 +216,16 @@ def _from_binary(binary: memoryview, offset: int, size, datatype: str, shape, na
 def _from_json(data, datatype: str, shape, name: str) -> np.ndarray:
     dtype, count = NUMPY[datatype], math.prod(shape)
     types, what = _JSON_TYPES[dtype.kind]
-    values = _flat(data)
+    values = _flat(data, shape)
+    if values is None:
+        raise BadRequest(f"input {name!r}: expected {count} {what} ({datatype}{list(shape)}) as "
+                         f"a flat list or as lists nested as its shape, got {json_text(data)}")
     # the types are checked on the JSON's own values: numpy would read 2**64 - 1
     # beside 0 as a float, and "1" or 1.5 as integers
-    found = set(map(type, values)) if values is not None else None
-    if found is None or not found <= types or len(values) != count:
+    found = set(map(type, values))
+    if not found <= types or len(values) != count:
         got = (f"{len(values)} {_JSON_TYPES['f' if found <= {int, float} else 'b'][1]}"
-               if found is not None and (found <= {int, float} or found == {bool}) else
-               json_text(data))
+               if found <= {int, float} or found == {bool} else json_text(data))
         raise BadRequest(f"input {name!r}: expected {count} {what} ({datatype}{list(shape)}), "
                          f"got {got}")
     if dtype.kind != "b" and values:
@@ -209,20 +237,29 @@ def _from_json(data, datatype: str, shape, name: str) -> np.ndarray:
     return np.array(values, dtype).reshape(shape)
 
 
-def _flat(data):
-    """The values of flat or nested lists, in row-major order; None if data
-    is not a list."""
-    if not isinstance(data, list):
+def _flat(data, shape):
+    """The values of data in row-major order: data itself when it is a flat
+    list, or lists nested exactly as the shape, flattened; None if it is
+    neither. The work is bounded by the shape, never by data's size."""
+    if type(data) is not list:
         return None
-    if not data or not isinstance(data[0], list):
-        return data  # flat, as the protocol writes it (a list inside fails the type check)
-    out = []
-    for item in data:
-        sub = _flat(item) if isinstance(item, list) else [item]
-        if sub is None:
+    if list not in set(map(type, data)):
+        return data  # flat, as the protocol writes it
+    values, count = data, 1
+    for depth, dim in enumerate(shape):
+        count *= dim
+        if len(values) != count:
             return None
-        out.extend(sub)
-    return out
+        if depth == len(shape) - 1:
+            break
+        # each a list, and all of them as long as the next dim
+        if set(map(type, values)) != {list} or \
+                sum(map(len, values)) != count * shape[depth + 1]:
+            return None
+        values = list(itertools.chain.from_iterable(values))
+    else:
+        return None  # nested lists, for a scalar
+    return values if list not in set(map(type, values)) else None
 
 
 def response(model: str, request_id, outputs, version: str = "1") -> Tuple[bytes, Optional[int]]:
@@ -248,9 +285,38 @@ def response(model: str, request_id, outputs, version: str = "1") -> Tuple[bytes
 
 
 def json_text(value, limit: int = 60) -> str:
-    """A value as the message shows it: JSON, cut short."""
+    """A value as the message shows it: JSON, cut short. Only what shows is
+    written out, so a large or deeply nested value costs no more than a small one."""
+    parts, size, todo = [], 0, [value]  # todo: values and _Text to write, the next last
+    while todo and size <= limit:
+        v = todo.pop()
+        if isinstance(v, _Text):
+            piece = v
+        elif isinstance(v, (list, dict)):
+            items = list(itertools.islice(v.items() if isinstance(v, dict) else v, limit))
+            todo.append(_Text("}" if isinstance(v, dict) else "]"))
+            for i in reversed(range(len(items))):
+                if isinstance(v, dict):
+                    todo += [items[i][1], _Text(_dumps(str(items[i][0])) + ": ")]
+                else:
+                    todo.append(items[i])
+                if i:
+                    todo.append(_Text(", "))
+            piece = "{" if isinstance(v, dict) else "["
+        else:
+            piece = _dumps(v)
+        parts.append(piece)
+        size += len(piece)
+    text = "".join(parts)
+    return text if not todo and len(text) <= limit else text[:limit - 3] + "..."
+
+
+class _Text(str):
+    """What json_text writes as it is (punctuation), beside the values it writes as JSON."""
+
+
+def _dumps(value) -> str:
     try:
-        text = json.dumps(value)
+        return json.dumps(value)
     except (TypeError, ValueError):
-        text = repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+        return repr(value)

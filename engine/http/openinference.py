@@ -17,16 +17,29 @@ meanings: `timeout` in microseconds (0 or absent: the server's default),
 `priority` 1 the most urgent, k the engine's level k - 1, 0 or absent the
 default (level 0).
 
+A k-row infer is k requests enqueued from the event loop, each through
+the priority shares and admission as a single one is; a refusal of any
+withdraws those already enqueued. Its timeout counts from the request's
+arrival: the time its body took to come and be parsed is part of it.
+
+Ready (/v2/health/ready, .../ready, the repository index) means that every
+engine (that engine) runs and has a live batcher that has loaded its model
+(Segment.serves): not while a replacement still loads it.
+
 Every refusal is {"error": "..."}, naming what was expected and what came:
 400 a bad body (tensors, datatypes, shapes, sizes, names) or InvalidInput,
-404 no such model or route, 413 a body over the limit (refused from its
-Content-Length, before it is read), 503 QueueFull / Overloaded /
-EngineUnavailable, 504 RequestTimeout, 500 BackendError.
+checked before its data is converted (engine.http.oip_request); 404 no such
+model or route; 413 a body over the limit, derived from the engine unless
+http_max_body_bytes sets one (refused from its Content-Length, before it is
+read; engine.http.oip_body); 503 QueueFull / Overloaded / EngineUnavailable,
+or not ready, with Retry-After (whole seconds, at least 1: the engine's
+predicted wait); 504 RequestTimeout; 500 BackendError.
 """
 import asyncio
-import functools
 import json
 import logging
+import math
+import time
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -38,17 +51,18 @@ from engine.errors import (
     EngineError,
     EngineUnavailable,
     InvalidInput,
+    Overloaded,
     QueueFull,
     RequestTimeout,
 )
-from engine.http import oip_generate, oip_tensors
-from engine.http.oip_tensors import BadRequest, datatype_of, json_text
+from engine.http import oip_body, oip_generate, oip_request, oip_tensors, parsing
+from engine.http.oip_tensors import BadRequest, datatype_of
 
 log = logging.getLogger("shmbatch")
 
 DEFAULT_TIMEOUT_S = 30.0
-DEFAULT_MAX_BODY_BYTES = 64 << 20
 VERSION = "1"  # every engine is one model of one version
+RESPONSE_INLINE_VALUES = 4096  # a response of more values in JSON is written in a thread
 EXTENSIONS = ("binary_tensor_data", "model_configuration", "model_repository", "generate")
 
 # the first class an error is an instance of decides its status
@@ -61,10 +75,6 @@ class NotFound(BadRequest):
         super().__init__(message, 404)
 
 
-class _Disconnected(Exception):
-    """The caller went away before its body came: nobody to answer."""
-
-
 class Model:
     """One engine as the protocol shows it: its tensors by their protocol
     names, and its requests."""
@@ -73,8 +83,7 @@ class Model:
         self.name, self.config, self.client = name, config, client
         self.inputs = [(spec.name or "INPUT", spec) for spec in config.input_specs]
         self.outputs = [(spec.name or "OUTPUT", spec) for spec in config.output_specs]
-        # ValueError for a dtype the protocol has none for
-        self.datatypes = {name: datatype_of(spec.dtype) for name, spec in self.inputs + self.outputs}
+        self.spec = oip_request.spec_of(name, config)  # ValueError for a dtype the protocol lacks
 
     def metadata(self) -> dict:
         def tensor(name, spec):
@@ -100,85 +109,51 @@ class Model:
                 "dynamic_batching": {"max_queue_delay_microseconds": int(c.max_delay_ms * 1000),
                                      "priority_levels": c.priority_levels}}
 
-    def requests(self, tensors: List[oip_tensors.Tensor]):
-        """(k, the input arrays [k, *shape] in spec order) of the request's
-        tensors, each checked against its engine tensor."""
-        names = [name for name, _ in self.inputs]
-        given = {t.name: t for t in tensors}
-        if sorted(given) != sorted(names) or len(given) != len(tensors):
-            raise BadRequest(f"model {self.name!r}: expected inputs {names}, got "
-                             f"{[t.name for t in tensors]}")
-        k, arrays = None, []
-        for name, spec in self.inputs:
-            t = given[name]
-            want = self.datatypes[name]
-            if t.datatype != want:
-                raise BadRequest(f"input {name!r}: expected datatype {want}, got {t.datatype}")
-            dims = zip(t.shape[1:], spec.shape, spec.max_shape)
-            if len(t.shape) != len(spec.shape) + 1 or t.shape[0] < 1 or not all(
-                    got == d if d is not None else 1 <= got <= bound for got, d, bound in dims):
-                bounds = ", ".join(f"1..{b}" if d is None else str(d)
-                                   for d, b in zip(spec.shape, spec.max_shape))
-                raise BadRequest(f"input {name!r}: expected shape [k{', ' if bounds else ''}"
-                                 f"{bounds}] (k >= 1 requests), got {list(t.shape)}")
-            if k is not None and t.shape[0] != k:
-                raise BadRequest(f"input {name!r}: expected {k} requests in its first dim, as "
-                                 f"input {names[0]!r} has, got {t.shape[0]}")
-            k = t.shape[0]
-            arrays.append(t.array)
-        if k > self.config.queue_capacity:
-            raise BadRequest(f"expected at most {self.config.queue_capacity} requests (the "
-                             f"engine's queue_capacity) in one infer, got {k}")
-        return k, arrays
-
-    def wanted(self, request: dict, binary_default: bool):
-        """(output index, protocol name, binary) of each output asked for."""
-        index = {name: i for i, (name, _) in enumerate(self.outputs)}
-        asked = request.get("outputs")
-        if asked is None:
-            return [(i, name, binary_default) for name, i in index.items()]
-        if not isinstance(asked, list):
-            raise BadRequest(f"\"outputs\": expected a list of {{\"name\"}} objects, got "
-                             f"{json_text(asked)}")
-        out = []
-        for obj in asked:
-            name = obj.get("name") if isinstance(obj, dict) else None
-            if name not in index:
-                raise BadRequest(f"model {self.name!r}: expected outputs among "
-                                 f"{list(index)}, got {json_text(name or obj)}")
-            params = oip_tensors.parameters(obj, f"output {name!r}", ("binary_data",))
-            binary = params.get("binary_data", binary_default)
-            if not isinstance(binary, bool):
-                raise BadRequest(f"output {name!r}: binary_data: expected true or false, got "
-                                 f"{json_text(binary)}")
-            out.append((index[name], name, binary))
-        return out
-
     async def infer(self, arrays, k: int, timeout_s: float, priority: int) -> List[np.ndarray]:
-        """The k requests' answers, each output stacked [k, *shape], in spec order."""
+        """The k requests' answers, each output stacked [k, *shape], in spec
+        order. Each request is enqueued here, on the event loop, as a single
+        one is (priority shares, admission); if one is refused, those
+        enqueued before it are withdrawn."""
         c = self.client
-        if not self.config.named:
-            if k == 1:
-                return [(await c.infer_async(arrays[0][0], timeout_s, priority=priority))[None]]
-            bulk = functools.partial(c.infer_many, arrays[0], timeout_s, priority=priority)
-            return [await asyncio.get_running_loop().run_in_executor(None, bulk)]
         specs = [spec for _, spec in self.inputs]
-        answers = await asyncio.gather(
-            *(c.infer_async({s.name: a[i] for s, a in zip(specs, arrays)}, timeout_s,
-                           priority=priority)
-              for i in range(k)), return_exceptions=True)
-        for a in answers:
-            if isinstance(a, BaseException):
-                raise a
+        if self.config.named:
+            rows = [{s.name: a[i] for s, a in zip(specs, arrays)} for i in range(k)]
+        else:
+            rows = list(arrays[0])
+        if k == 1:
+            answers = [await c.infer_async(rows[0], timeout_s, priority=priority)]
+        else:
+            sent = []
+            try:
+                for row in rows:
+                    sent.append(c.submit(row, timeout_s, priority=priority))
+                answers = await asyncio.gather(*(asyncio.wrap_future(f) for f in sent))
+            except BaseException:
+                for f in sent:
+                    f.cancel()  # withdrawn, unless a batch answered it already
+                raise
+        if not self.config.named:
+            return [np.stack(answers)]
         return [np.stack([a[spec.name] for a in answers]) for _, spec in self.outputs]
 
     def engine_priority(self, triton_priority) -> int:
-        levels = self.config.priority_levels
-        if type(triton_priority) is not int or not 0 <= triton_priority <= levels:
-            raise BadRequest(f"priority: expected 0 (the default) or 1..{levels} (1 the most "
-                             f"urgent: model {self.name!r} has {levels} level(s)), got "
-                             f"{json_text(triton_priority)}")
-        return max(0, triton_priority - 1)
+        return oip_request.engine_priority(self.spec, triton_priority)
+
+    def body_limit(self, header_length: Optional[str], rows: int, explicit: Optional[int]):
+        """(the most bytes a body may have, what the limit is made of)."""
+        return oip_request.body_limit(self.spec, header_length, rows, explicit)
+
+    def retry_after_s(self, error: EngineError, priority: int = 0) -> int:
+        """A 503's Retry-After: the engine's predicted wait, whole seconds, >= 1."""
+        wait_s = 1.0
+        if isinstance(error, Overloaded) and error.predicted_wait_ms:
+            wait_s = error.predicted_wait_ms / 1000
+        elif isinstance(error, QueueFull):
+            try:
+                wait_s = self.client.predicted_wait_s(priority)
+            except EngineError:
+                pass
+        return max(1, math.ceil(wait_s))
 
 
 class App:
@@ -187,9 +162,12 @@ class App:
     (or at the first request, under a server without lifespan events)."""
 
     def __init__(self, configs: Dict[str, EngineConfig], timeout_s: float = DEFAULT_TIMEOUT_S,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_ready=None) -> None:
-        self.configs, self.timeout_s, self.max_body_bytes = configs, timeout_s, max_body_bytes
+                 max_body_bytes: Optional[int] = None, on_ready=None) -> None:
+        self.configs, self.timeout_s = configs, timeout_s
+        # None: each model's limit derived from its engine (engine.http.oip_request)
+        self.max_body_bytes = max_body_bytes
         self.on_ready = on_ready
+        self.parser = parsing.Parser()
         self.models: Dict[str, Model] = {}
         self.startup_error: Optional[str] = None  # why the lifespan's startup failed
 
@@ -203,6 +181,7 @@ class App:
         models, self.models = self.models, {}
         for model in models.values():
             model.client.close()
+        self.parser.close()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
@@ -215,15 +194,21 @@ class App:
             if answered is None:  # a stream, written as it came
                 return
             status, body, headers = answered
-        except _Disconnected:
+        except oip_body.Disconnected:
             return
+        except oip_body.TooLarge as e:  # answered, then the rest of its body read and dropped
+            return await oip_body.refuse(scope, receive, send, e)
         except BadRequest as e:
             status, body = e.status, _error(str(e))
-            if e.status == 413:  # the rest of its body is not read: no next request on it
-                headers = [(b"connection", b"close")]
         except EngineError as e:
             status = next(code for kind, code in STATUS if isinstance(e, kind))
             body = _error(f"{type(e).__name__}: {e}")
+            if status == 503:
+                seconds = getattr(e, "retry_after_s", 1)
+                headers = [(b"retry-after", str(seconds).encode())]
+        except parsing.ParseFailed as e:
+            log.warning("%s %s: %s", scope["method"], scope["path"], e)
+            status, body = 500, _error(f"ParseFailed: {e}")
         except Exception as e:
             log.exception("%s %s failed", scope["method"], scope["path"])
             status, body = 500, _error(f"{type(e).__name__}: {e}")
@@ -271,6 +256,16 @@ class App:
         if len(parts) < 2 or parts[0] != "models":
             raise NotFound(f"no route {path}")
         model, rest = self._model(parts[1]), parts[2:]
+        try:
+            return await self._model_route(model, rest, method, scope, receive, send)
+        except (QueueFull, EngineUnavailable) as e:  # 503: when to try again
+            if not hasattr(e, "retry_after_s"):
+                e.retry_after_s = model.retry_after_s(e)
+            raise
+
+    async def _model_route(self, model: Model, rest: List[str], method: str, scope, receive,
+                           send):
+        path = scope["path"]
         if rest[:1] == ["versions"]:
             if rest[1:2] != [VERSION]:
                 raise NotFound(f"model {model.name!r}: expected version {VERSION}, got "
@@ -288,7 +283,8 @@ class App:
             refused = _allowed(method, "POST")
             if refused:
                 return refused
-            body = await _read_body(scope, receive, self.max_body_bytes)
+            body = await oip_body.read(scope, receive,
+                                       *model.body_limit(None, 1, self.max_body_bytes))
             if rest == ["generate"]:
                 return await oip_generate.generate(model, body, self.timeout_s, receive)
             return await oip_generate.generate_stream(model, body, self.timeout_s, receive, send)
@@ -317,8 +313,14 @@ class App:
 
     @staticmethod
     def _model_ready(model: Model) -> dict:
-        # EngineUnavailable (503) unless a request could be enqueued now
-        model.client.predicted_wait_s()
+        """EngineUnavailable (503) unless the engine runs and a live batcher
+        that has loaded its model serves it."""
+        model.client.predicted_wait_s()  # attached (again, after a restart) and running
+        seg = model.client.attached
+        if seg is None or not seg.serves():
+            raise EngineUnavailable(f"model {model.name!r} is not ready: expected a live "
+                                    f"batcher that has loaded its model, got none (the engine "
+                                    f"starts, or replaces a batcher)")
         return {"name": model.name, "ready": True}
 
     def _index(self) -> list:
@@ -334,57 +336,35 @@ class App:
         return states
 
     async def _infer(self, model: Model, scope, receive):
+        arrived = time.monotonic()  # the request's timeout counts from here
         if model.config.iterative:  # answers of any length: no [k, ...] tensor holds them
             raise BadRequest(f"model {model.name!r} is iterative: expected POST "
                              f"/v2/models/{model.name}/generate or generate_stream, got infer")
-        body = await _read_body(scope, receive, self.max_body_bytes)
-        request, binary = oip_tensors.split(body, _header(scope, b"inference-header-content-length"))
-        params = oip_tensors.parameters(request, "request",
-                                        ("timeout", "priority", "binary_data_output"))
-        timeout_s = oip_tensors.timeout_s(params.get("timeout", 0), self.timeout_s)
-        priority = model.engine_priority(params.get("priority", 0))
-        binary_default = params.get("binary_data_output", False)
-        if not isinstance(binary_default, bool):
-            raise BadRequest(f"binary_data_output: expected true or false, got "
-                             f"{json_text(binary_default)}")
-        wanted = model.wanted(request, binary_default)
-        k, arrays = model.requests(oip_tensors.read_inputs(request, binary))
-        answers = await model.infer(arrays, k, timeout_s, priority)
-        out, json_length = oip_tensors.response(
-            model.name, request.get("id"), [(name, answers[i], b) for i, name, b in wanted])
+        header_length = oip_body.header(scope, b"inference-header-content-length")
+        limit, why = model.body_limit(header_length, model.spec.capacity, self.max_body_bytes)
+        body = await oip_body.read(scope, receive, limit, why)
+        parsed = await self.parser.parse(body, header_length, model.spec, self.timeout_s)
+        del body
+        left_s = parsed.timeout_s - (time.monotonic() - arrived)
+        if left_s <= 0:
+            raise RequestTimeout(f"expected an answer within {parsed.timeout_s:g} s of the "
+                                 f"request's arrival, got none: its body took that long to "
+                                 f"come and be read (nothing was enqueued)")
+        try:
+            answers = await model.infer(parsed.arrays, parsed.k, left_s, parsed.priority)
+        except QueueFull as e:
+            e.retry_after_s = model.retry_after_s(e, parsed.priority)
+            raise
+        outputs = [(name, answers[i], b) for i, name, b in parsed.wanted]
+        if sum(a.size for _, a, b in outputs if not b) > RESPONSE_INLINE_VALUES:
+            out, json_length = await asyncio.to_thread(
+                oip_tensors.response, model.name, parsed.request_id, outputs)
+        else:
+            out, json_length = oip_tensors.response(model.name, parsed.request_id, outputs)
         if json_length is None:
             return 200, out, []
         return 200, out, [(b"content-type", b"application/octet-stream"),
                           (b"inference-header-content-length", str(json_length).encode())]
-
-
-def _header(scope, name: bytes) -> Optional[str]:
-    for key, value in scope["headers"]:
-        if key == name:
-            return value.decode("latin-1")
-    return None
-
-
-async def _read_body(scope, receive, limit: int) -> bytes:
-    """The request's body; 413 before reading it when its Content-Length is
-    over the limit, and as soon as what came is."""
-    declared = _header(scope, b"content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise BadRequest(f"expected a body of at most {limit} bytes (http_max_body_bytes), "
-                         f"got Content-Length {declared}", 413)
-    chunks, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise _Disconnected
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise BadRequest(f"expected a body of at most {limit} bytes (http_max_body_bytes), "
-                             f"got more", 413)
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def _get(method: str, make):

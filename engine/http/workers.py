@@ -6,10 +6,15 @@ engines serve. A worker is a fresh interpreter, as a batcher is, running
 uvicorn on that socket with engine.http.openinference's app and one Client per
 engine: the kernel hands each connection to one worker, and the requests of
 every worker batch together in the engines' queues. A worker is ready once
-its Clients attached; it dies with serve (parent-death signal), and serve
-starts a new one in place of one that died. stop() is uvicorn's graceful
-shutdown: no new connection, the requests in progress answered (for at most
-the engines' drain timeout), then the worker exits.
+its Clients attached; it dies with serve (parent-death signal). serve's
+loop calls watch() every second, which never waits: a worker that died is
+replaced at once, and one that fails to start (or dies within STABLE_S of
+its start) is tried again after 1, 2, 4 ... at most 10 s. stop() is
+uvicorn's graceful shutdown: new connections refused (503), the requests in
+progress answered (for at most the engines' drain timeout), then the worker
+exits. A worker raises its open-file limit to the hard limit and its
+oom_score_adj by 500, and holds its connections to a read timeout and a
+cap (engine.http.connections).
 """
 import logging
 import math
@@ -17,7 +22,9 @@ import signal
 import socket
 import subprocess
 import sys
-from typing import Dict, List, Optional
+import time
+from multiprocessing.connection import Connection
+from typing import Dict, List, Optional, Tuple
 
 from engine import launch
 
@@ -25,6 +32,9 @@ log = logging.getLogger("shmbatch")
 
 START_TIMEOUT_S = 60.0
 BACKLOG = 2048
+FIRST_RETRY_S = 1.0  # a failed start's delay, doubled at each failure in a row
+MAX_RETRY_S = 10.0
+STABLE_S = 10.0  # a worker that served this long, then died, is replaced at once
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -52,7 +62,8 @@ class Workers:
     config's JSON}) on `sock`."""
 
     def __init__(self, sock: socket.socket, count: int, configs: Dict[str, bytes], *,
-                 timeout_s: float, max_body_bytes: int, graceful_s: float,
+                 timeout_s: float, max_body_bytes: Optional[int], graceful_s: float,
+                 read_timeout_s: float, max_connections: Optional[int] = None,
                  log_level: str = "INFO") -> None:
         if count < 1:
             raise ValueError(f"http_workers must be >= 1, got {count}")
@@ -60,8 +71,15 @@ class Workers:
         self.graceful_s = graceful_s
         self._args = dict(configs=configs, timeout_s=timeout_s, max_body_bytes=max_body_bytes,
                           graceful_s=max(1, math.ceil(graceful_s)), log_level=log_level.lower(),
-                          fd=sock.fileno())
+                          fd=sock.fileno(), read_timeout_s=read_timeout_s,
+                          max_connections=max_connections)
         self.procs: List[Optional[launch.Child]] = [None] * count
+        # each slot's replacement not ready yet (its readiness pipe, its deadline),
+        # when it became ready, no new start before, the next failure's delay
+        self._starting: List[Optional[Tuple[Connection, float]]] = [None] * count
+        self._ready_at = [0.0] * count
+        self._retry_at = [0.0] * count
+        self._backoff = [0.0] * count
 
     @property
     def pids(self) -> List[int]:
@@ -77,31 +95,75 @@ class Workers:
                 self.procs[i] = launched[-1][0]
             for i, (proc, reader) in enumerate(launched):
                 _await_ready(i, proc, reader, timeout_s)
+                self._ready_at[i] = time.monotonic()
         finally:
             for _, reader in launched:
                 reader.close()  # each is read once; closing twice is harmless
 
-    def replace_dead(self) -> None:
-        """Starts a new worker in place of each one that exited."""
-        for i, proc in enumerate(self.procs):
-            if proc is None or proc.poll() is None:
+    def watch(self) -> None:
+        """One step, which never waits: a new worker in place of each one that
+        exited, a replacement's readiness read if it came, a failed one retried
+        once its delay is past."""
+        now = time.monotonic()
+        for i in range(self.count):
+            if self._starting[i] is not None:
+                self._check_start(i, now)
                 continue
-            log.warning("HTTP worker %d (pid %d) exited (code %s); starting another", i,
-                        proc.pid, proc.returncode)
-            proc.close()
-            self.procs[i] = None
-            new, reader = self._launch()
-            self.procs[i] = new
+            proc = self.procs[i]
+            if proc is not None and proc.poll() is not None:
+                ran = now - self._ready_at[i]
+                if ran >= STABLE_S:
+                    self._backoff[i] = 0.0
+                else:  # it died soon after it started: as a failed start
+                    self._retry_at[i] = now + self._next_delay(i)
+                later = self._retry_at[i] - now
+                log.warning("HTTP worker %d (pid %d) exited (code %s) %.1f s after it started; "
+                            "starting another%s", i, proc.pid, proc.returncode, ran,
+                            f" in {later:g} s" if later > 0 else "")
+                proc.close()
+                self.procs[i] = None
+            if self.procs[i] is None and now >= self._retry_at[i]:
+                proc, reader = self._launch()
+                self.procs[i], self._starting[i] = proc, (reader, now + START_TIMEOUT_S)
+
+    def _check_start(self, i: int, now: float) -> None:
+        reader, deadline = self._starting[i]
+        proc = self.procs[i]
+        if reader.poll(0):
             try:
-                _await_ready(i, new, reader, START_TIMEOUT_S)
-            except RuntimeError as e:
-                log.error("%s; trying again in a second", e)
-            finally:
+                msg = reader.recv()
+            except EOFError:
+                msg = None
+            if msg == launch.READY:
                 reader.close()
+                self._starting[i], self._ready_at[i] = None, now
+                log.info("HTTP worker %d started again (pid %d)", i, proc.pid)
+                return
+            why = f"{msg[1]}: {msg[2]}" if msg else "it exited during start"
+        elif proc.poll() is not None:
+            why = f"it exited during start (code {proc.returncode})"
+        elif now >= deadline:
+            why = f"not ready within {START_TIMEOUT_S:g} s"
+        else:
+            return
+        reader.close()
+        launch.kill(proc)
+        self._starting[i], self.procs[i] = None, None
+        delay = self._next_delay(i)
+        self._retry_at[i] = now + delay
+        log.error("HTTP worker %d did not start: %s; trying again in %g s", i, why, delay)
+
+    def _next_delay(self, i: int) -> float:
+        self._backoff[i] = min(MAX_RETRY_S, max(FIRST_RETRY_S, 2 * self._backoff[i]))
+        return self._backoff[i]
 
     def stop(self) -> None:
         """Graceful shutdown of every worker (SIGTERM); those still running
         after graceful_s + 10 s are killed."""
+        for i, starting in enumerate(self._starting):
+            if starting is not None:
+                starting[0].close()
+                self._starting[i] = None
         procs = [p for p in self.procs if p is not None]
         for proc in procs:
             if proc.poll() is None:
@@ -141,7 +203,9 @@ def _entry() -> None:
         import uvicorn
 
         from engine.config import EngineConfig
-        from engine.http import openinference
+        from engine.http import connections, openinference
+        connections.raise_oom_score()
+        nofile = connections.raise_nofile()
         # rebuilt from the fd, the socket's protocol is read from it: asyncio sets
         # TCP_NODELAY on accepted connections only when it is IPPROTO_TCP (a
         # socket rebuilt with proto 0 leaves Nagle's algorithm on, and a
@@ -150,16 +214,22 @@ def _entry() -> None:
         configs = {name: EngineConfig.from_json(blob) for name, blob in args["configs"].items()}
         app = openinference.App(configs, args["timeout_s"], args["max_body_bytes"],
                                 on_ready=lambda: launch.tell_ready(ready))
+        front = connections.Front(args["read_timeout_s"],
+                                  connections.max_connections(args["max_connections"], nofile))
         # uvicorn's own lines at INFO (four per worker start and stop) say what
         # serve's one line says already
         level = max(logging.getLevelName(args["log_level"].upper()), logging.WARNING)
-        server = uvicorn.Server(uvicorn.Config(
-            app, lifespan="on", log_level=level, access_log=False,
-            timeout_graceful_shutdown=args["graceful_s"]))
-        server.run(sockets=[sock])
+        config = uvicorn.Config(app, lifespan="on", log_level=level, access_log=False,
+                                timeout_graceful_shutdown=args["graceful_s"],
+                                http=connections.protocol(front), backlog=BACKLOG)
+        connections.quiet_floods()
+        connections.Server(config, front).run(sockets=[sock])
     except BaseException as e:
-        launch.tell_failed(ready, e)
+        if app is not None and app.startup_error is not None:  # uvicorn exits (SystemExit 3)
+            launch.tell_failed(ready, launch.ChildFailed("StartFailed", app.startup_error))
+        else:
+            launch.tell_failed(ready, e)
         raise
-    if app is not None and app.startup_error is not None:
+    if app is not None and app.startup_error is not None:  # an older uvicorn returns
         launch.tell_failed(ready, launch.ChildFailed("StartFailed", app.startup_error))
         sys.exit(1)

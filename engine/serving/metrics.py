@@ -254,7 +254,7 @@ class Collectors:
         return iter(families.values())
 
 
-def serve_http(segments, port: int, host: str = "0.0.0.0"):
+def serve_http(segments, port: int, host: str = "127.0.0.1"):
     """Serves GET /metrics for these engines' segments (a list, or one);
     returns (server, thread)."""
     from prometheus_client import CollectorRegistry, start_http_server

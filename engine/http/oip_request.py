@@ -1,0 +1,203 @@
+"""An infer request of the Open Inference Protocol read against its engine.
+
+Spec is one engine as a request is checked against it: its inputs'
+protocol names, datatypes and shapes with their bounds, its outputs, its
+queue_capacity and priority levels. It is plain data, so the parser process
+(engine.http.parsing) can take it along with a body. parse_infer reads a
+body against it: every input's declared name, datatype and shape are checked
+before any input's data is converted, so a request that can never fit (more
+requests than queue_capacity, a dim beyond its bound, a wrong rank or
+datatype, an input or output named twice) costs no conversion.
+
+Body limits. Unless http_max_body_bytes sets one for every model, a model's
+limit is what an infer of queue_capacity requests can need, each input at
+its bound:
+
+- binary tensor data, exactly: queue_capacity x the inputs' bytes per
+  request, after a JSON header (Inference-Header-Content-Length) within the
+  JSON limit;
+- JSON: JSON_BYTES_PER_VALUE (32) bytes of text per value (a float64's
+  shortest repr and its comma take at most 26), at most MAX_JSON_BYTES
+  (64 MiB: larger tensors travel as binary data), + HEADER_BYTES (64 KiB)
+  for the rest (names, shapes, parameters, outputs, id).
+
+The generate extension takes one request: its limit is that of one.
+"""
+import collections
+import functools
+import math
+from typing import Any, List, NamedTuple, Optional, Tuple
+
+import numpy as np
+
+from engine.config import EngineConfig
+from engine.http import oip_tensors
+from engine.http.oip_tensors import BadRequest, Declared, datatype_of, json_text
+
+JSON_BYTES_PER_VALUE = 32
+HEADER_BYTES = 64 << 10
+MAX_JSON_BYTES = 64 << 20
+PARAMETERS = ("timeout", "priority", "binary_data_output")
+
+
+class Input(NamedTuple):
+    name: str  # the protocol's: INPUT for a single-array engine
+    datatype: str
+    dims: Tuple[Optional[int], ...]  # a request's shape, None a variable dim
+    bounds: Tuple[int, ...]  # each dim's most
+    itemsize: int
+
+
+class Spec(NamedTuple):
+    name: str
+    inputs: Tuple[Input, ...]
+    outputs: Tuple[str, ...]
+    capacity: int
+    levels: int
+
+    @property
+    def values(self) -> int:
+        """A request's values, every input at its bounds."""
+        return sum(math.prod(i.bounds) for i in self.inputs)
+
+    @property
+    def row_bytes(self) -> int:
+        """A request's bytes of binary tensor data, every input at its bounds."""
+        return sum(math.prod(i.bounds) * i.itemsize for i in self.inputs)
+
+
+class Parsed(NamedTuple):
+    k: int  # requests: every input's first dim
+    arrays: List[np.ndarray]  # [k, *shape] per input, in the engine's order
+    wanted: List[Tuple[int, str, bool]]  # (output index, name, binary) of each output asked
+    timeout_s: float
+    priority: int  # the engine's level
+    request_id: Any
+
+
+def spec_of(name: str, config: EngineConfig) -> Spec:
+    """The engine's Spec (ValueError for a dtype the protocol has none for)."""
+    inputs = tuple(Input(s.name or "INPUT", datatype_of(s.dtype), tuple(s.shape),
+                         tuple(s.max_shape), np.dtype(s.dtype).itemsize)
+                   for s in config.input_specs)
+    outputs = tuple(s.name or "OUTPUT" for s in config.output_specs
+                    if datatype_of(s.dtype))  # (each has one)
+    return Spec(name, inputs, outputs, config.queue_capacity, config.priority_levels)
+
+
+def body_limit(spec: Spec, header_length: Optional[str], rows: int,
+               explicit: Optional[int]) -> Tuple[int, str]:
+    """(the most bytes the body may have, what that limit is made of) for a
+    request of at most `rows` requests (see the module's docstring)."""
+    if explicit is not None:
+        return explicit, "http_max_body_bytes"
+    text = min(rows * spec.values * JSON_BYTES_PER_VALUE, MAX_JSON_BYTES)
+    json_limit = text + HEADER_BYTES
+    head = f"model {spec.name!r}: {rows} request(s)"
+    try:
+        cut = int(header_length) if header_length is not None else -1
+    except ValueError:
+        cut = -1
+    if not 0 <= cut <= json_limit:
+        capped = " (at most 64 MiB)" if text == MAX_JSON_BYTES else ""
+        return json_limit, (f"{head} x {spec.values} values x {JSON_BYTES_PER_VALUE} B of JSON "
+                            f"text{capped} + {HEADER_BYTES} B")
+    return cut + rows * spec.row_bytes, (f"{head} x {spec.row_bytes} B of binary tensor data "
+                                         f"after the {cut} B of JSON")
+
+
+def parse_infer(body: bytes, header_length: Optional[str], spec: Spec,
+                default_timeout_s: float) -> Parsed:
+    """The infer request in body, read against spec; BadRequest for one
+    the protocol or the engine does not take."""
+    request, binary = oip_tensors.split(body, header_length)
+    params = oip_tensors.parameters(request, "request", PARAMETERS)
+    timeout_s = oip_tensors.timeout_s(params.get("timeout", 0), default_timeout_s)
+    priority = engine_priority(spec, params.get("priority", 0))
+    binary_default = params.get("binary_data_output", False)
+    if not isinstance(binary_default, bool):
+        raise BadRequest(f"binary_data_output: expected true or false, got "
+                         f"{json_text(binary_default)}")
+    outputs = wanted(spec, request, binary_default)
+    tensors = oip_tensors.read_inputs(request, binary, functools.partial(check, spec))
+    given = {t.name: t.array for t in tensors}
+    arrays = [given[i.name] for i in spec.inputs]
+    return Parsed(arrays[0].shape[0], arrays, outputs, timeout_s, priority, request.get("id"))
+
+
+def check(spec: Spec, declared: List[Declared]) -> None:
+    """BadRequest unless the declared inputs are the engine's, each once, of
+    its datatype and a shape within its bounds, all of as many requests (at
+    least one, at most queue_capacity)."""
+    names = [i.name for i in spec.inputs]
+    got = [d.name for d in declared]
+    _once("input", got)
+    if sorted(got) != sorted(names):
+        shown = got if len(got) <= 16 else got[:16] + ["..."]
+        raise BadRequest(f"model {spec.name!r}: expected inputs {names}, got {shown}")
+    by_name = {d.name: d for d in declared}
+    k = None
+    for i in spec.inputs:
+        d = by_name[i.name]
+        if d.datatype != i.datatype:
+            raise BadRequest(f"input {i.name!r}: expected datatype {i.datatype}, got {d.datatype}")
+        dims = zip(d.shape[1:], i.dims, i.bounds)
+        if len(d.shape) != len(i.dims) + 1 or d.shape[0] < 1 or not all(
+                got == want if want is not None else 1 <= got <= bound
+                for got, want, bound in dims):
+            bounds = ", ".join(f"1..{b}" if want is None else str(want)
+                               for want, b in zip(i.dims, i.bounds))
+            raise BadRequest(f"input {i.name!r}: expected shape [k{', ' if bounds else ''}"
+                             f"{bounds}] (k >= 1 requests), got {list(d.shape)}")
+        if k is not None and d.shape[0] != k:
+            raise BadRequest(f"input {i.name!r}: expected {k} requests in its first dim, as "
+                             f"input {names[0]!r} has, got {d.shape[0]}")
+        k = d.shape[0]
+    if k > spec.capacity:
+        raise BadRequest(f"expected at most {spec.capacity} requests (the engine's "
+                         f"queue_capacity) in one infer, got {k}")
+
+
+def wanted(spec: Spec, request: dict, binary_default: bool) -> List[Tuple[int, str, bool]]:
+    """(output index, protocol name, binary) of each output asked for, each once."""
+    index = {name: i for i, name in enumerate(spec.outputs)}
+    asked = request.get("outputs")
+    if asked is None:
+        return [(i, name, binary_default) for name, i in index.items()]
+    if not isinstance(asked, list):
+        raise BadRequest(f"\"outputs\": expected a list of {{\"name\"}} objects, got "
+                         f"{json_text(asked)}")
+    out = []
+    for obj in asked:
+        name = obj.get("name") if isinstance(obj, dict) else None
+        if not isinstance(name, str) or name not in index:
+            raise BadRequest(f"model {spec.name!r}: expected outputs among "
+                             f"{list(index)}, got {json_text(name or obj)}")
+        params = oip_tensors.parameters(obj, f"output {name!r}", ("binary_data",))
+        binary = params.get("binary_data", binary_default)
+        if not isinstance(binary, bool):
+            raise BadRequest(f"output {name!r}: binary_data: expected true or false, got "
+                             f"{json_text(binary)}")
+        out.append((index[name], name, binary))
+    _once("output", [name for _, name, _ in out])
+    return out
+
+
+def _once(what: str, names: List[str]) -> None:
+    """BadRequest naming the first name given more than once."""
+    counts = collections.Counter(names)
+    twice = [n for n in names if counts[n] > 1]
+    if twice:
+        raise BadRequest(f"{what}s: expected each {what} named once, got {twice[0]!r} "
+                         f"{counts[twice[0]]} times")
+
+
+def engine_priority(spec: Spec, triton_priority) -> int:
+    """The engine's level of a request's `priority` parameter (Triton's: 1
+    the most urgent, 0 the default)."""
+    levels = spec.levels
+    if type(triton_priority) is not int or not 0 <= triton_priority <= levels:
+        raise BadRequest(f"priority: expected 0 (the default) or 1..{levels} (1 the most "
+                         f"urgent: model {spec.name!r} has {levels} level(s)), got "
+                         f"{json_text(triton_priority)}")
+    return max(0, triton_priority - 1)
