@@ -1,7 +1,7 @@
 """The HTTP front under careless and hostile callers, beside the same load in quiet.
 
     python bench/http_hostile.py [--seconds 10] [--concurrency 8] [--idle 300]
-                                 [--big-mib 30] [--stalled 4] [--out FILE.json]
+                                 [--big-mib 30] [--stalled 4] [--tree DIR] [--out FILE.json]
 
 One `shmbatch serve` with ONE HTTP worker serves a one-shot engine (synthetic
 backend, 1 ms + 20 us per item, float32[16]) and an iterative one whose chunks
@@ -13,7 +13,8 @@ are float64[1024] (large events). `hey` sends one-row JSON infers for
 - --stalled callers open generate_stream and never read (reopened when closed).
 Per phase: requests/s, p50/p99 ms, non-200 answers; and the hostile phase's
 p99 over the quiet one's. The tests' step model (tests/serve_backends.py)
-serves the iterative engine: run from the repository root.
+serves the iterative engine. --tree serves from another source tree of
+shmbatch (its engine/_ringc built), e.g. a worktree of an earlier commit.
 """
 import argparse
 import csv
@@ -34,7 +35,6 @@ import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONFIG = """http_workers = 1
-log_level = "WARNING"
 [engines.hostile-quiet]
 backend = "engine.backends:synthetic"
 backend_args = {fixed_ms = 1.0, per_item_us = 20.0}
@@ -43,7 +43,7 @@ output_shape = [16]
 max_batch_size = 32
 [engines.hostile-wide]
 backend = "serve_backends:wide"
-backend_args = {width = 1024, step_ms = 1.0}
+backend_args = {width = 1024}
 iterative = true
 max_steps = 2048
 queue_capacity = 8
@@ -55,12 +55,12 @@ output_dtype = "float64"
 """
 
 
-def serve(folder: pathlib.Path):
+def serve(folder: pathlib.Path, tree: pathlib.Path):
     path = folder / "models.toml"
     path.write_text(CONFIG)
-    env = {"PYTHONPATH": f"{ROOT / 'tests'}:{ROOT}"}
+    env = {"PYTHONPATH": f"{tree}:{ROOT / 'tests'}"}
     proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--config", str(path),
-                             "--http-port", "0"], stdout=subprocess.PIPE, text=True,
+                             "--http-port", "0", "--log-level", "WARNING"], stdout=subprocess.PIPE, text=True,
                             env={**os.environ, **env})
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -170,10 +170,11 @@ def main() -> int:
     p.add_argument("--idle", type=int, default=300)
     p.add_argument("--big-mib", type=int, default=30)
     p.add_argument("--stalled", type=int, default=4)
+    p.add_argument("--tree", type=pathlib.Path, default=ROOT)
     p.add_argument("--out")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as folder:
-        proc, host, port = serve(pathlib.Path(folder))
+        proc, host, port = serve(pathlib.Path(folder), args.tree.resolve())
         try:
             body = pathlib.Path(folder) / "body.json"
             body.write_text(json.dumps({"inputs": [{"name": "INPUT", "datatype": "FP32",
@@ -188,7 +189,7 @@ def main() -> int:
         finally:
             proc.terminate()
             proc.wait(60)
-    result = {"machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} "
+    result = {"tree": str(args.tree), "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} "
                          f"CPUs", "quiet": quiet, "hostile": loaded, "hostile_callers": counts,
               "p99_ratio": loaded["p99_ms"] / quiet["p99_ms"]}
     print(f"{'phase':8} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'not 200':>8}")

@@ -120,8 +120,11 @@ def parse_infer(body: bytes, header_length: Optional[str], spec: Spec,
                          f"{json_text(binary_default)}")
     outputs = wanted(spec, request, binary_default)
     tensors = oip_tensors.read_inputs(request, binary, functools.partial(check, spec))
-    given = {t.name: t.array for t in tensors}
-    arrays = [given[i.name] for i in spec.inputs]
+    if len(tensors) == 1:  # the common case: one input (check made it the engine's)
+        arrays = [tensors[0].array]
+    else:
+        given = {t.name: t.array for t in tensors}
+        arrays = [given[i.name] for i in spec.inputs]
     return Parsed(arrays[0].shape[0], arrays, outputs, timeout_s, priority, request.get("id"))
 
 
@@ -185,6 +188,8 @@ def wanted(spec: Spec, request: dict, binary_default: bool) -> List[Tuple[int, s
 
 def _once(what: str, names: List[str]) -> None:
     """BadRequest naming the first name given more than once."""
+    if len(set(names)) == len(names):  # the common case, without a Counter
+        return
     counts = collections.Counter(names)
     twice = [n for n in names if counts[n] > 1]
     if twice:

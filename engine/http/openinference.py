@@ -84,6 +84,7 @@ class Model:
         self.inputs = [(spec.name or "INPUT", spec) for spec in config.input_specs]
         self.outputs = [(spec.name or "OUTPUT", spec) for spec in config.output_specs]
         self.spec = oip_request.spec_of(name, config)  # ValueError for a dtype the protocol lacks
+        self.json_limits: Dict[tuple, tuple] = {}  # (rows, explicit) -> a JSON body's limit
 
     def metadata(self) -> dict:
         def tensor(name, spec):
@@ -115,6 +116,8 @@ class Model:
         one is (priority shares, admission); if one is refused, those
         enqueued before it are withdrawn."""
         c = self.client
+        if k == 1 and not self.config.named:  # the common case, without a stack
+            return [(await c.infer_async(arrays[0][0], timeout_s, priority=priority))[None]]
         specs = [spec for _, spec in self.inputs]
         if self.config.named:
             rows = [{s.name: a[i] for s, a in zip(specs, arrays)} for i in range(k)]
@@ -140,8 +143,15 @@ class Model:
         return oip_request.engine_priority(self.spec, triton_priority)
 
     def body_limit(self, header_length: Optional[str], rows: int, explicit: Optional[int]):
-        """(the most bytes a body may have, what the limit is made of)."""
-        return oip_request.body_limit(self.spec, header_length, rows, explicit)
+        """(the most bytes a body may have, what the limit is made of); a JSON
+        body's worked out once."""
+        if header_length is not None:
+            return oip_request.body_limit(self.spec, header_length, rows, explicit)
+        limit = self.json_limits.get((rows, explicit))
+        if limit is None:
+            limit = self.json_limits[(rows, explicit)] = oip_request.body_limit(
+                self.spec, None, rows, explicit)
+        return limit
 
     def retry_after_s(self, error: EngineError, priority: int = 0) -> int:
         """A 503's Retry-After: the engine's predicted wait, whole seconds, >= 1."""
