@@ -5,4 +5,3 @@ settings, `serve` runs engines with their HTTP and metrics ports until a
 signal, and `tooling` runs the bench and tune commands (engine.tools, loaded
 only by those commands).
 """
-from engine.cli.commands import main as main

@@ -7,4 +7,3 @@ them, and the completer settles its requests and async streams as
 `handle.Item`s; `attach` maps the segment, `room` frees slots when the ring
 is full, `waiting` and `answers` wait for and read one slot.
 """
-from engine.client.client import Client as Client

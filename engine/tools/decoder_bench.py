@@ -27,7 +27,7 @@ from typing import List, Optional
 import numpy as np
 
 from engine import decoder
-from engine.client import Client
+from engine.client.client import Client
 from engine.serving import processes
 from engine.serving.supervisor import Engine
 from engine.shm import ring
