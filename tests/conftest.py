@@ -138,13 +138,14 @@ def reap(proc: subprocess.Popen, sig=signal.SIGTERM) -> int:
                 pipe.close()
 
 
-def wait_for(predicate, what: str, timeout_s: float = 60.0) -> None:
-    """Polls predicate (every ms, bounded) until it holds; TimeoutError if it never does."""
+def wait_for(predicate, what: str, timeout_s: float = 60.0, every_s: float = 0.001) -> None:
+    """Polls predicate (every every_s, bounded) until it holds; TimeoutError if it
+    never does. A predicate that asks a server process polls at a gentler pace."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:
             raise TimeoutError(f"not within {timeout_s} s: {what}")
-        time.sleep(0.001)
+        time.sleep(every_s)
 
 
 class Gate:

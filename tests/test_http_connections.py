@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 pytest.importorskip("uvicorn")
-from conftest import reap, shm_entries, unique_name, wait_for_line  # noqa: E402
+from conftest import reap, shm_entries, unique_name, wait_for, wait_for_line  # noqa: E402
 from test_sidecar import ENV, free_port  # noqa: E402
 
 from engine.segment import Segment, segment_name  # noqa: E402
@@ -165,15 +165,6 @@ def test_a_half_sent_body_is_answered_408_and_closed(front):
     assert front.infer().tolist() == (X * 2 + 1).tolist()
 
 
-def poll(predicate, what: str, timeout_s: float) -> None:
-    """wait_for at a gentler pace: the processes waited for share the machine."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"not within {timeout_s} s: {what}")
-        time.sleep(0.05)
-
-
 def requests_total(name: str) -> int:
     seg = Segment.attach(name, header_only=True)
     try:
@@ -219,7 +210,8 @@ def test_connections_beyond_the_cap_are_refused_503_at_once_while_earlier_ones_w
             reply = conn.getresponse()
             assert (reply.status, json.loads(reply.read())) == (200, {"live": True})
         held.pop().close()  # one closes: a new one is served (once the worker has seen it go)
-        poll(lambda: answered(s), "a new connection served after one of 4 closed", 60)
+        wait_for(lambda: answered(s), "a new connection served after one of 4 closed", 60,
+                 every_s=0.05)
     finally:
         for conn in held:
             conn.close()
@@ -259,9 +251,10 @@ def test_a_request_during_a_drain_is_refused_503_at_once(tmp_path, gate):
         body = infer_body()
         held.sendall(f"POST /v2/models/{s.name}/infer HTTP/1.1\r\nHost: x\r\n"
                      f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        poll(lambda: requests_total(s.name) == 1, "the held request queued", 60)
+        wait_for(lambda: requests_total(s.name) == 1, "the held request queued", 60, every_s=0.05)
         s.proc.send_signal(signal.SIGTERM)  # the drain waits for the held request
-        poll(lambda: "signal received; draining" in s.stderr(), "serve draining", 60)
+        wait_for(lambda: "signal received; draining" in s.stderr(), "serve draining", 60,
+                 every_s=0.05)
         deadline = time.monotonic() + CLOSED_WITHIN_S
         while True:  # until the worker has begun its drain (a request before it is served)
             with s.connect() as sock:
@@ -300,7 +293,8 @@ def test_a_worker_that_cannot_start_is_retried_later_and_later_while_serve_answe
         os.rename(path, away)  # a new worker cannot attach to the engine
         try:
             first.kill()
-            poll(lambda: len(failed.findall(s.stderr())) >= 2, "2 failed starts", 120)
+            wait_for(lambda: len(failed.findall(s.stderr())) >= 2, "2 failed starts", 120,
+                     every_s=0.05)
             assert second.is_running()
             assert s.infer().tolist() == (X * 2 + 1).tolist()  # the other worker serves
         finally:
@@ -313,7 +307,7 @@ def test_a_worker_that_cannot_start_is_retried_later_and_later_while_serve_answe
         assert all(b == min(10, 2 * a) for a, b in zip(delays, delays[1:])), tries
         for (line, delay), later in zip(zip(tries, delays), tries[1:]):
             assert logged_at(later) - logged_at(line) >= delay - 0.01, tries
-        poll(lambda: "started again" in s.stderr(), "the worker replaced", 120)
+        wait_for(lambda: "started again" in s.stderr(), "the worker replaced", 120, every_s=0.05)
         assert len(s.workers()) == 2 and second.is_running()
         for k in range(8):  # either worker answers
             assert s.infer(X + k).tolist() == ((X + k) * 2 + 1).tolist()

@@ -4,14 +4,13 @@ import http.client
 import json
 import os
 import signal
-import time
 
 import numpy as np
 import pytest
 
 pytest.importorskip("uvicorn")
 triton = pytest.importorskip("tritonclient.http")
-from conftest import Gate, shm_entries, unique_name  # noqa: E402
+from conftest import Gate, shm_entries, unique_name, wait_for  # noqa: E402
 from test_multi_engine import Served, table  # noqa: E402
 from test_sidecar import shmbatch  # noqa: E402
 
@@ -29,14 +28,6 @@ def get(url: str, path: str, method: str = "GET"):
         conn.close()
 
 
-def until(predicate, what: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"not within {timeout_s} s: {what}")
-        time.sleep(0.05)
-
-
 def test_not_ready_while_a_replacement_batcher_still_loads_its_model(tmp_path):
     gate = Gate()
     gate.open()  # the first batcher's factory passes; its replacement's waits for the gate
@@ -50,7 +41,7 @@ def test_not_ready_while_a_replacement_batcher_still_loads_its_model(tmp_path):
         assert shmbatch("status", name, "--ready").returncode == 0
         pid = json.loads(shmbatch("status", name, "--json").stdout)["batcher_pids"][0]
         os.kill(pid, signal.SIGKILL)
-        until(lambda: not c.is_server_ready(), "the server not ready", 30)
+        wait_for(lambda: not c.is_server_ready(), "the server not ready", 30, every_s=0.05)
 
         for path in ("/v2/health/ready", f"/v2/models/{name}/ready"):
             status, headers, answer = get(s.url, path)
@@ -64,7 +55,7 @@ def test_not_ready_while_a_replacement_batcher_still_loads_its_model(tmp_path):
         assert out.returncode == 1 and "not ready" in out.stdout, out
 
         gate.open()  # the replacement loads its model, and serves
-        until(c.is_server_ready, "the server ready again", 60)
+        wait_for(c.is_server_ready, "the server ready again", 60, every_s=0.05)
         assert c.is_model_ready(name) and shmbatch("status", name, "--ready").returncode == 0
         x = np.arange(4, dtype=np.float32)[None]
         t = triton.InferInput("INPUT", [1, 4], "FP32")

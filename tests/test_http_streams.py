@@ -5,13 +5,15 @@ import http.client
 import json
 import signal
 import socket
-import time
 
 import pytest
 
 pytest.importorskip("uvicorn")
 from conftest import unique_name, wait_for  # noqa: E402
 from test_multi_engine import Served, table, top  # noqa: E402
+
+from engine.segment import Segment  # noqa: E402
+from engine.shm import codes  # noqa: E402
 
 STEPS = dict(input_shape=[2], input_dtype="int64", output_shape=[], output_dtype="int64")
 WIDTH = 1024
@@ -71,6 +73,14 @@ def raw_post(url: str, path: str, body: dict) -> socket.socket:
     sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(data)}\r\n"
                  f"\r\n".encode() + data)
     return sock
+
+
+def requests_total(name: str) -> int:
+    seg = Segment.attach(name, header_only=True)
+    try:
+        return seg.ring.word(codes.W_REQUESTS)
+    finally:
+        seg.close()
 
 
 def slot_comes_back(url: str, name: str, within_s: float = 60) -> None:
@@ -138,7 +148,8 @@ def test_a_generate_in_flight_when_the_server_stops_gets_a_json_error(tmp_path):
         conn.request("POST", f"/v2/models/{name}/generate",
                      body=json.dumps({"INPUT": [0, 0],
                                       "parameters": {"timeout": 600_000_000}}).encode())
-        time.sleep(0.5)  # let the request reach the engine: no answer comes for minutes
+        # in flight: enqueued (its answer is minutes away), then serve is stopped
+        wait_for(lambda: requests_total(name) == 1, "the request enqueued", 60)
         served.proc.send_signal(signal.SIGTERM)
         response = conn.getresponse()
         body = json.loads(response.read())
