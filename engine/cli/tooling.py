@@ -148,7 +148,8 @@ def cmd_bench(args) -> int:
 
 
 TUNE_KEYS = ("backend", "backend_args", "input_shape", "input_dtype", "max_input_shape",
-             "output_shape", "output_dtype", "inputs", "outputs", "max_input_shapes")
+             "output_shape", "output_dtype", "inputs", "outputs", "max_input_shapes",
+             "length_buckets", "iterative", "max_steps")
 
 
 def tune_parser(sub):
@@ -156,8 +157,11 @@ def tune_parser(sub):
                        description="Measures the backend's service time S(n) on random inputs "
                        "of the engine's shapes, in this process, and recommends the "
                        "max_batch_size with the most throughput within the SLO (and "
-                       "max_delay_ms 0, with the delay the SLO would still allow). Takes the "
-                       "backend and tensors as serve does: flags, or --config FILE.toml.")
+                       "max_delay_ms 0, with the delay the SLO would still allow); with "
+                       "length_buckets, per bucket. An iterative engine's step time T(n) "
+                       "gives the largest running batch that meets a time per output token "
+                       "(--tpot-ms) and, if given, a time to first token (--ttft-ms). Takes "
+                       "the backend and tensors as serve does: flags, or --config FILE.toml.")
     p.add_argument("--config", metavar="FILE.toml",
                    help="serve's config file: its backend and tensors; flags override")
     p.add_argument("--engine", metavar="NAME",
@@ -165,7 +169,12 @@ def tune_parser(sub):
     for knob in knobs():
         if knob.name in TUNE_KEYS:
             knob_flag(p, knob)
-    p.add_argument("--slo-ms", type=float, required=True, help="the latency budget")
+    p.add_argument("--slo-ms", type=float, help="the latency budget of a one-shot engine's "
+                   "request (an iterative engine reads it as --tpot-ms)")
+    p.add_argument("--tpot-ms", type=float, help="iterative: the time per output token each "
+                   "stream may take (a step of the running batch)")
+    p.add_argument("--ttft-ms", type=float, help="iterative, optional: the time to a "
+                   "request's first token (a join, its prefill, and a step)")
     p.add_argument("--max-batch", type=int, default=64, help="largest batch size measured")
     p.add_argument("--out", metavar="DIR", help="write DIR/tune.json and DIR/tune.png")
 
@@ -194,22 +203,64 @@ def tune_settings(args) -> dict:
     return settings
 
 
+def tune_config(settings: dict):
+    """The EngineConfig of the settings' tensors and shape knobs, validated as
+    serve would (tune reads no output: named inputs without outputs are given
+    a stand-in)."""
+    from engine.config import EngineConfig
+    shape_keys = ("iterative", "max_steps", "length_buckets")
+    knobs_given = {k: settings[k] for k in shape_keys if settings.get(k) is not None}
+    if settings.get("inputs") is not None:
+        return EngineConfig(name="tune", inputs=settings["inputs"],
+                            outputs=settings.get("outputs") or {"unread": ["float32", []]},
+                            max_input_shapes=settings.get("max_input_shapes"), **knobs_given)
+    tensors = {k: settings[k] for k in ("input_shape", "input_dtype", "max_input_shape",
+                                         "output_shape", "output_dtype") if k in settings}
+    for key in ("input_shape", "max_input_shape", "output_shape"):
+        if key in tensors:
+            tensors[key] = config_shape(tensors[key], key)
+    return EngineConfig(name="tune", **tensors, **knobs_given)
+
+
+def tune_objectives(args, iterative: bool):
+    """(slo_ms, tpot_ms, ttft_ms) as the engine's kind reads them; ValueError
+    for a missing, misplaced or non-positive one."""
+    given = {flag: v for flag, v in (("--slo-ms", args.slo_ms), ("--tpot-ms", args.tpot_ms),
+                                      ("--ttft-ms", args.ttft_ms)) if v is not None}
+    bad = [f"{flag} {v:g}" for flag, v in given.items() if not v > 0]
+    if bad or args.max_batch < 1:
+        raise ValueError(f"expected objectives > 0 ms and --max-batch >= 1, got "
+                         f"{', '.join(bad) or f'--max-batch {args.max_batch}'}")
+    if not iterative:
+        if args.tpot_ms is not None or args.ttft_ms is not None:
+            raise ValueError("--tpot-ms and --ttft-ms are an iterative engine's objectives "
+                             "(iterative = true); a one-shot engine takes --slo-ms")
+        if args.slo_ms is None:
+            raise ValueError("expected --slo-ms MS, the latency budget of a request")
+        return args.slo_ms, None, None
+    if args.slo_ms is not None and args.tpot_ms is not None:
+        raise ValueError("an iterative engine takes one time per output token: --tpot-ms, "
+                         "or --slo-ms read as it; got both")
+    tpot_ms = args.tpot_ms if args.tpot_ms is not None else args.slo_ms
+    if tpot_ms is None:
+        raise ValueError("an iterative engine's objective is the time per output token: "
+                         "expected --tpot-ms MS (or --slo-ms, read as it)")
+    return None, tpot_ms, args.ttft_ms
+
+
 def cmd_tune(args) -> int:
-    from engine import tensors
     from engine.tools import tune
     settings = tune_settings(args)
     backend, backend_args = settings.pop("backend"), settings.pop("backend_args")
-    if settings.get("inputs") is not None:
-        bounds = settings.get("max_input_shapes") or {}
-        specs = tuple(tensors.spec_of(name, value, bounds.get(name), "input")
-                      for name, value in settings["inputs"].items())
-    else:
-        from engine.config import EngineConfig
-        for key in ("input_shape", "max_input_shape", "output_shape"):
-            if key in settings:
-                settings[key] = config_shape(settings[key], key)
-        settings.pop("outputs", None)
-        specs = EngineConfig(name="tune", **{k: v for k, v in settings.items()
-                                              if k != "max_input_shapes"}).input_specs
-    tune.run(backend, backend_args, specs, args.slo_ms, limit=args.max_batch, out_dir=args.out)
+    cfg = tune_config(settings)
+    slo_ms, tpot_ms, ttft_ms = tune_objectives(args, cfg.iterative)
+    if cfg.iterative:
+        from engine.tools import tune_steps
+        if args.tpot_ms is None:
+            print(f"reading --slo-ms {tpot_ms:g} as the time per output token (--tpot-ms)")
+        tune_steps.run(backend, backend_args, cfg.input_specs, tpot_ms, ttft_ms,
+                       limit=args.max_batch, max_steps=cfg.max_steps, out_dir=args.out)
+        return 0
+    tune.run(backend, backend_args, cfg.input_specs, slo_ms, limit=args.max_batch,
+             out_dir=args.out, buckets=cfg.length_buckets)
     return 0
