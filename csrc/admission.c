@@ -38,6 +38,48 @@ void sb_admission_figures(const sb_ring *r, uint32_t max_priority, uint32_t coun
 	out[SB_A_BUSY_SINCE] = busy_since;
 }
 
+/* A prediction admitted, for the calling thread's next publish (ring.h):
+ * thread-local, as a thread admits and then publishes its own request */
+static __thread uint32_t admitted_us;
+
+uint32_t take_predicted_us(void)
+{
+	uint32_t us = admitted_us;
+	admitted_us = 0;
+	return us;
+}
+
+/* The correction every prediction is multiplied by, in 1/SB_SCALE_ONE:
+ * read from the segment, so bounded before it multiplies */
+static uint64_t scale_of(const sb_ring *r)
+{
+	uint64_t scale = sb_word_get(r, SB_W_ADMIT_SCALE);
+	if (!scale)
+		return SB_SCALE_ONE;
+	if (scale < SB_SCALE_ONE / SB_SCALE_MIN_INV)
+		return SB_SCALE_ONE / SB_SCALE_MIN_INV;
+	return scale > SB_SCALE_ONE * SB_SCALE_MAX ? SB_SCALE_ONE * SB_SCALE_MAX : scale;
+}
+
+/* An iterative engine whose every running batch is full: the fewest steps
+ * until one has room (each batcher's word, 1 + steps, bounded), else 0 */
+static uint64_t steps_to_room(const sb_ring *r)
+{
+	uint64_t fewest = 0;
+	for (uint32_t b = 0; b < SB_MAX_INSTANCES; b++) {
+		/* relaxed: a figure each batcher writes after its step */
+		uint64_t word = sb_load_relaxed(word_at(r, SB_W_ROOM_STEPS + b));
+		if (!word)
+			continue; /* not serving */
+		if (word == 1)
+			return 0; /* room now */
+		uint64_t steps = word - 1 < SB_MAX_STEPS ? word - 1 : SB_MAX_STEPS;
+		if (!fewest || steps < fewest)
+			fewest = steps;
+	}
+	return fewest;
+}
+
 /* the predicted wait with `queued` requests ahead (UINT64_MAX: count them) */
 static uint64_t wait_behind(sb_ring *r, uint32_t priority, uint64_t now_ns, uint64_t queued)
 {
@@ -65,9 +107,9 @@ static uint64_t wait_behind(sb_ring *r, uint32_t priority, uint64_t now_ns, uint
 			running = limit;
 	}
 	uint64_t batch_ns = sat_add(fixed, sat_mul(limit, item_ps) / 1000), in_service = 0;
+	uint64_t now_batch = r->steps ? sat_add(fixed, sat_mul(running, item_ps) / 1000)
+				      : batch_ns;
 	if (f[SB_A_BUSY_SINCE]) {
-		uint64_t now_batch = r->steps ? sat_add(fixed, sat_mul(running, item_ps) / 1000)
-					      : batch_ns;
 		uint64_t ran = now_ns > f[SB_A_BUSY_SINCE] ? now_ns - f[SB_A_BUSY_SINCE] : 0;
 		in_service = now_batch > ran ? now_batch - ran : 0;
 	}
@@ -76,13 +118,26 @@ static uint64_t wait_behind(sb_ring *r, uint32_t priority, uint64_t now_ns, uint
 	uint64_t own = queued - rounds * per_round + 1 + running;
 	if (own > limit)
 		own = limit;
-	return sat_add(sat_add(in_service, sat_mul(rounds, batch_ns)),
-		       sat_add(fixed, sat_mul(own, item_ps) / 1000));
+	/* a full running batch: nobody joins before a running request leaves,
+	 * at the latest at its max_steps */
+	uint64_t blocked = r->steps ? sat_mul(steps_to_room(r), now_batch) : 0;
+	uint64_t wait = sat_add(sat_add(in_service, blocked),
+				sat_add(sat_mul(rounds, batch_ns),
+					sat_add(fixed, sat_mul(own, item_ps) / 1000)));
+	return wait;
+}
+
+/* a prediction with the correction learned from the waits seen */
+static uint64_t corrected(const sb_ring *r, uint64_t wait)
+{
+	uint64_t scale = scale_of(r); /* <= 2^12: the remainder's product cannot wrap */
+	return sat_add(sat_mul(wait / SB_SCALE_ONE, scale),
+		       (wait % SB_SCALE_ONE) * scale / SB_SCALE_ONE);
 }
 
 uint64_t sb_predicted_wait_ns(sb_ring *r, uint32_t priority, uint64_t now_ns)
 {
-	return wait_behind(r, priority, now_ns, UINT64_MAX);
+	return corrected(r, wait_behind(r, priority, now_ns, UINT64_MAX));
 }
 
 /* The rule: refuse when the predicted wait, plus an eighth of it for the
@@ -99,13 +154,18 @@ int sb_refuses(uint64_t wait_ns, uint64_t left_ns)
 int sb_admit(sb_ring *r, uint32_t priority, uint64_t deadline_ns, uint32_t *wait_ms)
 {
 	uint64_t now = sb_now_ns(), left = deadline_ns > now ? deadline_ns - now : 0;
+	admitted_us = 0;
 	/* counting the queue costs a pass over the bitmaps: skipped when even
 	 * a full queue would leave time enough */
-	if (!sb_refuses(wait_behind(r, priority, now, r->capacity), left))
+	if (!sb_refuses(corrected(r, wait_behind(r, priority, now, r->capacity)), left))
 		return SB_OK;
-	uint64_t wait = sb_predicted_wait_ns(r, priority, now);
-	if (!sb_refuses(wait, left))
+	uint64_t raw = wait_behind(r, priority, now, UINT64_MAX), wait = corrected(r, raw);
+	if (!sb_refuses(wait, left)) {
+		/* the uncorrected prediction: what the correction is learned from */
+		uint64_t us = raw / 1000;
+		admitted_us = us > UINT32_MAX ? UINT32_MAX : (uint32_t)us;
 		return SB_OK;
+	}
 	uint64_t ms = wait / 1000000;
 	*wait_ms = ms > UINT32_MAX ? UINT32_MAX : (uint32_t)ms;
 	/* relaxed: a figure, read by nobody who orders on it */

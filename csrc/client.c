@@ -87,7 +87,8 @@ uint32_t sb_acquire_many(sb_ring *r, uint32_t pid, uint64_t start_ticks,
 }
 
 static int publish_one(sb_ring *r, uint32_t slot, uint32_t gen, uint32_t length,
-		       uint64_t deadline_ns, uint32_t priority, uint64_t now)
+		       uint64_t deadline_ns, uint32_t priority, uint64_t now,
+		       uint32_t predicted_us)
 {
 	if (slot >= r->capacity || priority >= r->levels)
 		return SB_EBADARG;
@@ -102,6 +103,7 @@ static int publish_one(sb_ring *r, uint32_t slot, uint32_t gen, uint32_t length,
 	sb_store_relaxed(&m->deadline_ns, deadline_ns);
 	sb_store_relaxed(&m->priority, priority);
 	sb_store_relaxed(&m->retry, SB_RETRY_NONE);
+	sb_store_relaxed(&m->predicted_us, predicted_us);
 	mark_ready(r, priority, slot); /* before READY: every READY slot has its bit */
 	do {
 		if (SB_CTL_GEN(cur) != gen || SB_CTL_STATE(cur) != SB_WRITING)
@@ -125,7 +127,8 @@ static void work_arrived(sb_header *h, uint32_t published)
 int sb_publish(sb_ring *r, uint32_t slot, uint32_t gen, uint32_t length,
 	       uint64_t deadline_ns, uint32_t priority)
 {
-	int code = publish_one(r, slot, gen, length, deadline_ns, priority, sb_now_ns());
+	int code = publish_one(r, slot, gen, length, deadline_ns, priority, sb_now_ns(),
+			       take_predicted_us());
 	if (code == SB_OK)
 		work_arrived(hdr(r), 1);
 	return code;
@@ -136,10 +139,10 @@ uint32_t sb_publish_many(sb_ring *r, const uint32_t *slots, const uint32_t *gens
 			 uint32_t priority)
 {
 	uint64_t now = sb_now_ns();
-	uint32_t published = 0;
+	uint32_t published = 0, predicted_us = take_predicted_us();
 	for (uint32_t k = 0; k < n; k++)
 		published += publish_one(r, slots[k], gens[k], length, deadline_ns,
-					 priority, now) == SB_OK;
+					 priority, now, predicted_us) == SB_OK;
 	if (published)
 		work_arrived(hdr(r), published);
 	return published;

@@ -33,6 +33,7 @@
  *          | 6592 level_wait_sum[8] u64  6656 level_wait_max[8] u64    |
  *          | 6720 off_tensor[16] u64   6848 tensor_slot_bytes[16] u64  |
  *          | 6976 corrupt_total u64: values that failed checks, summed |
+ *          | 7040 words2[64] u64: more engine words (SB_W_* from 128)  |
  *          | 8192 level_hist[8][128] u64: queue wait per priority      |
  *          |16384 steps_total u64  16392 chunks_total u64              |
  *          |16400 stream_sum[2] u64  16416 stream_max[2] u64 (ns)      |
@@ -191,7 +192,7 @@
 #include <stdint.h>
 
 /* --- cdef: everything from here to "cdef end" is read by cffi --------- */
-#define SB_LAYOUT_VERSION 10 /* 8: corrupt_total; 9: streamed answers; 10: how a stream ended */
+#define SB_LAYOUT_VERSION 11 /* 9: streamed answers; 10: how a stream ended; 11: words2, predicted_us */
 #define SB_HEADER_BYTES 20480
 #define SB_CONFIG_BYTES 2048
 #define SB_OFF_CONFIG 128
@@ -272,7 +273,19 @@
 #define SB_W_BATCH_START 32   /* + instance: claim_ns of the batch it serves, 0 idle */
 #define SB_W_BATCHER_PID 64
 #define SB_W_BATCHER_START 96
-#define SB_WORDS 128
+#define SB_WORDS 128          /* the first block (words[]); words2[] holds the rest */
+#define SB_W_WITHDRAWN 128    /* requests their client withdrew (not a timeout) */
+/* admission by deadline, judged by the waits its admitted requests saw: */
+#define SB_W_ADMIT_COMPARED 129     /* requests admitted on a counted prediction */
+#define SB_W_ADMIT_PREDICTED_NS 130 /* ... their predicted waits, summed */
+#define SB_W_ADMIT_SEEN_NS 131      /* ... the waits they saw, summed */
+#define SB_W_ADMIT_LATE 132         /* ... those that waited longer than predicted */
+#define SB_W_ADMIT_SCALE 133        /* the correction of predictions, 1/1024ths (0: 1024) */
+#define SB_W_ADMIT_RECENT_PREDICTED_NS 134 /* ... predicted and seen, recent (forgetting) */
+#define SB_W_ADMIT_RECENT_SEEN_NS 135
+#define SB_W_ROOM_STEPS 160   /* + instance: 0 not serving, else 1 + steps until its
+			       * running batch has room (an iterative engine) */
+#define SB_WORDS_ALL 192
 
 #define SB_ENGINE_STARTING 0
 #define SB_ENGINE_RUNNING 1
@@ -429,6 +442,16 @@ uint64_t sb_predicted_wait_ns(sb_ring *r, uint32_t priority, uint64_t now_ns);
  * (counted in SB_W_OVERLOADED) with the predicted wait in *wait_ms */
 int sb_refuses(uint64_t wait_ns, uint64_t left_ns);
 int sb_admit(sb_ring *r, uint32_t priority, uint64_t deadline_ns, uint32_t *wait_ms);
+/* An admitted prediction that counted the queue is left, uncorrected, for
+ * the thread's next publish (meta.predicted_us); the batcher that answers
+ * the request (iterative: first steps it) compares it with the wait seen
+ * (SB_W_ADMIT_*) and sets SB_W_ADMIT_SCALE, the factor of every prediction,
+ * to seen / predicted over recent comparisons (a batch forgets
+ * 1/SB_SCALE_MEMORY), within [1/SB_SCALE_MIN_INV, SB_SCALE_MAX]. */
+#define SB_SCALE_ONE 1024
+#define SB_SCALE_MEMORY 64
+#define SB_SCALE_MIN_INV 16
+#define SB_SCALE_MAX 4
 /* a batcher's running fit of its service time, S(n) ~ fixed + n * per_item,
  * by least squares with exponential forgetting (each older batch weighs
  * 1 - 1/SB_FIT_MEMORY times less): admission's figures. It lives in the
@@ -436,10 +459,14 @@ int sb_admit(sb_ring *r, uint32_t priority, uint64_t deadline_ns, uint32_t *wait
  * SB_FIT_OUTLIER times the fit's prediction counts as that much (a stall or
  * a recompile cannot lock admission out for the many batches the fit takes
  * to forget it); the fit is solved after each of the first SB_FIT_REFIT
- * batches, then every SB_FIT_REFIT. The first `warmup` batches are skipped */
+ * batches, then every SB_FIT_REFIT. The first `warmup` batches are skipped.
+ * The fit is published for admission once SB_FIT_CALIBRATED batches are in
+ * it: until then the header's figures are a predecessor's, or none (no
+ * prediction: nothing is refused). */
 #define SB_FIT_MEMORY 50
 #define SB_FIT_OUTLIER 4
 #define SB_FIT_REFIT 8
+#define SB_FIT_CALIBRATED 16
 typedef struct {
 	double w, n, nn, s, ns;   /* the weighted sums */
 	double fixed_ns, per_item_ns; /* as last solved; 0 before any batch */
@@ -544,9 +571,13 @@ uint32_t sb_stream_put(sb_ring *r, uint32_t batcher, const uint32_t *slots,
  * solved anew and published (as sb_finish_batch) */
 int sb_finish_step(sb_ring *r, const uint32_t *joined, uint32_t k, uint32_t active,
 		   uint64_t start_ns, uint64_t done_ns, sb_fit *fit);
-/* batcher `batcher`'s running batch size, for the figures; and the figures:
- * out[0] steps, out[1] chunks, out[2] requests in every running batch */
-void sb_set_active(sb_ring *r, uint32_t batcher, uint32_t active);
+/* batcher `batcher`'s running batch size, for the figures, and how many
+ * steps until it has room for one more (0: room now; else the fewest steps
+ * a running request has left to its max_steps), for admission (written to
+ * SB_W_ROOM_STEPS + batcher as 1 + room_steps; the batcher sets the word
+ * to 0 as it stops); and the figures: out[0] steps, out[1] chunks,
+ * out[2] requests in every running batch */
+void sb_set_active(sb_ring *r, uint32_t batcher, uint32_t active, uint32_t room_steps);
 void sb_stream_counts(const sb_ring *r, uint64_t *out);
 /* the sum and maximum (ns) of SB_H_TTFT's or SB_H_CHUNK's times */
 void sb_stream_times(const sb_ring *r, int which, uint64_t *sum_ns, uint64_t *max_ns);

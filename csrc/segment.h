@@ -70,7 +70,9 @@ typedef struct {
 	uint64_t off_tensor[SB_MAX_TENSORS];
 	uint64_t tensor_slot_bytes[SB_MAX_TENSORS];
 	uint64_t corrupt_total; /* every process's corrupt() counts, summed */
-	uint64_t _pad7[(8192 - 6984) / 8];
+	uint64_t _pad7[(7040 - 6984) / 8];
+	uint64_t words2[SB_WORDS_ALL - SB_WORDS]; /* SB_W_* from SB_WORDS on */
+	uint64_t _pad7b[(8192 - 7552) / 8];
 	uint64_t level_hist[SB_MAX_PRIORITIES][SB_HIST_BUCKETS];
 	uint64_t steps_total, chunks_total;
 	uint64_t stream_sum[2], stream_max[2]; /* ns: time to first chunk, between chunks */
@@ -105,8 +107,9 @@ typedef struct {
 	uint32_t errmsg_len;
 	uint64_t done_ns;     /* when its batch finished, set before DONE/FAILED */
 	uint64_t deadline_ns; /* CLOCK_MONOTONIC; 0: none */
-	uint32_t priority;    /* its level: 0 is the most urgent */
-	uint32_t retry;       /* SB_RETRY_*: retried alone since its batcher died */
+	uint16_t priority;    /* its level: 0 is the most urgent */
+	uint16_t retry;       /* SB_RETRY_*: retried alone since its batcher died */
+	uint32_t predicted_us; /* the wait admission predicted for it (0: none counted) */
 } sb_slot_meta;
 
 _Static_assert(sizeof(sb_header) == SB_HEADER_BYTES, "the header is its region");
@@ -130,6 +133,7 @@ _Static_assert(offsetof(sb_header, level_wait_max) == 6656, "layout drawing");
 _Static_assert(offsetof(sb_header, off_tensor) == 6720, "layout drawing");
 _Static_assert(offsetof(sb_header, tensor_slot_bytes) == 6848, "layout drawing");
 _Static_assert(offsetof(sb_header, corrupt_total) == 6976, "layout drawing");
+_Static_assert(offsetof(sb_header, words2) == 7040, "layout drawing");
 _Static_assert(offsetof(sb_header, off_stream) == 96, "layout drawing");
 _Static_assert(offsetof(sb_header, steps) == 112, "layout drawing");
 _Static_assert(offsetof(sb_header, level_hist) == 8192, "layout drawing");
@@ -152,6 +156,12 @@ _Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
  * callers have checked slot < r->capacity and level < r->levels ---- */
 
 static inline sb_header *hdr(const sb_ring *r) { return (sb_header *)r->base; }
+
+/* SB_W_* word `word` (< SB_WORDS_ALL: the caller checks), in either block */
+static inline uint64_t *word_at(const sb_ring *r, uint32_t word)
+{
+	return word < SB_WORDS ? &hdr(r)->words[word] : &hdr(r)->words2[word - SB_WORDS];
+}
 
 static inline uint64_t *ctl_at(const sb_ring *r, uint32_t slot)
 {
@@ -310,6 +320,10 @@ static inline void wake_stream(sb_ring *r, uint32_t slot)
 
 /* a stream's time figure (SB_H_TTFT or SB_H_CHUNK) in its histogram */
 void record_stream_time(sb_ring *r, int which, uint64_t ns);
+/* the prediction sb_admit left for this thread's next publish (admission.c):
+ * returned once, then 0 */
+uint32_t take_predicted_us(void);
+
 /* a finished batch, or requests failed unstarted: their async waiters sleep
  * on done_seq */
 static inline void bump_done_seq(sb_ring *r)

@@ -221,19 +221,19 @@ int sb_attach(sb_ring *r, void *base, uint64_t mapped_bytes)
  * before it); counters are statistics, relaxed is enough. */
 uint64_t sb_word_get(const sb_ring *r, int word)
 {
-	return (unsigned)word < SB_WORDS ? sb_load_acquire(&hdr(r)->words[word]) : 0;
+	return (unsigned)word < SB_WORDS_ALL ? sb_load_acquire(word_at(r, (uint32_t)word)) : 0;
 }
 
 void sb_word_set(sb_ring *r, int word, uint64_t value)
 {
-	if ((unsigned)word < SB_WORDS)
-		sb_store_release(&hdr(r)->words[word], value);
+	if ((unsigned)word < SB_WORDS_ALL)
+		sb_store_release(word_at(r, (uint32_t)word), value);
 }
 
 void sb_word_add(sb_ring *r, int word, uint64_t delta)
 {
-	if ((unsigned)word < SB_WORDS)
-		sb_add_relaxed(&hdr(r)->words[word], delta);
+	if ((unsigned)word < SB_WORDS_ALL)
+		sb_add_relaxed(word_at(r, (uint32_t)word), delta);
 }
 
 uint64_t sb_corrupt_total(const sb_ring *r)

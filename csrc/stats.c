@@ -58,12 +58,42 @@ void sb_level_wait(const sb_ring *r, uint32_t level, uint64_t *buckets,
 	*max_ns = sb_load_relaxed(&h->level_wait_max[level]);
 }
 
-/* The queue waits of n requests claimed at claim_ns; their worst and sum
- * in *worst, *total. */
+/* Admission's predictions against the waits seen: `compared` requests
+ * predicted (uncorrected) to wait `predicted` ns in all waited `seen`, `late`
+ * of them longer than their corrected prediction. The correction is the
+ * ratio of seen to predicted over the recent comparisons (sums that forget
+ * 1/SB_SCALE_MEMORY per batch compared): a long wait weighs more than a
+ * short one, as a refusal near a deadline is about long waits. Relaxed,
+ * and the read-modify-writes may lose another batcher's: an estimate. */
+static void judge_predictions(sb_ring *r, uint64_t compared, uint64_t predicted,
+			      uint64_t seen, uint64_t late)
+{
+	sb_add_relaxed(word_at(r, SB_W_ADMIT_COMPARED), compared);
+	sb_add_relaxed(word_at(r, SB_W_ADMIT_PREDICTED_NS), predicted);
+	sb_add_relaxed(word_at(r, SB_W_ADMIT_SEEN_NS), seen);
+	sb_add_relaxed(word_at(r, SB_W_ADMIT_LATE), late);
+	uint64_t *p = word_at(r, SB_W_ADMIT_RECENT_PREDICTED_NS);
+	uint64_t *s = word_at(r, SB_W_ADMIT_RECENT_SEEN_NS);
+	uint64_t recent_p = sb_load_relaxed(p), recent_s = sb_load_relaxed(s);
+	recent_p = sat_add(recent_p - recent_p / SB_SCALE_MEMORY, predicted);
+	recent_s = sat_add(recent_s - recent_s / SB_SCALE_MEMORY, seen);
+	sb_store_relaxed(p, recent_p);
+	sb_store_relaxed(s, recent_s);
+	double scale = SB_SCALE_ONE * ((double)recent_s / (double)recent_p); /* p >= 1000 */
+	double low = (double)SB_SCALE_ONE / SB_SCALE_MIN_INV, high = SB_SCALE_ONE * SB_SCALE_MAX;
+	scale = scale < low ? low : scale > high ? high : scale;
+	sb_store_relaxed(word_at(r, SB_W_ADMIT_SCALE), (uint64_t)scale);
+}
+
+/* The queue waits of n requests claimed at claim_ns, served by done_ns;
+ * their worst and sum in *worst, *total; and admission's predictions for
+ * them against the waits they saw (to done_ns). */
 static inline void record_waits(sb_ring *r, const uint32_t *slots, uint32_t n,
-				uint64_t claim_ns, uint64_t *worst, uint64_t *total)
+				uint64_t claim_ns, uint64_t done_ns, uint64_t *worst,
+				uint64_t *total)
 {
 	sb_header *h = hdr(r);
+	uint64_t compared = 0, predicted = 0, seen = 0, late = 0, scale = 0;
 	for (uint32_t k = 0; k < n; k++) {
 		if (slots[k] >= r->capacity)
 			continue;
@@ -84,7 +114,21 @@ static inline void record_waits(sb_ring *r, const uint32_t *slots, uint32_t n,
 		*total += wait;
 		if (wait > *worst)
 			*worst = wait;
+		uint64_t predicted_ns = 1000ull * sb_load_relaxed(&m->predicted_us);
+		if (predicted_ns) {
+			uint64_t waited = done_ns > arrival ? done_ns - arrival : 0;
+			if (!scale) /* once per batch that compares */
+				scale = sb_load_relaxed(word_at(r, SB_W_ADMIT_SCALE));
+			compared++;
+			predicted += predicted_ns;
+			seen += waited;
+			/* the prediction the rule used: corrected (a scale outside
+			 * its bounds only misjudges this count) */
+			late += waited > predicted_ns / SB_SCALE_ONE * (scale ? scale : SB_SCALE_ONE);
+		}
 	}
+	if (compared)
+		judge_predictions(r, compared, predicted, seen, late);
 }
 
 /* A backend call's figures: n requests in service_ns; the fit's, with fit */
@@ -103,7 +147,7 @@ static inline int record_call(sb_ring *r, uint32_t n, uint64_t service, uint64_t
 	sb_add_relaxed(&h->words[SB_W_BATCHES], 1);
 	sb_add_relaxed(&h->words[SB_W_ITEMS], n);
 	bump_done_seq(r);
-	if (!fit || !sb_fit_add(fit, n, service))
+	if (!fit || !sb_fit_add(fit, n, service) || fit->batches < SB_FIT_CALIBRATED)
 		return 0;
 	/* relaxed: figures for an estimate, each word read on its own */
 	sb_store_relaxed(&h->words[SB_W_FIT_FIXED_NS], (uint64_t)fit->fixed_ns);
@@ -116,7 +160,7 @@ int sb_finish_batch(sb_ring *r, const uint32_t *slots, uint32_t n,
 		    sb_fit *fit)
 {
 	uint64_t worst = 0, total_wait = 0;
-	record_waits(r, slots, n, claim_ns, &worst, &total_wait);
+	record_waits(r, slots, n, claim_ns, done_ns, &worst, &total_wait);
 	uint64_t service = done_ns > claim_ns ? done_ns - claim_ns : 0;
 	return record_call(r, n, service, worst, total_wait,
 			   zero_copy ? SB_W_ZERO_COPY : SB_W_GATHERED, fit);
@@ -126,16 +170,19 @@ int sb_finish_step(sb_ring *r, const uint32_t *joined, uint32_t k, uint32_t acti
 		   uint64_t start_ns, uint64_t done_ns, sb_fit *fit)
 {
 	uint64_t worst = 0, total_wait = 0;
-	record_waits(r, joined, k, start_ns, &worst, &total_wait);
+	record_waits(r, joined, k, start_ns, done_ns, &worst, &total_wait);
 	sb_add_relaxed(&hdr(r)->steps_total, 1);
 	uint64_t service = done_ns > start_ns ? done_ns - start_ns : 0;
 	return record_call(r, active, service, worst, total_wait, -1, fit);
 }
 
-void sb_set_active(sb_ring *r, uint32_t batcher, uint32_t active)
+void sb_set_active(sb_ring *r, uint32_t batcher, uint32_t active, uint32_t room_steps)
 {
-	if (batcher < SB_MAX_INSTANCES) /* relaxed: a figure */
-		sb_store_relaxed(&hdr(r)->active[batcher], active);
+	if (batcher >= SB_MAX_INSTANCES)
+		return;
+	/* relaxed: figures */
+	sb_store_relaxed(&hdr(r)->active[batcher], active);
+	sb_store_relaxed(word_at(r, SB_W_ROOM_STEPS + batcher), 1ull + room_steps);
 }
 
 void sb_stream_counts(const sb_ring *r, uint64_t *out)

@@ -41,7 +41,8 @@ def test_a_request_that_cannot_make_its_deadline_is_refused_before_enqueue(make_
     eng = make_engine("admit", backend="helpers:holds_on_negative",
                       backend_args={"gate": gate.name, "fixed_ms": 100}, max_batch_size=1)
     with engine.Client(eng.name) as c:
-        for k in range(3):  # the first batch warms up; the next two are measured: S(1) >= 100 ms
+        # the first batch of a shape warms up; the fit is published once calibrated
+        for k in range(1 + codes.FIT_CALIBRATED):  # S(1) >= 100 ms
             c.infer(X + k, timeout=30)
         # the batcher publishes its fit just after the batch's answers go out
         wait_for(lambda: eng.segment.ring.admission_figures(0)[1] > 0, "the service fit")

@@ -38,10 +38,23 @@ class ServiceFit:
     seen, each older batch weighing 1 - 1/SB_FIT_MEMORY times less (sb_fit_add).
     Computed in C: a batcher's finish_batch feeds it each batch, with no
     Python on the fast path; add() is that same step, for a caller (a test)
-    that has only the figures."""
+    that has only the figures.
+
+    The first batch of each shape is not a measure: a model initialises
+    lazily per shape (allocations, autotuning, a compile), and that first
+    call can take seconds. measuring(shape) says which fit a batch of that
+    shape feeds: none the first time the shape is seen."""
 
     def __init__(self, warmup: int = 0):
         self.c_fit = ring.new_fit(warmup)  # skips the first `warmup` batches
+        self.shapes = set()
+
+    def measuring(self, shape):
+        """The c_fit for finish_batch/finish_step, or NULL: the shape's first batch."""
+        if shape in self.shapes:
+            return self.c_fit
+        self.shapes.add(shape)
+        return ring.NO_FIT
 
     def add(self, batch_size: int, service_ns: int) -> bool:
         """Adds a batch; True when the fit was solved anew."""

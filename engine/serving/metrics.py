@@ -19,6 +19,7 @@ COUNTERS = (
     ("answered_total", codes.W_ANSWERED, "ok"),
     ("rejected_total", codes.W_REJECTED, "rejected"),
     ("timeouts_total", codes.W_TIMEOUTS, "timeout"),
+    ("withdrawn_total", codes.W_WITHDRAWN, "withdrawn"),  # their client withdrew them
     ("errors_total", codes.W_ERRORS, "error"),
     ("invalid_total", codes.W_INVALID, "invalid"),
     ("batches_total", codes.W_BATCHES, None),
@@ -120,7 +121,27 @@ def read_stats(segment) -> dict:
         "priority": [_summary_ms(*r.level_wait(level)) for level in range(levels)],
         # values in the segment that failed their checks: another process writes into it
         "corrupt_total": r.corrupt_total(),
+        "admission": admission_stats(r),
         **_stream_stats(r),
+    }
+
+
+def admission_stats(r: ring.Ring) -> dict:
+    """How admission by deadline judged, against what came of it: how many it
+    refused (Overloaded), whether its figures are calibrated (none: it refuses
+    nothing), and of the requests it admitted on a counted prediction, the mean
+    predicted and seen waits, the share that waited longer than predicted, and
+    the correction its predictions are now multiplied by."""
+    compared = r.word(codes.W_ADMIT_COMPARED)
+    scale = r.word(codes.W_ADMIT_SCALE) or codes.SCALE_ONE
+    return {
+        "refused_total": r.word(codes.W_OVERLOADED),
+        "calibrated": bool(r.word(codes.W_FIT_FIXED_NS) or r.word(codes.W_FIT_ITEM_PS)),
+        "compared_total": compared,
+        "predicted_ms_mean": r.word(codes.W_ADMIT_PREDICTED_NS) / compared / 1e6 if compared else 0.0,
+        "seen_ms_mean": r.word(codes.W_ADMIT_SEEN_NS) / compared / 1e6 if compared else 0.0,
+        "late_total": r.word(codes.W_ADMIT_LATE),
+        "correction": scale / codes.SCALE_ONE,
     }
 
 
@@ -169,6 +190,15 @@ FAMILIES = (
     ("counter", "steps_total", "shmbatch_steps", "Steps run (iterative engines)."),
     ("gauge", "active", "shmbatch_active", "Requests in the running batches (iterative)."),
 )
+# Admission's account of itself (refusals are shmbatch_requests{outcome="overloaded"})
+ADMISSION_FAMILIES = (
+    ("counter", "compared_total", "shmbatch_admission_predictions",
+     "Requests admitted on a counted prediction, compared with the wait they saw."),
+    ("counter", "late_total", "shmbatch_admission_late",
+     "Of those, the ones that waited longer than predicted."),
+    ("gauge", "correction", "shmbatch_admission_correction",
+     "What admission's predictions are multiplied by, learned from the waits seen."),
+)
 # The time histograms: (name, help, ring histogram, header word of its sum)
 TIME_HISTOGRAMS = (
     ("shmbatch_queue_wait_seconds", "Arrival to dispatch, per request.",
@@ -206,6 +236,16 @@ class Collector:
             family = kinds[kind](name, doc, labels=["engine"])
             family.add_metric([engine], stats[key])
             yield family
+        for kind, key, name, doc in ADMISSION_FAMILIES:
+            family = kinds[kind](name, doc, labels=["engine"])
+            family.add_metric([engine], stats["admission"][key])
+            yield family
+        seconds = CounterMetricFamily(
+            "shmbatch_admission_wait_seconds", "Of the requests admitted on a counted "
+            "prediction: their waits as predicted, and as seen.", labels=["engine", "kind"])
+        seconds.add_metric([engine, "predicted"], r.word(codes.W_ADMIT_PREDICTED_NS) / 1e9)
+        seconds.add_metric([engine, "seen"], r.word(codes.W_ADMIT_SEEN_NS) / 1e9)
+        yield seconds
         tokens = CounterMetricFamily("shmbatch_tokens", "Lengths along the variable dim: "
                                      "real, and padded as the backend saw them.",
                                      labels=["engine", "kind"])

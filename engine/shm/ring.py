@@ -32,6 +32,9 @@ SPIN_NS = 50_000 if len(os.sched_getaffinity(0)) > 1 else 0
 spin_ns = lib.sb_spin_ns  # busy-waits in C, without the GIL
 
 
+NO_FIT = ffi.NULL  # a batch that feeds no fit
+
+
 def new_fit(warmup: int = 0):
     """A service-time fit (sb_fit), zeroed, skipping its first `warmup` batches."""
     fit = ffi.new("sb_fit *")
@@ -366,8 +369,9 @@ class Ring:
         return lib.sb_finish_step(self.r, _ptr(joined, "uint32_t *"), len(joined), active,
                                   start_ns, done_ns, fit)
 
-    def set_active(self, batcher: int, active: int) -> None:
-        lib.sb_set_active(self.r, batcher, active)
+    def set_active(self, batcher: int, active: int, room_steps: int = 0) -> None:
+        """Its running batch size, and the steps until it has room (0: now)."""
+        lib.sb_set_active(self.r, batcher, active, room_steps)
 
     def stream_counts(self):
         """(steps, chunks, requests in the running batches)."""
