@@ -121,3 +121,17 @@ def test_a_correction_read_from_the_segment_is_bounded():
         seg.ring.set_word(codes.W_ADMIT_SCALE, 2**63)  # another process wrote it
         wait = seg.ring.predicted_wait_ns(0, ring.now_ns())
         assert 0 < wait <= codes.SCALE_MAX * 20 * MS
+
+
+def test_the_log_says_what_admission_refused_at_most_once_a_period(caplog):
+    from engine.serving import admission_log
+    with raw_segment("log", queue_capacity=8, max_batch_size=8) as seg:
+        r = seg.ring
+        said = admission_log.AdmissionLog("log", r, now_ns=0)
+        r.add_word(codes.W_OVERLOADED, 7)
+        r.add_word(codes.W_REQUESTS, 93)
+        assert said.tick(admission_log.PERIOD_NS - 1) is None  # not before the period ends
+        with caplog.at_level("WARNING", logger="shmbatch"):
+            line = said.tick(admission_log.PERIOD_NS)
+        assert "admission refused 7 of 100 requests" in line and line in caplog.text
+        assert said.tick(3 * admission_log.PERIOD_NS) is None  # nothing refused since
