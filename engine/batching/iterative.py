@@ -12,7 +12,9 @@ Each iteration of a Stepper:
    chunks they had): leave(), then each slot settled;
 2. joins the READY requests, most urgent first, up to max_batch_size active
    and the max_batch_tokens budget (a request reserves its input length +
-   its max_steps from join to leave); join() is their prefill;
+   its max_steps from join to leave); join() is their prefill. One over the
+   budget waits, and later ones that fit go ahead of it for at most
+   max_steps steps (joining.py);
 3. steps every active request once, writes each one's chunk into its own
    slot (row k of its outputs is chunk k) and publishes the counts;
 4. answers the requests done (step said so, or at their max_steps) and
@@ -22,15 +24,22 @@ Each iteration of a Stepper:
 With nothing running it sleeps on the ring's work word, and the flush rule
 decides when the first requests start (as in batcher.py). A request stays with
 the batcher that joined it. A join or step that raises fails the requests it
-named, after the chunks they had; the others go on. A batcher's successor
-(it died) starts the requests that had no chunk yet again, each alone in its
-first step: one that kills that batcher too fails as poison.
+named, after the chunks they had; the others go on.
+
+A batcher's successor (it died) starts again the requests that had no chunk
+yet, before it claims anything: one at a time, each joining an empty running
+batch, so that no stream runs beside one that may be poison. Each runs alone
+to its end while retries remain (the next joins an empty batch); the last
+runs alone until its first step has passed (its first chunk published), and
+then claims resume. One that kills this batcher too fails as poison, and no
+stream dies with it.
 """
 import logging
 
 import numpy as np
 
 from engine.batching import admission, policy
+from engine.batching.joining import Group, claim_ranks, is_due, pick
 from engine.batching.loop import RETIRED, STOPPED, await_epoch, await_work, error_text
 from engine.batching.model_call import ModelCall
 from engine.shm import codes, ring
@@ -38,50 +47,10 @@ from engine.tensors import BadResult
 
 log = logging.getLogger("shmbatch")
 
-NO_DEADLINE = 2**64 - 1
-
 _NONE = np.zeros(0, np.uint32)  # no slot joined
 
 _STOP_MESSAGE = (b"the engine stopped (drain_timeout_s passed) before this request's answer "
                  b"ended")
-
-
-class Group:
-    """Requests as parallel arrays, in the order they came: the running batch
-    (joined), or those claimed that wait to join (over the token budget)."""
-
-    def __init__(self, size: int):
-        self.n = 0
-        self.slots = np.zeros(size, np.uint32)
-        self.gens = np.zeros(size, np.uint32)
-        self.ids = np.zeros(size, np.int64)
-        self.steps = np.zeros(size, np.uint32)      # chunks written
-        self.limits = np.zeros(size, np.uint32)     # its max_steps
-        self.deadlines = np.zeros(size, np.uint64)  # 0: none
-        self.tokens = np.zeros(size, np.int64)      # its reservation
-        self.fields = (self.slots, self.gens, self.ids, self.steps, self.limits,
-                       self.deadlines, self.tokens)
-        self.soonest_ns = NO_DEADLINE  # the nearest deadline among them
-
-    def add(self, slots, gens, ids, limits, deadlines, tokens) -> None:
-        n, k = self.n, len(slots)
-        for field, values in zip(self.fields, (slots, gens, ids, 0, limits, deadlines, tokens)):
-            field[n:n + k] = values
-        self.n = n + k
-        self._deadlines_changed()
-
-    def keep(self, mask: np.ndarray) -> None:
-        """Keeps the requests where mask (over the first n) is True, in order."""
-        k = int(mask.sum())
-        for field in self.fields:
-            field[:k] = field[:self.n][mask]
-        self.n = k
-        self._deadlines_changed()
-
-    def _deadlines_changed(self) -> None:
-        d = self.deadlines[:self.n]
-        d = d[d != 0]
-        self.soonest_ns = int(d.min()) if len(d) else NO_DEADLINE
 
 
 class Stepper:
@@ -101,6 +70,8 @@ class Stepper:
         self.claimed = ring.ClaimBuffers(segment.capacity, cfg.max_batch_size)
         self.active = Group(cfg.max_batch_size)
         self.waiting = Group(cfg.max_batch_size)  # claimed, not joined: over the budget
+        self.steps_done = 0  # this batcher's steps: the clock of the budget's bound
+        self.pass_bound = cfg.steps  # steps a request over the budget may be passed over
         self.retry: list = []  # a dead predecessor's requests, each to start alone
         self.states = np.zeros(cfg.max_batch_size, np.int32)
         self.ends = np.zeros(cfg.max_batch_size, np.uint32)
@@ -195,75 +166,77 @@ class Stepper:
         """Claims and joins what the running batch has room for; returns the
         joined slots (for the queue-wait figures)."""
         active, waiting, claimed = self.active, self.waiting, self.claimed
-        room = self.max_active - active.n
-        if room <= 0:
-            return _NONE
-        if waiting.n:  # claimed before, over the budget then: they join first
-            return self.join_waiting()
-        if self.retry:  # a dead predecessor's request, alone in its first step
-            if active.steps[:active.n].min(initial=1) == 0:
-                return _NONE
-            slot, gen, length = self.retry.pop(0)
-            if self.ring.retry_alone(self.instance, int(slot), int(gen)) != codes.OK:
-                self.ring.complete_some(self.instance, np.array([slot], np.uint32),
-                                        np.array([gen], np.uint32), codes.STATUS_OK, b"")
-                return _NONE
-            self.stage(np.array([slot], np.uint32), np.array([gen], np.uint32),
-                       np.array([length], np.uint32))
-        else:
-            if active.n and self.last_claim[0] == 0 and self.seen == self.claimed_seen:
-                return _NONE  # nothing was READY at the last claim, and nothing published since
-            self.claimed_seen = self.seen
-            if active.n:  # running: anything READY joins at this step
-                max_n, flush_n, cutoff_ns = room, 1, ring.MAX_NS
-            else:  # idle: the flush rule decides when the first ones start
-                max_n, flush_n, cutoff_ns = self.rule.thresholds(
-                    now_ns, state != codes.ENGINE_RUNNING, room)
-            n, _, ready, oldest_ns, _ = self.ring.claim(
-                self.instance, min(max_n, room), flush_n, cutoff_ns, claimed,
-                now_ns + self.fit.estimate()[0])
-            self.last_claim = (ready, oldest_ns, cutoff_ns)
-            if not n:
-                return _NONE
+        if self.retry:  # a dead predecessor's requests, each alone (see the docstring)
+            return _NONE if active.n else self.join_retry()
+        room = self.max_active - active.n - waiting.n  # the waiting ones keep their places
+        if room <= 0 or is_due(waiting, self.steps_done, self.pass_bound):
+            return self.join_waiting()  # and a due one: nothing new until it has joined
+        if active.n and self.last_claim[0] == 0 and self.seen == self.claimed_seen:
+            return self.join_waiting()  # nothing READY at the last claim, nothing published since
+        self.claimed_seen = self.seen
+        if active.n or waiting.n:  # running: anything READY joins at this step
+            max_n, flush_n, cutoff_ns = room, 1, ring.MAX_NS
+        else:  # idle: the flush rule decides when the first ones start
+            max_n, flush_n, cutoff_ns = self.rule.thresholds(
+                now_ns, state != codes.ENGINE_RUNNING, room)
+        max_n = min(max_n, room)
+        n, _, ready, oldest_ns, _ = self.ring.claim(
+            self.instance, max_n, flush_n, cutoff_ns, claimed, now_ns + self.fit.estimate()[0])
+        self.last_claim = (ready, oldest_ns, cutoff_ns)
+        if n:
+            # their order matters only where some may wait: under a budget
+            ranks = claim_ranks(claimed, n, max_n) if self.budget is not None else (0, 0)
             self.stage(claimed.slots[:n].copy(), claimed.gens[:n].copy(),
-                       claimed.lengths[:n].copy())
+                       claimed.lengths[:n].copy(), *ranks)
         return self.join_waiting()
 
-    def stage(self, slots: np.ndarray, gens: np.ndarray, lengths: np.ndarray) -> None:
+    def join_retry(self) -> np.ndarray:
+        """The next inherited request, into an empty running batch."""
+        slot, gen, length = self.retry.pop(0)
+        if self.ring.retry_alone(self.instance, int(slot), int(gen)) != codes.OK:
+            self.ring.complete_some(self.instance, np.array([slot], np.uint32),
+                                    np.array([gen], np.uint32), codes.STATUS_OK, b"")
+            return _NONE
+        self.stage(np.array([slot], np.uint32), np.array([gen], np.uint32),
+                   np.array([length], np.uint32))
+        self.drop_expired(ring.now_ns())  # it may have waited for the retries before it
+        return self.join_waiting()
+
+    def stage(self, slots: np.ndarray, gens: np.ndarray, lengths: np.ndarray,
+              levels=0, arrivals=0) -> None:
         """Claimed requests into the waiting group, with their bounds."""
         limits, deadlines = np.zeros(len(slots), np.uint32), np.zeros(len(slots), np.uint64)
         self.ring.stream_limits(slots, limits, deadlines)
         top = max((bound for _, _, bound in self.var_inputs), default=0)
         tokens = np.minimum(lengths, top).astype(np.int64) + limits
         ids = ((gens.astype(np.int64) & 0x7FFFFFFF) << 32) | slots
-        self.waiting.add(slots, gens, ids, limits, deadlines, tokens)
+        self.waiting.add(slots, gens, ids, limits, deadlines, tokens, levels, arrivals)
 
     def join_waiting(self) -> np.ndarray:
-        """Joins the waiting requests that fit the budget, oldest first."""
+        """Joins the waiting requests that fit (joining.pick)."""
         waiting, active = self.waiting, self.active
-        n = waiting.n
-        if not n:
+        n, room = waiting.n, self.max_active - active.n
+        if not n or room <= 0:
             return _NONE
-        take = min(n, self.max_active - active.n)
-        if self.budget is not None:
+        if self.budget is None:  # claims are bounded by the room: all of them join
+            take = np.arange(min(n, room))
+        else:
             free = self.budget - int(active.tokens[:active.n].sum())
-            fits = np.cumsum(waiting.tokens[:take]) <= free
-            take = int(fits.sum()) if fits.all() else int(np.argmin(fits))
-        if take == 0:
-            return _NONE
+            take = np.array(pick(waiting, free, room, self.steps_done, self.pass_bound), np.intp)
+            if not len(take):
+                return _NONE
         mask = np.zeros(n, bool)
-        mask[:take] = True
-        slots, gens = waiting.slots[:take].copy(), waiting.gens[:take].copy()
-        ids = waiting.ids[:take].copy()
+        mask[take] = True
+        slots, gens, ids = waiting.slots[take], waiting.gens[take], waiting.ids[take]
         try:
             batch, lengths = self.gather(slots)
-            self.model.join(ids, *self.call.args(batch, lengths))
+            self.model.join(ids.copy(), *self.call.args(batch, lengths))
         except Exception as e:
             self.leave(ids)  # whatever state the failed join made for them
             self.settle(waiting, mask, codes.STATUS_BACKEND, error_text(e), left=False)
             return _NONE
-        active.add(slots, gens, ids, waiting.limits[:take], waiting.deadlines[:take],
-                   waiting.tokens[:take])
+        active.add(slots, gens, ids, waiting.limits[take], waiting.deadlines[take],
+                   waiting.tokens[take])
         waiting.keep(~mask)
         return slots
 
@@ -313,6 +286,7 @@ class Stepper:
 
     def finish(self, joined: np.ndarray, n: int, start_ns: int) -> None:
         """The step's figures (and admission's fit of step time, published by the C)."""
+        self.steps_done += 1
         self.ring.finish_step(joined, n, start_ns, ring.now_ns(), self.fit.c_fit)
         self.report(self.active.n)
         self.words[self.batch_start_word] = 0
