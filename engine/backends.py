@@ -120,6 +120,7 @@ def onnx(path: str, providers: Optional[Sequence[str]] = None,
             raise ValueError(f"engine tensors do not fit {path}: " + "; ".join(problems))
 
     run.check_tensors = check_tensors  # type: ignore[attr-defined]
+    run.session = session  # type: ignore[attr-defined]  # its thread pools, for `status`
     return run
 
 

@@ -4,8 +4,9 @@ Batchers and HTTP workers start the same way. A child is a fresh interpreter
 that runs MODULE._entry(), so the user's __main__ is never re-run. The parent
 pipes it sys.path and its arguments, pickled, on stdin, and passes the write
 end of a readiness pipe (its fd the child's one command-line argument); the
-child answers once on that pipe: ("ready",) once it serves, or ("error", type, message,
-traceback). Each child runs in its own process group: a terminal's Ctrl-C
+child answers once on that pipe: ("ready",) once it serves, or ("ready", info)
+where it says something of itself (the handle's ready_info), or ("error", type,
+message, traceback). Each child runs in its own process group: a terminal's Ctrl-C
 reaches the parent alone, which stops the children in its own order.
 """
 import multiprocessing.connection
@@ -14,7 +15,7 @@ import pickle
 import subprocess
 import sys
 import traceback
-from typing import Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 READY = ("ready",)
 
@@ -33,6 +34,7 @@ class Child(subprocess.Popen):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.sentinel: Optional[int] = os.pidfd_open(self.pid)  # readable once it exits
+        self.ready_info: Any = None  # what the child said of itself when ready
 
     def is_alive(self) -> bool:
         return self.poll() is None
@@ -108,8 +110,9 @@ def await_ready(proc: Child, reader, timeout_s: Optional[float], what: str, died
         proc.join(10)
         raise ChildFailed(died, f"{what} exited during start "
                           f"(exit code {proc.exitcode})") from None
-    if msg != READY:
+    if msg[:1] != READY:
         raise ChildFailed(*msg[1:4])
+    proc.ready_info = msg[1] if len(msg) > 1 else None
 
 
 def child_args() -> Tuple[dict, multiprocessing.connection.Connection]:
@@ -119,8 +122,9 @@ def child_args() -> Tuple[dict, multiprocessing.connection.Connection]:
     return args, multiprocessing.connection.Connection(int(sys.argv[1]), readable=False)
 
 
-def tell_ready(conn) -> None:
-    _tell(conn, READY)
+def tell_ready(conn, info: Any = None) -> None:
+    """Ready; `info` (picklable) reaches the parent as the handle's ready_info."""
+    _tell(conn, READY if info is None else (*READY, info))
 
 
 def tell_failed(conn, e: BaseException) -> None:

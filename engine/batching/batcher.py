@@ -28,7 +28,7 @@ from typing import Optional
 import numpy as np
 
 from engine import launch, spec
-from engine.batching import admission, aimd, iterative, policy
+from engine.batching import admission, aimd, iterative, policy, threads
 from engine.batching.loop import RETIRED, STOPPED, await_epoch, await_work, error_text
 from engine.batching.model_call import ModelCall
 from engine.segment import Segment
@@ -323,11 +323,12 @@ def main(name: str, instance: int, backend, backend_args: dict, cpus, gpu, conn,
         pid = os.getpid()
         segment.ring.set_word(codes.W_BATCHER_START + instance, liveness.start_ticks(pid) or 0)
         segment.ring.set_word(codes.W_BATCHER_PID + instance, pid)
+        pools = threads.report(fn, pinned=bool(cpus))  # for `shmbatch status`
     except BaseException as e:
         launch.tell_failed(conn, e)
         conn.close()
         raise SystemExit(1)
-    launch.tell_ready(conn)
+    launch.tell_ready(conn, pools)
     conn.close()
     if batcher.run() == RETIRED:
         # nothing is left to flush or release (the supervisor reaps the pid

@@ -210,11 +210,43 @@ def cmd_status(args) -> int:
         stats["supervisor_pid"] = seg.ring.word(codes.W_SUPERVISOR_PID)
     finally:
         seg.close()
+    stats["threads"], stats["threads_unknown"] = thread_pools(args.name) if alive else (
+        None, "the engine is dead")
     if args.json:
         print(json.dumps(stats, indent=2))
     else:
         print(status_table(stats))
     return 0 if alive else 1
+
+
+THREADS_TIMEOUT_S = 2.0  # a reload in progress holds the control socket: status does not wait
+
+
+def thread_pools(name: str):
+    """(each live batcher's thread pools, None) as the engine's control socket
+    answers, or (None, why not)."""
+    from engine.serving import control
+    try:
+        reply = control.request(name, {"op": "threads"}, timeout_s=THREADS_TIMEOUT_S)
+    except (EngineError, OSError, ValueError) as e:  # TimeoutError is an OSError
+        return None, str(e)
+    if not reply.get("ok"):
+        return None, str(reply.get("error", "the engine gave no reason"))
+    return reply["threads"], None
+
+
+def thread_rows(s: dict) -> list:
+    """Rows of the status table: each batcher's thread pools, and advice when
+    those of the unpinned ones leave no core to the web workers and clients."""
+    from engine.batching import threads
+    if s.get("threads") is None:
+        return [("threads", f"not known ({s.get('threads_unknown')})")]
+    if not s["threads"]:
+        return [("threads", "no live batcher has loaded its model")]
+    rows = [("threads", f"batcher {r['batcher']} (pid {r['pid']}): {threads.describe(r)}")
+            for r in s["threads"]]
+    advice = threads.advice(s["threads"])
+    return rows + ([("advice", advice)] if advice else [])
 
 
 def status_table(s: dict) -> str:
@@ -247,6 +279,8 @@ def status_table(s: dict) -> str:
                                 f"{s['chunks_total']} chunks; first chunk p50 {t['p50']:.3f} ms "
                                 f"p99 {t['p99']:.3f} ms; between chunks p50 {c['p50']:.3f} ms "
                                 f"p99 {c['p99']:.3f} ms"))
+    if "threads" in s:
+        rows += thread_rows(s)
     if s["corrupt_total"]:  # any at all: no engine process writes such a value
         rows.append(("CORRUPT", f"{s['corrupt_total']} values in the segment failed their "
                                 f"checks: another process writes into it"))

@@ -74,3 +74,15 @@ def start(engine: str, index: int, backend, backend_args: dict, cpus, gpu, epoch
         raise
     finally:
         reader.close()
+
+
+def thread_pools(instances) -> list:
+    """The thread pools of each instance's live batcher, as it reported them
+    once its model loaded (engine.batching.threads.report), with its batcher
+    number and pid."""
+    pools = []
+    for b in list(instances):  # the monitor thread may replace the list meanwhile
+        proc = b.proc
+        if proc is not None and proc.ready_info is not None:
+            pools.append({"batcher": b.index, "pid": proc.pid, **proc.ready_info})
+    return pools

@@ -59,12 +59,17 @@ def retire_bound_s(options, iterative: bool = False) -> float:
     return min(t for t in (options.drain_timeout_s, options.batch_timeout_s) if t is not None)
 
 
-def control_request(request: dict, reload_with: Callable[..., dict]) -> dict:
+def control_request(request: dict, reload_with: Callable[..., dict],
+                    thread_pools: Callable[[], list]) -> dict:
     """One request of the control socket (engine.serving.control), as `shmbatch reload`
     sends it: {"op": "reload", "backend": None or "MOD:FACTORY", "backend_args":
-    {...} merged over the current args}; reload_with(backend, args, merge) runs it."""
+    {...} merged over the current args}; reload_with(backend, args, merge) runs it.
+    Or as `shmbatch status` sends it: {"op": "threads"}, answered thread_pools()."""
+    if request.get("op") == "threads":
+        return {"ok": True, "threads": thread_pools()}
     if request.get("op") != "reload":
-        return {"ok": False, "error": f"unknown op {request.get('op')!r} (expected 'reload')"}
+        return {"ok": False, "error": f"unknown op {request.get('op')!r} (expected 'reload' "
+                                      f"or 'threads')"}
     try:
         result = reload_with(request.get("backend"), request.get("backend_args"), merge=True)
     except (EngineError, ValueError, TypeError) as e:

@@ -142,8 +142,8 @@ class Engine:
             raise self._start_error
         seg.own_word(codes.W_ENGINE_STATE, codes.ENGINE_RUNNING)
         try:
-            self._control = control.Server(
-                self.name, lambda request: reloading.control_request(request, self._reload_with))
+            self._control = control.Server(self.name, lambda request: reloading.control_request(
+                request, self._reload_with, lambda: processes.thread_pools(self._instances)))
         except OSError as e:  # the engine serves; only `shmbatch reload` cannot reach it
             log.warning("engine %s: no control socket (%s); `shmbatch reload %s` will not "
                         "reach this engine", self.name, e, self.name)
@@ -222,10 +222,11 @@ class Engine:
 
     # -- figures -------------------------------------------------------------
     def stats(self) -> Dict[str, Any]:
-        """The engine's figures, read from its segment (as `shmbatch status NAME --json`)."""
+        """The engine's figures, read from its segment, and its batchers' thread
+        pools (as `shmbatch status NAME --json`)."""
         if self._seg is None:
             raise EngineUnavailable(f"engine {self.name!r} is not running")
-        return metrics.read_stats(self._seg)
+        return {**metrics.read_stats(self._seg), "threads": processes.thread_pools(self._instances)}
 
     # -- reload -------------------------------------------
     def reload(self, backend: Union[None, str, spec.Factory] = None,
