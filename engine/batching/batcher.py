@@ -29,7 +29,7 @@ import numpy as np
 
 from engine import launch, spec
 from engine.batching import admission, aimd, iterative, policy, threads
-from engine.batching.loop import RETIRED, STOPPED, await_epoch, await_work, error_text
+from engine.batching.loop import RETIRED, STOPPED, await_epoch, await_work, error_text, tell_death
 from engine.batching.model_call import ModelCall
 from engine.segment import Segment
 from engine.shm import codes, liveness, ring
@@ -296,7 +296,8 @@ def _padded_lengths(lengths: np.ndarray, rows: int, bound: int) -> np.ndarray:
 def main(name: str, instance: int, backend, backend_args: dict, cpus, gpu, conn,
          epoch: int = 0) -> None:
     """Runs batcher `instance` of engine `name`; reports its readiness or its
-    failure to start on conn once (engine.launch), then serves."""
+    failure to start on conn once (engine.launch), then serves; an exception
+    that ends its loop is reported on conn too, before it dies."""
     try:
         liveness.die_with_parent()
         if gpu is not None:  # before the factory runs, as a CUDA runtime reads it once
@@ -329,8 +330,14 @@ def main(name: str, instance: int, backend, backend_args: dict, cpus, gpu, conn,
         conn.close()
         raise SystemExit(1)
     launch.tell_ready(conn, pools)
-    conn.close()
-    if batcher.run() == RETIRED:
+    try:
+        outcome = batcher.run()
+    except BaseException as e:
+        tell_death(conn, e)  # the supervisor's log names it as the cause of death
+        raise
+    finally:
+        conn.close()
+    if outcome == RETIRED:
         # nothing is left to flush or release (the supervisor reaps the pid
         # words), and the new batchers start serving once this process is
         # gone: skip the interpreter's teardown (tens of ms)

@@ -1,11 +1,14 @@
-"""What both batcher loops share: their constants, the wait for work, and a
-failure's text.
+"""What both batcher loops share: their constants, the wait for work, a
+failure's text, and the report of a death.
 
 A batcher with nothing due sleeps on the ring's work word, which every
 publish bumps: there is no flush timer while idle. With requests queued but
 not yet due (max_delay_ms), it sleeps until the oldest one's arrival +
 max_delay, or until the next publish.
 """
+import traceback
+
+from engine import launch
 from engine.shm import codes
 
 # The idle wait has no flush timer; this bound only lets a batcher notice a
@@ -19,9 +22,22 @@ ACTIVATION_CHECK_NS = 2_000_000
 STOPPED, RETIRED = "stopped", "retired"
 
 
+# A death's report is bounded (its pickle stays well within a pipe's buffer):
+# the dying batcher's send never waits for the supervisor to read.
+REPORT_CHARS = 2000
+
+
 def error_text(e: BaseException) -> bytes:
     """A model's exception as a failed request's error text."""
     return f"{type(e).__name__}: {e}".encode("utf-8", "replace")[:codes.ERRMSG_BYTES]
+
+
+def tell_death(conn, e: BaseException) -> None:
+    """Reports the exception that ends a batcher's loop on its readiness pipe,
+    which the supervisor reads once it finds the batcher dead (engine.serving.
+    processes.reported): its log then says what the batcher died of."""
+    launch.tell_failed(conn, launch.ChildFailed(type(e).__name__, str(e)[:REPORT_CHARS],
+                                                traceback.format_exc()[-REPORT_CHARS:]))
 
 
 def await_epoch(r) -> None:

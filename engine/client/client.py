@@ -373,8 +373,8 @@ class Client:
             why, code = waiting.wait(wait_slice, functools.partial(waiting.engine_lives, seg),
                                      deadline)
             if why != waiting.ANSWERED:
-                error = waiting.timed_out(timeout) if why == waiting.EXPIRED else \
-                    waiting.engine_gone(self.name)
+                error = waiting.ticket_timed_out(seg, slot, gen, timeout, deadline) \
+                    if why == waiting.EXPIRED else waiting.engine_gone(self.name)
                 if waiting.give_up(seg, slot, gen, error) is not None:
                     raise error
                 code = wait_slice(0)  # answered at the last instant: take it

@@ -140,7 +140,8 @@ class Request(concurrent.futures.Future):
         if why == waiting.ANSWERED:
             self.try_settle()  # answered (or no longer ours): settles for sure
         elif why == waiting.EXPIRED:
-            self.try_settle(waiting.timed_out(self.timeout))
+            self.try_settle(waiting.ticket_timed_out(self.seg, self.slot, self.gen, self.timeout,
+                                                     self.deadline))
         elif why == waiting.GONE:
             self.try_settle(waiting.client_closed(client.name) if client.attached is None
                             else waiting.engine_gone(client.name))
@@ -281,7 +282,8 @@ class Completer(threading.Thread):
         if code != codes.EBUSY:
             return t.try_settle()  # answered, failed, or no longer its own
         if t.deadline is not None and now >= t.deadline:
-            return t.try_settle(waiting.timed_out(t.timeout))
+            return t.try_settle(waiting.ticket_timed_out(seg, t.slot, t.gen, t.timeout,
+                                                         t.deadline))
         if self.lives is None:  # a probe costs 2 syscalls: at most one a slice
             self.lives = now - self.checked_ns < waiting.LIVENESS_SLICE_NS
             if not self.lives:

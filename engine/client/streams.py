@@ -158,7 +158,8 @@ class Stream:
 
         why, _ = waiting.wait(wait_slice, lambda: waiting.engine_lives(seg), self.deadline)
         if why != waiting.ANSWERED:
-            self._give_up(waiting.timed_out(self.timeout) if why == waiting.EXPIRED
+            self._give_up(waiting.ticket_timed_out(seg, self.slot, self.gen, self.timeout,
+                                                   self.deadline) if why == waiting.EXPIRED
                           else waiting.engine_gone(client.name))
 
     def _await_settled(self) -> int:
@@ -218,7 +219,8 @@ class AsyncStream:
                 await asyncio.wait_for(self.moved.wait(), max(0, wait_ns) / 1e9)
             except asyncio.TimeoutError:
                 if s.deadline is not None and ring.now_ns() >= s.deadline:
-                    self._end(waiting.timed_out(s.timeout))
+                    self._end(waiting.ticket_timed_out(s.seg, s.slot, s.gen, s.timeout,
+                                                       s.deadline))
                 elif not waiting.engine_lives(s.seg):
                     self._end(waiting.engine_gone(s.client.name))
 

@@ -11,6 +11,7 @@ answer can never reach a newer request that reuses the slot.
 """
 from typing import Callable, Optional
 
+from engine.client import deaths
 from engine.errors import (
     BackendError,
     EngineCorrupt,
@@ -68,6 +69,18 @@ def timed_out(timeout, count: int = 1) -> RequestTimeout:
         return RequestTimeout(f"expected an answer within {timeout} s, got none (request abandoned)")
     return RequestTimeout(f"expected {count} answers within {timeout} s, got fewer "
                           f"(requests abandoned)")
+
+
+def ticket_timed_out(seg, slot: int, gen: int, timeout: Optional[float],
+                     deadline: Optional[int]) -> RequestTimeout:
+    """timed_out(timeout) for ticket (slot, gen), read before it is abandoned:
+    it also says so when the batcher that held the request died (deaths)."""
+    error = timed_out(timeout)
+    if seg.closed:
+        return error
+    enqueued_ns = None if deadline is None or timeout is None else deadline - int(timeout * 1e9)
+    why = deaths.why_unanswered(seg, slot, gen, enqueued_ns)
+    return error if why is None else RequestTimeout(f"{error}: {why}")
 
 
 def engine_gone(name: str) -> EngineUnavailable:

@@ -2,11 +2,13 @@
 
 A batcher is a child started by engine.launch, ready once its backend factory
 ran. The loop it then runs is engine.batching's; this module never imports it
-(the child does).
+(the child does). Its readiness pipe stays open while it serves: an exception
+that ends its loop is reported there before it dies (reported()).
 """
 import logging
+import multiprocessing.connection
 import os
-from typing import Optional
+from typing import Optional, Tuple
 
 from engine import launch
 from engine.errors import BackendError
@@ -61,19 +63,35 @@ def await_ready(engine: str, index: int, proc: BatcherProcess, reader,
 
 
 def start(engine: str, index: int, backend, backend_args: dict, cpus, gpu, epoch: int,
-          timeout_s: float) -> BatcherProcess:
+          timeout_s: float) -> Tuple[BatcherProcess, multiprocessing.connection.Connection]:
     """Starts batcher `index` (as spawn()) and waits until it serves (or its
-    factory fails); BackendError, with the process killed, unless ready within
-    timeout_s."""
+    factory fails): (process, its pipe, for reported()). BackendError, with the
+    process killed, unless ready within timeout_s."""
     proc, reader = spawn(engine, index, backend, backend_args, cpus, gpu, epoch)
     try:
         await_ready(engine, index, proc, reader, timeout_s)
-        return proc
+        return proc, reader
     except BaseException:
         kill(proc)
-        raise
-    finally:
         reader.close()
+        raise
+
+
+def reported(reader) -> Optional[str]:
+    """What a dead batcher reported on its pipe before it died ("raised
+    TYPE: message"), or None (it said nothing: a signal, os._exit; or no pipe)."""
+    if reader is None:
+        return None
+    try:
+        if not reader.poll(0):
+            return None
+        msg = reader.recv()
+    except (EOFError, OSError):
+        return None
+    if not (isinstance(msg, tuple) and len(msg) == 4 and msg[0] == "error"):
+        return None
+    log.debug("the batcher's traceback:\n%s", msg[3])
+    return f"raised {msg[1]}: {msg[2]}"
 
 
 def thread_pools(instances) -> list:

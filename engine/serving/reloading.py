@@ -24,7 +24,7 @@ import threading
 from typing import Any, Callable, Optional
 
 from engine.errors import BackendError, EngineError, EngineUnavailable
-from engine.serving import processes
+from engine.serving import processes, restarts
 from engine.serving.restarts import Instance
 from engine.shm import codes, ring
 
@@ -118,8 +118,10 @@ class Reload:
                     del self.readers[b.index]
                     try:
                         processes.await_ready(engine, b.index, b.proc, reader)
-                    finally:
+                    except BaseException:
                         reader.close()
+                        raise
+                    b.reports = reader  # open while it serves (restarts.why_died reads it)
             elif not b.proc.is_alive():
                 raise BackendError("BatcherDied", f"new batcher {b.index} (pid "
                                    f"{b.proc.pid}) exited (exit code "
@@ -206,6 +208,7 @@ class Reload:
             reader = self.readers.pop(b.index, None)
             if reader is not None:
                 reader.close()
+            b.drop_reports()
             if b.proc is not None:
                 processes.kill(b.proc)
                 b.proc = None
@@ -230,11 +233,9 @@ def _retire(seg, engine: str, b: Instance, bound_s: float, batch_timeout_s: Opti
     why = None
     if overran:
         why = f"still in its last batch {bound_s:g} s after a reload retired it; killed"
-    elif b.hung:
-        why = f"hung: its batch ran over batch_timeout_s={batch_timeout_s:g}"
-    elif proc.exitcode:
-        why = (f"killed by signal {-proc.exitcode}" if proc.exitcode < 0
-               else f"exit code {proc.exitcode}")
+    elif b.hung or proc.exitcode:
+        why = restarts.why_died(b, proc.exitcode, batch_timeout_s)
+    b.drop_reports()
     # a clean exit left nothing claimed (it exits between batches); reap in any case
     # a retired batcher has no successor: its batch fails (not retried)
     failed, _ = r.reap_batcher(b.index, f"batcher {b.index} (pid {proc.pid}) died "
@@ -247,3 +248,5 @@ def _retire(seg, engine: str, b: Instance, bound_s: float, batch_timeout_s: Opti
     r.set_word(codes.W_BATCHER_PID + b.index, 0)
     proc.close()
     b.proc, b.hung = None, False
+    if why is not None:  # a new batcher's number restarts when the reload ends
+        b.died_ns = ring.now_ns()

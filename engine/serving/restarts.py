@@ -6,10 +6,15 @@ batch_timeout_s is a hung model (hung()), whose batcher it kills; a dead
 batcher's batch is kept for its successor to retry each request alone, or
 failed (reap_terms()); a successor that cannot start is tried again after a
 doubling back-off (back_off()). Every text a failed request carries about
-its batcher's death is written here.
+its batcher's death, and the log's words for a death and for the successor's
+readiness, are written here.
 """
 import dataclasses
+import multiprocessing.connection
+import signal
 from typing import TYPE_CHECKING, Optional
+
+from engine.serving import processes
 
 if TYPE_CHECKING:
     from engine.serving.processes import BatcherProcess
@@ -34,6 +39,16 @@ class Instance:
     kept: int = 0
     retried_at_keep: int = 0
     futile_restarts: int = 0
+    # the batcher's pipe, open while it serves: an exception that ends its loop
+    # is reported there before it dies (processes.reported)
+    reports: Optional[multiprocessing.connection.Connection] = None
+    died_ns: int = 0  # when its last batcher was found dead (0: none since it started)
+    failed_starts: int = 0  # successors that failed to start since then
+
+    def drop_reports(self) -> None:
+        if self.reports is not None:
+            self.reports.close()
+            self.reports = None
 
 
 def reap_terms(b: Instance, pid: int, why: str, retried_total: int, isolate: bool):
@@ -72,14 +87,38 @@ def hung(started_ns: int, now_ns: int, engine_started_ns: int, timeout_s: float)
     return now_ns - started_ns > timeout_s * 1e9
 
 
+def exit_text(exitcode: Optional[int]) -> str:
+    """A process's end in words: "exit code 3", or "killed by signal 9 (SIGKILL)"."""
+    if exitcode is None or exitcode >= 0:
+        return f"exit code {exitcode}"
+    try:
+        name = signal.Signals(-exitcode).name
+    except ValueError:  # a real-time signal has no name
+        return f"killed by signal {-exitcode}"
+    return f"killed by signal {-exitcode} ({name})"
+
+
 def why_died(b: Instance, exitcode: Optional[int], batch_timeout_s: Optional[float]) -> str:
-    """How b's batcher ended, in words (its hung mark cleared)."""
+    """How b's batcher ended, in words: hung (its mark cleared), the exception
+    it reported, or its exit code or signal. Its pipe is read and closed."""
+    reported = processes.reported(b.reports)
+    b.drop_reports()
     if b.hung:
         b.hung = False
         return f"hung: its batch ran over batch_timeout_s={batch_timeout_s:g}"
-    if exitcode is not None and exitcode < 0:
-        return f"killed by signal {-exitcode}"
-    return f"exit code {exitcode}"
+    if reported is not None:
+        return f"{reported}; {exit_text(exitcode)}"
+    return exit_text(exitcode)
+
+
+def ready_again(b: Instance, now_ns: int) -> str:
+    """The log's words for b's successor, ready now (b.died_ns is cleared)."""
+    took_s, b.died_ns = (now_ns - b.died_ns) / 1e9, 0
+    tries = f", {b.failed_starts} failed start(s) before it" if b.failed_starts else ""
+    retries = (f"; it retries the {b.kept} request(s) its predecessor held, each alone"
+               if b.kept else "")
+    return (f"batcher {b.index} ready again after {took_s:.2f} s (pid {b.proc.pid}{tries})"
+            f"{retries}")
 
 
 def no_successor(b: Instance, error: Exception) -> bytes:
@@ -91,5 +130,6 @@ def no_successor(b: Instance, error: Exception) -> bytes:
 def back_off(b: Instance) -> float:
     """The wait before b's next start, after one failed: doubling from 0.5 s
     to RESTART_BACKOFF_MAX_S."""
+    b.failed_starts += 1
     b.backoff_s = min(RESTART_BACKOFF_MAX_S, 2 * b.backoff_s or 0.5)
     return b.backoff_s

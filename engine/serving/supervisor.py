@@ -39,7 +39,6 @@ from engine.config import REAP_INTERVAL_S, EngineConfig, EngineOptions, per_inst
 from engine.errors import BackendError, EngineUnavailable
 from engine.segment import Segment
 from engine.serving import control, metrics, processes, reloading, restarts
-from engine.serving.processes import BatcherProcess
 from engine.serving.reloading import Reload
 from engine.serving.restarts import Instance
 from engine.shm import codes, liveness, reaper, ring
@@ -197,6 +196,7 @@ class Engine:
             self._control.join(timeout=10)
             self._control = None
         for b in self._instances:
+            b.drop_reports()
             proc, b.proc = b.proc, None
             if proc is None:
                 continue
@@ -305,17 +305,18 @@ class Engine:
         self._seg.ring.wake_work()  # sleeping batchers look at the word now
 
     # -- the monitor thread --------------------------------------------------
-    def _spawn(self, b: Instance) -> BatcherProcess:
+    def _spawn(self, b: Instance) -> None:
         """Starts b's batcher (current options and epoch) and waits until it serves
         (or its factory fails)."""
         o = self.options
-        return processes.start(self.name, b.index, o.backend, o.backend_args, self.cpus[b.position],
-                              self.gpus[b.position], self._epoch, o.start_timeout_s)
+        b.proc, b.reports = processes.start(self.name, b.index, o.backend, o.backend_args,
+                                            self.cpus[b.position], self.gpus[b.position],
+                                            self._epoch, o.start_timeout_s)
 
     def _monitor_main(self) -> None:
         try:
             for b in self._instances:
-                b.proc = self._spawn(b)
+                self._spawn(b)
         except BaseException as e:
             self._start_error = e
             self._started.set()
@@ -392,6 +393,7 @@ class Engine:
             b.kept, b.retried_at_keep = kept, retried
             r.set_word(codes.W_BATCHER_PID + i, 0)
             r.add_word(codes.W_RESTARTS)
+            b.died_ns, b.failed_starts = ring.now_ns(), 0
             log.warning("engine %s: batcher %d (pid %d) died (%s); failed %d claimed "
                         "request(s), kept %d to retry alone; restarting", self.name, i,
                         proc.pid, why, failed, kept)
@@ -400,7 +402,7 @@ class Engine:
         if ring.now_ns() < b.restart_at_ns:
             return
         try:
-            b.proc = self._spawn(b)
+            self._spawn(b)
             b.backoff_s = 0.0
         except Exception as e:
             # no successor to retry what the dead one kept: those fail now
@@ -412,6 +414,9 @@ class Engine:
             b.restart_at_ns = ring.now_ns() + int(backoff * 1e9)
             log.error("engine %s: batcher %d did not restart (%s); failed %d kept request(s); "
                       "next try in %.1f s", self.name, i, e, failed, backoff)
+            return
+        if b.died_ns:  # a warning, as the death was: a log filtered to warnings shows both
+            log.warning("engine %s: %s", self.name, restarts.ready_again(b, ring.now_ns()))
 
     def _guard_segment(self) -> None:
         """Puts back what this process alone writes in the segment, and says
