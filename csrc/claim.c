@@ -298,3 +298,20 @@ uint32_t sb_claim(sb_ring *r, uint32_t batcher, uint32_t max_n, uint32_t flush_n
 	report[SB_R_BUCKET] = bucket;
 	return claimed;
 }
+
+void sb_claimed_ranks(sb_ring *r, const uint32_t *slots, uint32_t n, uint32_t *levels,
+		      uint64_t *arrivals)
+{
+	for (uint32_t k = 0; k < n; k++) {
+		if (slots[k] >= r->capacity) {
+			levels[k] = r->levels;
+			arrivals[k] = UINT64_MAX;
+			continue;
+		}
+		/* relaxed: written before the publish our claim acquired */
+		const sb_slot_meta *m = meta_at(r, slots[k]);
+		uint32_t level = sb_load_relaxed(&m->priority);
+		levels[k] = level < r->levels ? level : r->levels;
+		arrivals[k] = sb_load_relaxed(&m->arrival_ns);
+	}
+}

@@ -123,11 +123,10 @@
  *   instruction leaves every slot in one well-defined state whose actor is
  *   named in the word, and one CAS by the reaper moves it on. The batcher
  *   finds READY slots through the ready[] bitmap instead of following a
- *   list, so a dead writer is simply never READY. A request
- *   takes the slot after the last one taken, unless a lower one was freed
- *   since: consecutive requests take consecutive slots (most batches are one
- *   contiguous run of rows, passed to the backend without a copy), and the
- *   slots in use stay the lowest ones (their rows stay in the CPU caches).
+ *   list, so a dead writer is simply never READY. A request takes the slot
+ *   after the last one taken, unless a lower one was freed since: batches
+ *   are mostly one contiguous run of rows (no copy), and the slots in use
+ *   stay the lowest (their rows stay in the CPU caches).
  *
  * THE READY BITMAP: a hint, never the truth (ctl is)
  *   It lets a claim cost O(C/64 + ready) instead of O(C): the batcher reads
@@ -160,11 +159,10 @@
  * spin_ns (0: sleep at once); the C never spins on its own.
  *
  * WHAT COMES FROM THE SEGMENT IS DATA
- *   Every per-slot field (ctl, meta, ready[], lengths, errmsg) and every
- *   word of the header may hold anything. A field that becomes an index, a
- *   length, a shift or a divisor is loaded once (relaxed atomic: no re-fetch
- *   after the check) and checked against the process's own sb_ring; one
- *   that fails is counted (corrupt_total, and the process's own count) and
+ *   Every per-slot field and header word may hold anything. A field that
+ *   becomes an index, a length, a shift or a divisor is loaded once (relaxed
+ *   atomic: no re-fetch after the check) and checked against the process's
+ *   own sb_ring; one that fails is counted (corrupt_total, and its own) and
  *   nothing is derived from it: a slot with a priority out of range is
  *   failed (SB_STATUS_CORRUPT), a stray bitmap bit cleared, a count beyond a
  *   caller's buffer cut to it. Caller buffers carry their capacity.
@@ -182,9 +180,8 @@
  *               (segment.h; wait.c names futex.h as well)
  *
  * C holds no policy: when to flush, whether a process is dead, what an error
- * means and whether a dead batcher's batch is retried are decided in Python
- * (engine/). It measures (histograms, the service-time fit) and applies the
- * thresholds it is given.
+ * means, whether a dead batcher's batch is retried are Python's (engine/).
+ * It measures (histograms, the fit) and applies the thresholds it is given.
  */
 #ifndef SB_RING_H
 #define SB_RING_H
@@ -511,6 +508,9 @@ uint32_t sb_claim(sb_ring *r, uint32_t batcher, uint32_t max_n, uint32_t flush_n
 		  uint64_t cutoff_ns, uint64_t expire_ns, const sb_shape *shape,
 		  uint64_t *scratch, uint32_t scratch_n, uint32_t *slots, uint32_t *gens,
 		  uint32_t *lengths, uint64_t *report);
+/* each claimed slot's level (r->levels if out of range) and arrival */
+void sb_claimed_ranks(sb_ring *r, const uint32_t *slots, uint32_t n, uint32_t *levels,
+		      uint64_t *arrivals);
 
 /* batcher: answers (complete.c) */
 uint32_t sb_complete(sb_ring *r, uint32_t batcher, const uint32_t *slots,

@@ -47,7 +47,7 @@ def test_a_request_over_the_token_budget_waits_and_joins_when_one_leaves(make_en
         wait_held(log, 1, 1)
         second = c.stream(request(2, 3), timeout=60)
         third = c.stream(request(3, 3), timeout=60)               # 8 more: over the budget
-        fourth = c.stream(request(4, 3), timeout=60, max_steps=1)  # 1 would fit: waits its turn
+        fourth = c.stream(request(4, 3), timeout=60, max_steps=1)  # over the budget too
         gate.open()
         assert ints(first) == chunks(1, 6)
         for s, tag, n in ((second, 2, 3), (third, 3, 3), (fourth, 4, 1)):
@@ -74,6 +74,23 @@ def test_admission_refuses_at_once_what_cannot_get_its_first_chunk_before_its_de
         running.close()
     stats = wait_idle(eng)
     assert stats["overloaded_total"] == 1 and stats["requests_total"] == 2
+
+
+def test_a_full_running_batch_refuses_at_once_what_cannot_join_before_its_deadline(
+        make_engine, log):
+    # one place, taken by a request with hundreds of steps of at least 10 ms left: a
+    # request behind it cannot get its first chunk within a second, however fast the machine
+    eng = scripted(make_engine, "full", log, max_steps=512, max_batch_size=1,
+                   model={"step_ms": 10.0})
+    with engine.Client(eng.name) as c:
+        running = c.stream(request(1, 400), timeout=120)
+        measured = codes.FIT_CALIBRATED + 2  # the fit is published once calibrated
+        assert [int(next(running)) for _ in range(measured)] == chunks(1, measured)
+        with pytest.raises(engine.Overloaded):  # at enqueue: not a timeout a second later
+            c.infer(request(2, 3), timeout=1.0)
+        running.close()
+    stats = wait_idle(eng)
+    assert stats["overloaded_total"] == 1 and stats["timeouts_total"] == 0
 
 
 def test_stop_lets_running_and_queued_streams_finish(make_engine, log, gate):

@@ -63,9 +63,9 @@ class Batcher:
         self.batch_start_word = codes.W_BATCH_START + instance
         self.slo_ns = None if cfg.slo_ms is None else int(cfg.slo_ms * 1e6)
         self.isolate = cfg.isolate_failures
-        # admission's figures, fed by finish_batch in C each batch (the
-        # batcher's first batch warms the model up: not a measure)
-        self.fit = admission.ServiceFit(warmup=1)
+        # admission's figures, fed by finish_batch in C each batch but the
+        # first of each shape (it warms the model up: not a measure)
+        self.fit = admission.ServiceFit()
         self.expire_lead_ns = 0  # the fit's fixed cost: less time than that left is too little
         self.in_place = segment.in_place
         # every tensor in spec order: the single-array form is one each way
@@ -163,7 +163,8 @@ class Batcher:
         else:
             r.complete(self.instance, claimed, n, codes.STATUS_OK, b"")
         done_ns = ring.now_ns()
-        if r.finish_batch(claimed, n, claim_ns, done_ns, contiguous, self.fit.c_fit):
+        if r.finish_batch(claimed, n, claim_ns, done_ns, contiguous,
+                          self.fit.measuring((claimed.bucket, n))):
             # the fit was solved anew: less time left than its fixed cost is too little
             self.expire_lead_ns = self.fit.estimate()[0]
         words[self.batch_start_word] = 0

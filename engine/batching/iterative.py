@@ -66,7 +66,9 @@ class Stepper:
         self.budget = cfg.max_batch_tokens  # None: no token budget
         self.words = segment.words
         self.batch_start_word = codes.W_BATCH_START + instance
-        self.fit = admission.ServiceFit(warmup=1)
+        # admission's fit of step time, fed by each step but the first of each
+        # running batch size (it warms the model up: not a measure)
+        self.fit = admission.ServiceFit()
         self.claimed = ring.ClaimBuffers(segment.capacity, cfg.max_batch_size)
         self.active = Group(cfg.max_batch_size)
         self.waiting = Group(cfg.max_batch_size)  # claimed, not joined: over the budget
@@ -77,7 +79,7 @@ class Stepper:
         self.ends = np.zeros(cfg.max_batch_size, np.uint32)
         self.last_claim = (0, 0, 0)  # (ready, oldest_ns, cutoff_ns) the last claim saw
         self.seen = self.claimed_seen = -1  # work_seq this turn, and at the last claim
-        self.reported = -1  # the running batch's size as last published
+        self.reported = (-1, 0)  # (running batch size, steps to room) as last published
         self.var_inputs = [(t, s.var_axis, s.max_shape[s.var_axis])
                            for t, s in enumerate(cfg.input_specs) if s.var_axis is not None]
         self.call = ModelCall(cfg, cfg.max_batch_size)
@@ -114,12 +116,12 @@ class Stepper:
             words[self.batch_start_word] = 0
             self.report(0)
             if epoch > self.epoch and not self.retry and not self.waiting.n:
-                return RETIRED  # nothing of its own left: a retry or a claim is no one else's
+                return self.gone(RETIRED)  # nothing of its own left: a retry or a claim is no one else's
             if not joins or self.waiting.n or self.retry:
                 continue
             ready, oldest_ns, cutoff_ns = self.last_claim
             if ready == 0 and state == codes.ENGINE_STOPPED:
-                return STOPPED
+                return self.gone(STOPPED)
             await_work(r, self.rule, seen, ready, oldest_ns, cutoff_ns, start_ns, spin_ns)
             spin_ns = 0
 
@@ -185,9 +187,9 @@ class Stepper:
         self.last_claim = (ready, oldest_ns, cutoff_ns)
         if n:
             # their order matters only where some may wait: under a budget
-            ranks = claim_ranks(claimed, n, max_n) if self.budget is not None else (0, 0)
-            self.stage(claimed.slots[:n].copy(), claimed.gens[:n].copy(),
-                       claimed.lengths[:n].copy(), *ranks)
+            slots = claimed.slots[:n].copy()
+            ranks = claim_ranks(self.ring, slots) if self.budget is not None else (0, 0)
+            self.stage(slots, claimed.gens[:n].copy(), claimed.lengths[:n].copy(), *ranks)
         return self.join_waiting()
 
     def join_retry(self) -> np.ndarray:
@@ -287,15 +289,30 @@ class Stepper:
     def finish(self, joined: np.ndarray, n: int, start_ns: int) -> None:
         """The step's figures (and admission's fit of step time, published by the C)."""
         self.steps_done += 1
-        self.ring.finish_step(joined, n, start_ns, ring.now_ns(), self.fit.c_fit)
+        self.ring.finish_step(joined, n, start_ns, ring.now_ns(), self.fit.measuring(n))
         self.report(self.active.n)
         self.words[self.batch_start_word] = 0
 
     def report(self, n: int) -> None:
-        """The running batch's size, for the figures (a C call only when it changed)."""
-        if n != self.reported:
-            self.reported = n
-            self.ring.set_active(self.instance, n)
+        """The running batch's size, for the figures, and for admission the
+        steps until a new request can join: 0 with room; with every place
+        taken (the claimed ones waiting to join take the first to free), the
+        steps until enough running requests reach their max_steps (a C call
+        only when either changed)."""
+        room_steps = 0
+        queued = self.waiting.n
+        if n and n + queued >= self.max_active:
+            left = self.active.limits[:n].astype(np.int64) - self.active.steps[:n]
+            k = min(queued, n - 1)
+            room_steps = max(0, int(np.partition(left, k)[k]))
+        if (n, room_steps) != self.reported:
+            self.reported = (n, room_steps)
+            self.ring.set_active(self.instance, n, room_steps)
+
+    def gone(self, outcome: str) -> str:
+        """Says, as the loop ends, that this batcher takes no more requests."""
+        self.ring.set_word(codes.W_ROOM_STEPS + self.instance, 0)
+        return outcome
 
     def checked(self, result, n: int):
         """step()'s (out, done) as each output's n chunks in spec order and

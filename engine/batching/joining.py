@@ -62,22 +62,11 @@ class Group:
         self.soonest_ns = int(d.min()) if len(d) else NO_DEADLINE
 
 
-def claim_ranks(claimed: ring.ClaimBuffers, n: int, max_n: int):
-    """(levels, arrivals) of the n slots a claim of up to max_n took, read
-    from the claim's own entries in scratch (claim.c: {level, arrival_ns,
-    slot, bucket | gen << 32}, the chosen ones first). A slot not found there
-    ranks last and newest: after the others, never lost."""
-    m = min(max_n, claimed.scratch_n)
-    entries = claimed.scratch[:4 * m].reshape(m, 4)
-    keys = entries[:, 2] | (entries[:, 3] >> np.uint64(32) << np.uint64(32))
-    want = claimed.slots[:n].astype(np.uint64) | (claimed.gens[:n].astype(np.uint64)
-                                                  << np.uint64(32))
-    order = np.argsort(keys, kind="stable")
-    at = order[np.minimum(np.searchsorted(keys[order], want), m - 1)]
-    found = keys[at] == want
-    rows = entries[at]
-    levels = np.where(found, rows[:, 0], np.uint64(2**32))
-    arrivals = np.where(found, rows[:, 1], np.uint64(ring.now_ns()))
+def claim_ranks(r: ring.Ring, slots: np.ndarray):
+    """(levels, arrivals) of claimed slots, as their clients published them
+    (a level out of range ranks last)."""
+    levels, arrivals = np.zeros(len(slots), np.uint32), np.zeros(len(slots), np.uint64)
+    r.claimed_ranks(slots, levels, arrivals)
     return levels, arrivals
 
 

@@ -3,9 +3,8 @@
 It turns the mapping of a segment into this process's own view of it (an
 sb_ring: the geometry, copied from the header once and checked, from then on
 the only source of every bound and offset) and wraps each C function in a
-method that returns plain ints, so that no other module sees cffi objects.
-Codes are returned, not raised: what an outcome means for a request is
-decided by the client and batcher modules.
+method that returns plain ints (codes, not raised), so that no other module
+sees cffi objects.
 
 The SB_* constants of csrc/ring.h are engine.shm.codes'.
 """
@@ -30,8 +29,6 @@ MAX_NS = 2**64 - 1  # "any time": a cutoff every arrival is before
 # side. Read at import, before a batcher pins itself.
 SPIN_NS = 50_000 if len(os.sched_getaffinity(0)) > 1 else 0
 spin_ns = lib.sb_spin_ns  # busy-waits in C, without the GIL
-
-
 NO_FIT = ffi.NULL  # a batch that feeds no fit
 
 
@@ -125,8 +122,7 @@ class Ring:
 
     @property
     def geometry(self):
-        """This process's sb_ring (read its fields: capacity, levels,
-        off_tensor[t], ...): what every bound comes from."""
+        """This process's sb_ring (capacity, levels, off_tensor[t], ...): every bound's source."""
         return self.r
 
     def corrupt_seen(self) -> int:
@@ -138,8 +134,7 @@ class Ring:
         return lib.sb_corrupt_total(self.r)
 
     def restore_header(self) -> int:
-        """The creator's geometry written back over the header's; returns how
-        many fields had changed."""
+        """The creator's geometry written back over the header's; how many fields changed."""
         return lib.sb_restore_header(self.r)
 
     def word(self, word: int) -> int:
@@ -312,6 +307,11 @@ class Ring:
         batch.bucket = report[codes.R_BUCKET]
         return (n, report[codes.R_CLAIM_NS], report[codes.R_READY], report[codes.R_OLDEST_NS],
                 report[codes.R_EXPIRED])
+
+    def claimed_ranks(self, slots: np.ndarray, levels: np.ndarray, arrivals: np.ndarray) -> None:
+        """Fills levels (uint32) and arrivals (uint64) of claimed slots (uint32)."""
+        lib.sb_claimed_ranks(self.r, _ptr(slots, "uint32_t *"), len(slots),
+                             _ptr(levels, "uint32_t *"), _ptr(arrivals, "uint64_t *"))
 
     def complete(self, batcher: int, batch: ClaimBuffers, n: int, status=0,
                  message: bytes = b"") -> int:
