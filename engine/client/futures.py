@@ -87,8 +87,9 @@ class Request(concurrent.futures.Future):
 
     def cancel(self) -> bool:
         with self._condition:
-            if self._state != _PENDING or self.seg.ring.abandon(self.slot, self.gen) != codes.OK:
-                return False  # settled, or answered already: too late to withdraw
+            if (self._state != _PENDING
+                    or waiting.withdraw(self.seg, self.slot, self.gen, release=False) != codes.OK):
+                return False  # settled, or answered already (its answer is result()'s)
             return super().cancel()
 
     def add_done_callback(self, fn: Callable[["concurrent.futures.Future[Any]"], object]) -> None:
@@ -149,9 +150,8 @@ class Request(concurrent.futures.Future):
     def __del__(self):
         # only in the process that sent it: a forked child's copy is not the owner
         try:
-            if (self._state == _PENDING and os.getpid() == self._pid and not self.seg.closed
-                    and self.seg.ring.abandon(self.slot, self.gen) == codes.EBUSY):
-                self.seg.ring.release_slot(self.slot, self.gen)
+            if self._state == _PENDING and os.getpid() == self._pid and not self.seg.closed:
+                waiting.withdraw(self.seg, self.slot, self.gen)
         except Exception:  # at interpreter exit, modules may be gone already
             pass
 

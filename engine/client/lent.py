@@ -49,8 +49,8 @@ class SlotRequest:
         r = self.seg.ring
         if not self._sent:
             r.cancel(self.slot, self.gen)
-        elif r.abandon(self.slot, self.gen) == codes.EBUSY:  # answered: ours to release
-            r.release_slot(self.slot, self.gen)
+        else:
+            waiting.withdraw(self.seg, self.slot, self.gen)
 
     def __enter__(self) -> "SlotRequest":
         return self

@@ -71,9 +71,7 @@ class Stream:
         if not self._open:
             return
         self._open = False
-        r = self.seg.ring
-        if r.abandon(self.slot, self.gen) == codes.EBUSY:  # settled meanwhile: ours to free
-            r.release_slot(self.slot, self.gen)
+        waiting.withdraw(self.seg, self.slot, self.gen)  # settled meanwhile: freed
 
     def __enter__(self) -> "Stream":
         return self

@@ -119,6 +119,20 @@ def failed(seg, slot: int, gen: int, code: int) -> EngineError:
     return EngineUnavailable(f"engine {seg.name!r} reclaimed the request (code {code})")
 
 
+def withdraw(seg, slot: int, gen: int, release: bool = True) -> int:
+    """Withdraws a sent request its caller no longer wants (not a timeout:
+    give_up's); with release, an answer that came meanwhile is released.
+    Returns abandon's code: OK when withdrawn (and counted), EBUSY when it
+    was answered."""
+    r = seg.ring
+    code = r.abandon(slot, gen)
+    if code == codes.OK:
+        r.add_word(codes.W_WITHDRAWN)
+    elif code == codes.EBUSY and release:
+        r.release_slot(slot, gen)
+    return code
+
+
 def give_up(seg, slot: int, gen: int, error: EngineError) -> Optional[EngineError]:
     """Abandons the ticket; returns error, or None when it was answered that
     instant (then its answer is the caller's to take). A timeout is counted."""
