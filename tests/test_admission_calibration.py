@@ -135,3 +135,15 @@ def test_the_log_says_what_admission_refused_at_most_once_a_period(caplog):
             line = said.tick(admission_log.PERIOD_NS)
         assert "admission refused 7 of 100 requests" in line and line in caplog.text
         assert said.tick(3 * admission_log.PERIOD_NS) is None  # nothing refused since
+
+
+def test_status_tells_admission_refusals_from_a_full_engine():
+    from engine.cli.commands import admission_text
+    cold = {"refused_total": 0, "calibrated": False, "compared_total": 0, "late_total": 0,
+            "predicted_ms_mean": 0.0, "seen_ms_mean": 0.0, "correction": 1.0}
+    assert "not calibrated yet (refuses nothing" in admission_text(cold)
+    judged = dict(cold, refused_total=12, calibrated=True, compared_total=200, late_total=50,
+                  predicted_ms_mean=40.0, seen_ms_mean=30.0, correction=0.75)
+    assert admission_text(judged) == (
+        "12 refused; of 200 admitted on a counted prediction, waits predicted 40.0 ms and seen "
+        "30.0 ms on average, 25 % longer than predicted; predictions corrected x0.75")

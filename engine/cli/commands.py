@@ -259,17 +259,19 @@ def status_table(s: dict) -> str:
         ("batchers", f"{s['instances_alive']} of {s['instances']} alive, pids {s['batcher_pids']}"),
         ("knobs", f"max_batch_size {s['max_batch_size']}, max_delay_ms {s['max_delay_ms']:g}, "
                   f"queue_capacity {s['queue_capacity']}"),
-        ("requests", f"{s['requests_total']} queued in all, {s['answered_total']} answered, "
-                     f"{s['rejected_total']} rejected, {s['timeouts_total']} timed out, "
-                     f"{s['errors_total']} failed, {s['invalid_total']} invalid"),
+        ("requests", f"{s['requests_total']} queued in all: {s['answered_total']} answered, "
+                     f"{s['errors_total']} failed, {s['expired_total']} expired, "
+                     f"{s['timeouts_total']} timed out, {s['withdrawn_total']} withdrawn "
+                     f"(the rest in flight); refused at the door: {s['rejected_total']} queue "
+                     f"full, {s['overloaded_total']} by admission; {s['invalid_total']} invalid"),
         ("queue", f"{slots} of {s['queue_capacity']}, segment {size_text(s['segment_bytes'])}"),
         ("batches", f"{s['batches_total']} run, avg size {s['avg_batch_size']:.2f}, "
                     f"{s['zero_copy_batches']} zero-copy, {s['gathered_batches']} gathered"),
         ("queue wait", f"p50 {q['p50']:.3f} ms  p99 {q['p99']:.3f} ms  max {q['max']:.3f} ms"),
         ("service", f"p50 {sv['p50']:.3f} ms  p99 {sv['p99']:.3f} ms  max {sv['max']:.3f} ms"),
-        ("scheduling", f"batch limit {s['batch_limit']}, {s['overloaded_total']} refused by "
-                       f"admission, {s['expired_total']} expired unstarted, "
+        ("scheduling", f"batch limit {s['batch_limit']}, "
                        f"{s['isolated_failures_total']} failed alone after a split"),
+        ("admission", admission_text(s["admission"])),
         ("faults", f"{s['batcher_restarts_total']} batcher restarts, "
                    f"{s['reclaimed_slots_total']} slots reclaimed from dead clients"),
     ]
@@ -285,6 +287,20 @@ def status_table(s: dict) -> str:
         rows.append(("CORRUPT", f"{s['corrupt_total']} values in the segment failed their "
                                 f"checks: another process writes into it"))
     return "\n".join(f"{k:>11}  {v}" for k, v in rows)
+
+
+def admission_text(a: dict) -> str:
+    """Admission by deadline's account of itself: its refusals, and how the
+    waits it predicted compared with those seen (so its 503s are told from
+    an engine that is simply full)."""
+    if not a["calibrated"]:
+        return f"{a['refused_total']} refused; not calibrated yet (refuses nothing until it is)"
+    text = f"{a['refused_total']} refused"
+    if a["compared_total"]:
+        text += (f"; of {a['compared_total']} admitted on a counted prediction, waits predicted "
+                 f"{a['predicted_ms_mean']:.1f} ms and seen {a['seen_ms_mean']:.1f} ms on average, "
+                 f"{100 * a['late_total'] / a['compared_total']:.0f} % longer than predicted")
+    return text + f"; predictions corrected x{a['correction']:.2f}"
 
 
 def _cleanup_parser(sub):

@@ -39,6 +39,7 @@ from engine.config import REAP_INTERVAL_S, EngineConfig, EngineOptions, per_inst
 from engine.errors import BackendError, EngineUnavailable
 from engine.segment import Segment
 from engine.serving import control, metrics, processes, reloading, restarts
+from engine.serving.admission_log import AdmissionLog
 from engine.serving.reloading import Reload
 from engine.serving.restarts import Instance
 from engine.shm import codes, liveness, reaper, ring
@@ -124,6 +125,7 @@ class Engine:
         seg.own_word(codes.W_EPOCH, 0)
         self._started_ns = ring.now_ns()  # no batch the watchdog sees starts before it
         self._corrupt_logged, self._corrupt_log_at_ns = 0, 0
+        self._admission_log = AdmissionLog(self.name, seg.ring, self._started_ns)
         self._instances = [Instance(i, i) for i in range(self.config.instances)]
         self._seg.set_batch_limit(self.config.max_batch_size)  # AIMD moves it, with slo_ms
         self._wake_r, self._wake_w = os.pipe()
@@ -367,6 +369,7 @@ class Engine:
                     self._kill_if_hung(b)
             self._reap_clients()
             self._guard_segment()
+            self._admission_log.tick(ring.now_ns())
 
     def _kill_if_hung(self, b: Instance) -> None:
         timeout_s = self.options.batch_timeout_s
