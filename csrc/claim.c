@@ -227,6 +227,7 @@ uint32_t sb_claim(sb_ring *r, uint32_t batcher, uint32_t max_n, uint32_t flush_n
 		"its priority in the segment is no priority level (not computed)";
 	struct ready_iter it = READY_ITER;
 	uint32_t k = 0, ready = 0, claimed = 0, expired = 0, failed = 0, bucket = 0;
+	uint64_t missed = 0, missed_predicted = 0, missed_seen = 0;
 	uint64_t oldest = UINT64_MAX, now = sb_now_ns();
 	report[SB_R_CLAIM_NS] = 0;
 	report[SB_R_BUCKET] = 0;
@@ -249,6 +250,17 @@ uint32_t sb_claim(sb_ring *r, uint32_t batcher, uint32_t max_n, uint32_t flush_n
 			expired += fail_unstarted(r, batcher, slot, it.ctl, it.level,
 						  SB_STATUS_EXPIRED, expired_why,
 						  sizeof(expired_why) - 1, now);
+			/* admitted on a prediction: it would have waited past its
+			 * deadline at least. Left out, the predictions would be
+			 * judged by the requests that made it alone (too short
+			 * waits), and the correction would admit ever more */
+			uint64_t predicted_ns = 1000ull * sb_load_relaxed(&m->predicted_us);
+			uint64_t arrival = sb_load_relaxed(&m->arrival_ns), until = now > deadline ? now : deadline;
+			if (predicted_ns) {
+				missed++;
+				missed_predicted += predicted_ns;
+				missed_seen += until > arrival ? until - arrival : 0;
+			}
 			continue;
 		}
 		uint64_t arrival = sb_load_relaxed(&m->arrival_ns);
@@ -266,6 +278,8 @@ uint32_t sb_claim(sb_ring *r, uint32_t batcher, uint32_t max_n, uint32_t flush_n
 	}
 	if (expired + failed)
 		bump_done_seq(r);
+	if (missed)
+		judge_predictions(r, missed, missed_predicted, missed_seen, missed);
 	report[SB_R_READY] = ready;
 	report[SB_R_OLDEST_NS] = oldest;
 	report[SB_R_EXPIRED] = expired;

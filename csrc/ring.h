@@ -463,7 +463,7 @@ int sb_admit(sb_ring *r, uint32_t priority, uint64_t deadline_ns, uint32_t *wait
 #define SB_FIT_MEMORY 50
 #define SB_FIT_OUTLIER 4
 #define SB_FIT_REFIT 8
-#define SB_FIT_CALIBRATED 16
+#define SB_FIT_CALIBRATED 8
 typedef struct {
 	double w, n, nn, s, ns;   /* the weighted sums */
 	double fixed_ns, per_item_ns; /* as last solved; 0 before any batch */

@@ -318,6 +318,10 @@ static inline void wake_stream(sb_ring *r, uint32_t slot)
 		futex_wake(&stream_at(r, slot)->chunks, 0x7fffffff);
 }
 
+/* admission's predictions of `compared` requests (ns, summed) against the
+ * waits they saw, `late` of them longer than predicted (stats.c) */
+void judge_predictions(sb_ring *r, uint64_t compared, uint64_t predicted, uint64_t seen,
+		       uint64_t late);
 /* a stream's time figure (SB_H_TTFT or SB_H_CHUNK) in its histogram */
 void record_stream_time(sb_ring *r, int which, uint64_t ns);
 /* the prediction sb_admit left for this thread's next publish (admission.c):

@@ -65,8 +65,8 @@ void sb_level_wait(const sb_ring *r, uint32_t level, uint64_t *buckets,
  * 1/SB_SCALE_MEMORY per batch compared): a long wait weighs more than a
  * short one, as a refusal near a deadline is about long waits. Relaxed,
  * and the read-modify-writes may lose another batcher's: an estimate. */
-static void judge_predictions(sb_ring *r, uint64_t compared, uint64_t predicted,
-			      uint64_t seen, uint64_t late)
+void judge_predictions(sb_ring *r, uint64_t compared, uint64_t predicted, uint64_t seen,
+		       uint64_t late)
 {
 	sb_add_relaxed(word_at(r, SB_W_ADMIT_COMPARED), compared);
 	sb_add_relaxed(word_at(r, SB_W_ADMIT_PREDICTED_NS), predicted);

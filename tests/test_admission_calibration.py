@@ -147,3 +147,20 @@ def test_status_tells_admission_refusals_from_a_full_engine():
     assert admission_text(judged) == (
         "12 refused; of 200 admitted on a counted prediction, waits predicted 40.0 ms and seen "
         "30.0 ms on average, 25 % longer than predicted; predictions corrected x0.75")
+
+
+def test_a_request_admitted_that_expires_unstarted_counts_as_waiting_past_its_deadline():
+    # left out, only the requests that made it would judge the predictions, and
+    # the correction would admit ever more
+    from conftest import wait_for
+    with raw_segment("expires", queue_capacity=64, max_batch_size=1) as seg:
+        _engine_figures(seg, 10 * MS)
+        _admit_busy(seg, 30 * MS)  # predicted about 20 ms: admitted, the queue counted
+        deadline = ring.now_ns() + 30 * MS
+        wait_for(lambda: ring.now_ns() > deadline, "its deadline")
+        b = ring.ClaimBuffers(seg.capacity, 8)
+        n, _, _, _, expired = seg.ring.claim(0, 8, 1, ring.MAX_NS, b, ring.now_ns())
+        assert (n, expired) == (0, 1)
+        figures = metrics.admission_stats(seg.ring)
+        assert figures["compared_total"] == 1 and figures["late_total"] == 1
+        assert figures["seen_ms_mean"] >= 29 and figures["correction"] > 1

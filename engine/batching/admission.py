@@ -3,28 +3,38 @@
 Two halves meet in the segment's header. Each batcher keeps a running fit of
 its service time against the batch size, S(n) ~ fixed + n * per_item
 (ServiceFit, least squares with exponential forgetting, so it follows a model
-that slows down), and writes it to two header words. A client, before it
-enqueues a request with a deadline, counts the requests queued ahead of it
-(at its priority or more urgent: a popcount of the READY bitmaps) and
-predicts its wait: the full batches ahead, spread over the instances, then
-its own. If that wait, plus an eighth of it for the estimate's error, would
-end after its deadline, the request is refused at once with Overloaded:
-computing it would only delay the requests behind it, which can still make
-theirs. Both the estimate and the rule are the C's (sb_predicted_wait_ns,
-sb_refuses, applied by sb_admit); this module holds the fit.
+that slows down), and publishes it in two header words once calibrated
+(SB_FIT_CALIBRATED batches; a shape's first batch is no measure). A client,
+before it enqueues a request with a deadline, counts the requests queued
+ahead of it (at its priority or more urgent: a popcount of the READY
+bitmaps) and predicts its wait: what is left of the batch in service, the
+full batches ahead spread over the instances, then its own. If that wait,
+plus an eighth of it for the estimate's error, would end after its deadline,
+the request is refused at once with Overloaded: computing it would only
+delay the requests behind it, which can still make theirs. Before the fit is
+calibrated there is no prediction, and nothing is refused.
+
+Predictions correct themselves. One that counted the queue and admitted its
+request is stored in the request's slot; the batcher that answers it
+compares it with the wait seen, and one that expires unstarted counts as
+having waited until its deadline at least (left out, the correction would be
+judged by the requests that made it alone). Every prediction is multiplied
+by seen / predicted over the recent comparisons, within [1/16, 4]: a model
+noisier than its fit, or a queue that drains faster than the fit says, stops
+refusing requests that would have made their deadline, and one slower makes
+the rule stricter. stats()["admission"] says how they compared.
 
 An iterative engine's batches are its steps, and the fit is of step time
 against the requests a step holds. A request there waits for its first chunk:
 the rest of the running step, a step per full round of joiners ahead, then
 its own first step, which holds the running requests as well (each batcher's
-share of them). A running batch that is full makes it wait for a request to
-leave too, which no figure predicts: the estimate is then a lower bound.
+share of them). When every running batch is full, it waits as well for the
+steps until a running request reaches its max_steps (each batcher publishes
+that figure): a request that cannot start in time is refused at once.
 
-The prediction counts what is left of the batch in service when every
-batcher is busy, and ignores what comes after the request: more urgent
-requests that will overtake it, and the client's own wake-up. Against the
-waits observed at 1x load (shmbatch bench --overload, observe row) answers
-came a median of about 2 ms after the prediction (p99 5-6 ms).
+The estimate, the correction and the rule are the C's (sb_predicted_wait_ns,
+sb_refuses, applied by sb_admit; judged in stats.c and claim.c); this module
+holds the fit.
 """
 from engine.shm import codes, ring
 

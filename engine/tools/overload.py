@@ -196,6 +196,7 @@ def run_row(label: str, factor, setup: Setup, admission: str, capacity_rps: floa
         "refusal_p50_us": pct(refusal[refused] / 1e3, 50),
         "refusal_p99_us": pct(refusal[refused] / 1e3, 99),
         "engine_expired": stats["expired_total"], "engine_overloaded": stats["overloaded_total"],
+        "engine_admission": stats["admission"],
         # "observe": requests admission would have refused, and those of them that made it
         "would_refuse": int(would_refuse.sum()),
         "would_refuse_in_time": int((would_refuse & (outcome == OK)).sum()),
