@@ -212,7 +212,8 @@
 #define SB_STATE_MASK 0xF
 #define SB_PID_SHIFT 10
 #define SB_PID_MASK 0x3FFFFF
-
+#define SB_BATCHER_SHIFT 5
+#define SB_BATCHER_MASK 0x1F
 /* slot states (ctl bits 0-3) */
 #define SB_FREE 0
 #define SB_WRITING 1
@@ -283,7 +284,6 @@
 #define SB_W_ROOM_STEPS 160   /* + instance: 0 not serving, else 1 + steps until its
 			       * running batch has room (an iterative engine) */
 #define SB_WORDS_ALL 192
-
 #define SB_ENGINE_STARTING 0
 #define SB_ENGINE_RUNNING 1
 #define SB_ENGINE_STOPPING 2

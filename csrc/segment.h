@@ -29,8 +29,6 @@
 #define SB_MAGIC 0x48435441424d4853ull /* "SHMBATCH" as little-endian bytes */
 
 #define SB_WAITING_BIT 0x10ull
-#define SB_BATCHER_SHIFT 5
-#define SB_BATCHER_MASK 0x1Full
 #define SB_CTL(gen, pid, batcher, state)                                       \
 	(((uint64_t)(gen) << 32) | ((uint64_t)(pid) << SB_PID_SHIFT) |         \
 	 ((uint64_t)(batcher) << SB_BATCHER_SHIFT) | (uint64_t)(state))

@@ -22,11 +22,7 @@ import numpy as np
 
 from engine.shm import codes, liveness
 
-# the control word's batcher field: the bits just under the owner pid, as wide
-# as a batcher number (MAX_INSTANCES is a power of two)
-BATCHER_MASK = codes.MAX_INSTANCES - 1
-BATCHER_SHIFT = codes.PID_SHIFT - BATCHER_MASK.bit_length()
-GEN_SHIFT = 32
+GEN_SHIFT = 32  # the control word's generation: its high half
 
 # a process's start time has the kernel's clock-tick resolution: a start
 # within one tick of the enqueue is not called later than it
@@ -43,7 +39,7 @@ def holder(seg, slot: int, gen: int) -> Optional[int]:
     if word >> GEN_SHIFT != gen or word & codes.STATE_MASK not in (codes.CLAIMED,
                                                                    codes.ABANDONED):
         return None
-    return (word >> BATCHER_SHIFT) & BATCHER_MASK
+    return (word >> codes.BATCHER_SHIFT) & codes.BATCHER_MASK
 
 
 def started_ns(ticks: int) -> int:
