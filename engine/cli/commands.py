@@ -65,7 +65,11 @@ def serve_plan(args):
                   if getattr(args, k, None) is not None})
     tables = settings.pop("engines", None)
     if tables is None:
-        return [_engine_settings(settings, args, args.config)], serve
+        openai = settings.pop("openai", None)  # this engine also on the OpenAI API
+        engine = _engine_settings(settings, args, args.config)
+        if openai is not None:
+            serve["openai"] = {engine["name"]: openai}
+        return [engine], serve
     where = args.config
     if settings:
         raise ValueError(f"{where}: top-level key(s) {', '.join(sorted(settings))} beside "
@@ -81,13 +85,18 @@ def serve_plan(args):
             not all(isinstance(t, dict) for t in tables.values()):
         raise ValueError(f"{where}: expected [engines.NAME] tables of engine.Engine(...)'s keys, "
                          f"got engines = {tables!r}")
-    engines = []
+    engines, openai = [], {}
     for name, table in tables.items():
         if table.get("name", name) != name:
             raise ValueError(f"{where}: engine {name!r}: the table's name is the engine's, "
                              f"got name = {table['name']!r}")
+        table = dict(table)
+        if "openai" in table:  # [engines.NAME.openai]: this engine also on the OpenAI API
+            openai[name] = table.pop("openai")
         engines.append(_engine_settings({**table, "name": name}, None,
                                         f"{where}: engine {name!r}"))
+    if openai:
+        serve["openai"] = openai
     return engines, serve
 
 

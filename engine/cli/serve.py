@@ -16,7 +16,7 @@ segment.
 import logging
 import os
 import threading
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from engine.errors import EngineError
 from engine.serving import metrics
@@ -39,7 +39,8 @@ class Serving:
                  http_timeout_s: Optional[float] = None,
                  http_max_body_bytes: Optional[int] = None,
                  http_read_timeout_s: Optional[float] = None,
-                 http_max_connections: Optional[int] = None) -> None:
+                 http_max_connections: Optional[int] = None,
+                 openai: Optional[Dict[str, dict]] = None) -> None:
         self.engines: List[Engine] = []
         several = len(engines) > 1  # a single engine's errors read as they always did
         for settings in engines:
@@ -58,6 +59,7 @@ class Serving:
         else:
             self._check_http(http_workers, http_timeout_s, http_max_body_bytes)
             self._check_connections(http_read_timeout_s, http_max_connections)
+        self.openai = self._check_openai(openai or {})
         self._sock = None
         self._workers = None
 
@@ -83,6 +85,22 @@ class Serving:
             with _Naming(eng.name):
                 for spec in eng.config.input_specs + eng.config.output_specs:
                     datatype_of(spec.dtype)
+
+    def _check_openai(self, tables: Dict[str, dict]) -> Dict[str, dict]:
+        """{engine: its OpenAI settings}, each [engines.NAME.openai] table
+        checked against its engine's tensors (engine.http.openai_config)."""
+        if not tables:
+            return {}
+        if self.http_port is None:
+            raise ValueError(f"[engines.{next(iter(tables))}.openai]: the OpenAI API is served on "
+                             f"the HTTP port: expected --http-port (or http_port in --config), "
+                             f"got none")
+        from engine.http import openai_config
+        configs = {eng.name: eng.config for eng in self.engines}
+        settings = [openai_config.parse(name, table, configs[name])
+                    for name, table in tables.items()]
+        openai_config.check_all(settings)
+        return {s.engine: s.to_dict() for s in settings}
 
     def _check_connections(self, read_timeout_s, max_connections) -> None:
         from engine.http import connections
@@ -137,7 +155,7 @@ class Serving:
             timeout_s=self.http_timeout_s, max_body_bytes=self.http_max_body_bytes,
             graceful_s=max(e.options.drain_timeout_s for e in self.engines),
             read_timeout_s=self.http_read_timeout_s, max_connections=self.http_max_connections,
-            log_level=logging.getLevelName(log.getEffectiveLevel()))
+            log_level=logging.getLevelName(log.getEffectiveLevel()), openai=self.openai)
         self._workers.start()
         log.info("Open Inference Protocol on %s (%d HTTP worker(s), pids %s)", self.http_url,
                  self.http_workers, self._workers.pids)

@@ -55,7 +55,7 @@ from engine.errors import (
     QueueFull,
     RequestTimeout,
 )
-from engine.http import oip_body, oip_generate, oip_request, oip_tensors, parsing
+from engine.http import oip_body, oip_generate, oip_request, oip_tensors, openai_app, parsing
 from engine.http.oip_tensors import BadRequest, datatype_of
 
 log = logging.getLogger("shmbatch")
@@ -172,10 +172,13 @@ class App:
     (or at the first request, under a server without lifespan events)."""
 
     def __init__(self, configs: Dict[str, EngineConfig], timeout_s: float = DEFAULT_TIMEOUT_S,
-                 max_body_bytes: Optional[int] = None, on_ready=None) -> None:
+                 max_body_bytes: Optional[int] = None, on_ready=None,
+                 openai: Optional[Dict[str, dict]] = None) -> None:
         self.configs, self.timeout_s = configs, timeout_s
         # None: each model's limit derived from its engine (engine.http.oip_request)
         self.max_body_bytes = max_body_bytes
+        # /v1/...: the OpenAI API, for the engines that have an openai table
+        self.openai = openai_app.OpenAIApp(self, openai) if openai else None
         self.on_ready = on_ready
         self.parser = parsing.Parser()
         self.models: Dict[str, Model] = {}
@@ -198,6 +201,8 @@ class App:
             return await self._lifespan(receive, send)
         if scope["type"] != "http":
             return  # websockets are not served
+        if self.openai is not None and scope["path"].startswith("/v1/"):
+            return await self.openai(scope, receive, send)
         headers = []
         try:
             answered = await self._route(scope, receive, send)

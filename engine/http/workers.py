@@ -64,7 +64,7 @@ class Workers:
     def __init__(self, sock: socket.socket, count: int, configs: Dict[str, bytes], *,
                  timeout_s: float, max_body_bytes: Optional[int], graceful_s: float,
                  read_timeout_s: float, max_connections: Optional[int] = None,
-                 log_level: str = "INFO") -> None:
+                 log_level: str = "INFO", openai: Optional[Dict[str, dict]] = None) -> None:
         if count < 1:
             raise ValueError(f"http_workers must be >= 1, got {count}")
         self.sock, self.count = sock, count
@@ -72,7 +72,7 @@ class Workers:
         self._args = dict(configs=configs, timeout_s=timeout_s, max_body_bytes=max_body_bytes,
                           graceful_s=max(1, math.ceil(graceful_s)), log_level=log_level.lower(),
                           fd=sock.fileno(), read_timeout_s=read_timeout_s,
-                          max_connections=max_connections)
+                          max_connections=max_connections, openai=openai)
         self.procs: List[Optional[launch.Child]] = [None] * count
         # each slot's replacement not ready yet (its readiness pipe, its deadline),
         # when it became ready, no new start before, the next failure's delay
@@ -213,7 +213,8 @@ def _entry() -> None:
         sock = socket.socket(fileno=args["fd"])
         configs = {name: EngineConfig.from_json(blob) for name, blob in args["configs"].items()}
         app = openinference.App(configs, args["timeout_s"], args["max_body_bytes"],
-                                on_ready=lambda: launch.tell_ready(ready))
+                                on_ready=lambda: launch.tell_ready(ready),
+                                openai=args.get("openai"))
         front = connections.Front(args["read_timeout_s"],
                                   connections.max_connections(args["max_connections"], nofile))
         # uvicorn's own lines at INFO (four per worker start and stop) say what

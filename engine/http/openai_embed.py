@@ -1,0 +1,78 @@
+"""POST /v1/embeddings on a one-shot engine.
+
+`input` is a string, a list of strings, a list of token ids or a list of such
+lists; each input is one engine request, all enqueued at once from the event
+loop so that they batch with everyone's (a refusal of any withdraws those
+enqueued before it, as a k-row infer does). The answer lists each input's
+embedding in order, as floats or, with encoding_format "base64", as the
+base64 of its float32 values (little-endian), as OpenAI gives them; usage
+counts the inputs' tokens. A caller that disconnects withdraws them.
+"""
+import asyncio
+import base64
+import json
+
+import numpy as np
+
+from engine.http import openai_fields as fields
+from engine.http.openai_reply import Watch, bad, send_bytes
+from engine.http.oip_tensors import json_text
+
+FORMATS = ("float", "base64")
+INLINE_VALUES = 4096  # an answer of more values is encoded in a thread
+
+
+async def answer(model, served: fields.Served, body: dict, timeout_s: float, receive,
+                 send) -> None:
+    """Answers the request through send (an error before that is raised)."""
+    fmt = body.get("encoding_format") or "float"
+    if fmt not in FORMATS:
+        raise bad(f"encoding_format: expected one of {list(FORMATS)}, got {json_text(fmt)}",
+                  "encoding_format")
+    inputs = fields.embedding_inputs(served, body)
+    capacity = served.config.queue_capacity
+    if len(inputs) > capacity:
+        raise bad(f"input: expected at most {capacity} inputs (the engine's queue_capacity), "
+                  f"got {len(inputs)}", "input")
+    requests = [served.request(ids, body, "input") for ids in inputs]
+    sent = []
+    watch = Watch(receive, timeout_s)
+    try:
+        try:
+            for x in requests:
+                sent.append(model.client.submit(x, timeout_s))
+            answers = await asyncio.gather(*(asyncio.wrap_future(f) for f in sent))
+        finally:
+            watch.close()
+    except asyncio.CancelledError:
+        _withdraw(sent)
+        if watch.ours():  # withdrawn: their caller left
+            return
+        raise
+    except BaseException:
+        _withdraw(sent)
+        raise
+    vectors = [served.vector(a) for a in answers]
+    usage = sum(len(ids) for ids in inputs)
+    if sum(v.size for v in vectors) > INLINE_VALUES:
+        out = await asyncio.to_thread(_encode, served.model, vectors, fmt, usage)
+    else:
+        out = _encode(served.model, vectors, fmt, usage)
+    await send_bytes(send, 200, out)
+
+
+def _withdraw(sent) -> None:
+    for f in sent:
+        f.cancel()  # withdrawn, unless a batch answered it already
+
+
+def _encode(model: str, vectors, fmt: str, prompt_tokens: int) -> bytes:
+    if fmt == "base64":
+        values = [base64.b64encode(np.asarray(v, "<f4").tobytes()).decode() for v in vectors]
+    else:
+        values = [v.tolist() for v in vectors]
+    return json.dumps({"object": "list", "model": model,
+                       "data": [{"object": "embedding", "index": i, "embedding": e}
+                                for i, e in enumerate(values)],
+                       "usage": {"prompt_tokens": prompt_tokens,
+                                 "total_tokens": prompt_tokens}}).encode()

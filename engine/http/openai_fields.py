@@ -1,0 +1,226 @@
+"""An OpenAI request's fields read against the engine that serves its model.
+
+Served is one engine on the API: its settings (engine.http.openai_config),
+tokenizer and tensors; it makes the engine's request of some token ids and
+the request's other fields (each other input of a named-tensor engine from
+the field of its name, else from its default). The functions read one field
+each, refusing a bad one with a 400 that names the field, what was expected
+and what came. Fields that would change the answer's form in ways the
+engine cannot honour (n > 1, logprobs, tools, ...) are refused; the rest are
+ignored, as OpenAI-compatible servers do.
+"""
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+from engine.config import EngineConfig
+from engine.http import openai_text
+from engine.http.oip_tensors import json_text
+from engine.http.openai_config import OpenAISettings, input_array
+from engine.http.openai_reply import OpenAIError, bad
+
+MAX_STOPS = 16
+
+_ONE = (lambda v: v is None or (type(v) is int and v == 1), "1")
+_OFF = (lambda v: v is None or v is False, "false")
+_NONE = (lambda v: v is None or v == [], "[]")
+# field -> (whether a value leaves the answer's form as this server gives it, such a value)
+UNHONOURED = {"n": _ONE, "best_of": _ONE, "logprobs": _OFF, "echo": _OFF, "tools": _NONE,
+              "functions": _NONE,
+              "top_logprobs": (lambda v: v is None or (type(v) is int and v == 0), "0"),
+              "suffix": (lambda v: v is None or v == "", '""')}
+
+
+class Served:
+    """One engine on the OpenAI API."""
+
+    def __init__(self, settings: OpenAISettings, config: EngineConfig, tokenizer) -> None:
+        self.settings, self.config, self.tokenizer = settings, config, tokenizer
+        self.model, self.engine = settings.model, settings.engine
+        self.eos = openai_text.eos_of(tokenizer)
+        specs = {s.name: s for s in config.input_specs}
+        self.ids_spec = specs[settings.input]
+        self.bound = self.ids_spec.max_shape[0]  # the most tokens a request's input holds
+        self.others = [s for s in config.input_specs if s is not self.ids_spec]
+        self.defaults = {name: input_array(specs[name], value, f"defaults.{name}")
+                         for name, value in settings.defaults.items()}
+
+    def request(self, ids: List[int], body: dict, field: str):
+        """The engine's request of these token ids (from `field`) and body's
+        other fields."""
+        if not ids:
+            raise bad(f"{field}: expected at least 1 token, got none", field)
+        if len(ids) > self.bound:
+            raise bad(f"{field}: expected at most {self.bound} tokens (the engine's bound), "
+                      f"got {len(ids)}", field)
+        try:
+            x = np.asarray(ids, self.ids_spec.dtype)
+        except (OverflowError, ValueError, TypeError):
+            raise bad(f"{field}: expected token ids that fit {self.ids_spec.dtype}, got "
+                      f"{json_text(ids)}", field) from None
+        if not self.config.named:
+            return x
+        request: Dict[str, np.ndarray] = {self.ids_spec.name: x}
+        for spec in self.others:
+            value = body.get(spec.name)
+            if value is not None:
+                request[spec.name] = input_array(spec, value, spec.name)
+            elif spec.name in self.defaults:
+                request[spec.name] = self.defaults[spec.name]
+            else:
+                raise bad(f"{spec.name}: expected a value ({spec.spec_text()}, an input of model "
+                          f"{self.model!r} without a default), got none", spec.name)
+        return request
+
+    def token(self, chunk) -> int:
+        value = chunk[self.settings.output] if self.config.named else chunk
+        return int(value.item())
+
+    def vector(self, answer) -> np.ndarray:
+        return answer[self.settings.output] if self.config.named else answer
+
+    def encode(self, text: str, field: str) -> List[int]:
+        try:
+            return openai_text.id_list(self.tokenizer.encode(text), "encode")
+        except ValueError as e:
+            raise OpenAIError(500, f"model {self.model!r}: {e}", field) from None
+
+
+def refuse_unhonoured(body: dict) -> None:
+    for field, (fine, example) in UNHONOURED.items():
+        value = body.get(field)
+        if not fine(value):
+            raise bad(f"{field}: this server gives one choice of text, without logprobs or "
+                      f"tool calls: expected {field} absent or {example}, got "
+                      f"{json_text(value)}", field)
+    form = body.get("response_format")
+    if form is not None and form != {"type": "text"}:
+        raise bad(f"response_format: expected {{\"type\": \"text\"}} or none, got "
+                  f"{json_text(form)}", "response_format")
+
+
+def max_steps(body: dict, fields: Tuple[str, ...], engine_max: int) -> Optional[int]:
+    """The request's max_steps: the first of `fields` given (None: the engine's)."""
+    for field in fields:
+        value = body.get(field)
+        if value is None:
+            continue
+        if type(value) is not int or not 1 <= value <= engine_max:
+            raise bad(f"{field}: expected an integer in [1, {engine_max}] (the engine's "
+                      f"max_steps), got {json_text(value)}", field)
+        return value
+    return None
+
+
+def stops(body: dict) -> List[str]:
+    value = body.get("stop")
+    if value is None:
+        return []
+    got = [value] if isinstance(value, str) else value
+    if (not isinstance(got, list) or len(got) > MAX_STOPS
+            or not all(isinstance(s, str) and s for s in got)):
+        raise bad(f"stop: expected a non-empty string or a list of at most {MAX_STOPS}, got "
+                  f"{json_text(value)}", "stop")
+    return got
+
+
+def flag(body: dict, field: str) -> bool:
+    value = body.get(field)
+    if value is not None and type(value) is not bool:
+        raise bad(f"{field}: expected true or false, got {json_text(value)}", field)
+    return bool(value)
+
+
+def include_usage(body: dict) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise bad(f"stream_options: expected an object, got {json_text(options)}",
+                  "stream_options")
+    return flag(options, "include_usage")
+
+
+def token_ids(value) -> Optional[List[int]]:
+    """value as a list of token ids, or None if it is not one."""
+    if isinstance(value, list) and value and all(type(i) is int for i in value):
+        if any(i < 0 for i in value):
+            return None
+        return value
+    return None
+
+
+def prompt_ids(served: Served, body: dict) -> List[int]:
+    """/v1/completions' prompt: a string or a list of token ids (or a list of
+    one of either), as token ids."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return served.encode(prompt, "prompt")
+    ids = token_ids(prompt)
+    if ids is None:
+        raise bad(f"prompt: expected a string or a list of token ids (integers >= 0), one "
+                  f"prompt, got {json_text(prompt)}", "prompt")
+    return ids
+
+
+def chat_ids(served: Served, body: dict) -> List[int]:
+    """/v1/chat/completions' messages through the tokenizer's chat template."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad(f"messages: expected a non-empty list of {{\"role\", \"content\"}}, got "
+                  f"{json_text(messages)}", "messages")
+    clean = [_message(i, m) for i, m in enumerate(messages)]
+    template = getattr(served.tokenizer, "apply_chat_template", None)
+    if not callable(template):
+        raise bad(f"model {served.model!r}: its tokenizer has no apply_chat_template; "
+                  f"expected /v1/completions", "messages")
+    try:
+        ids = template(clean, add_generation_prompt=True, tokenize=True)
+    except Exception as e:
+        raise bad(f"messages: the model's chat template refused them: {type(e).__name__}: {e}",
+                  "messages") from None
+    try:
+        return openai_text.id_list(ids, "apply_chat_template")
+    except ValueError as e:
+        raise OpenAIError(500, f"model {served.model!r}: {e}") from None
+
+
+def _message(i: int, message) -> dict:
+    """A message with its content as text (a list of text parts joined)."""
+    where = f"messages[{i}]"
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise bad(f"{where}: expected {{\"role\": str, \"content\": ...}}, got "
+                  f"{json_text(message)}", "messages")
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = [p.get("text") if isinstance(p, dict) and p.get("type") == "text" else None
+                 for p in content]
+        if not all(isinstance(t, str) for t in texts):
+            raise bad(f"{where}.content: expected text parts ({{\"type\": \"text\", \"text\": "
+                      f"str}}), got {json_text(content)}", "messages")
+        return {**message, "content": "".join(texts)}
+    if content is not None and not isinstance(content, str):
+        raise bad(f"{where}.content: expected a string or a list of text parts, got "
+                  f"{json_text(content)}", "messages")
+    return message
+
+
+def embedding_inputs(served: Served, body: dict) -> List[List[int]]:
+    """/v1/embeddings' input: a string, a list of strings, a list of token ids
+    or a list of such lists, as one list of token ids per input."""
+    value = body.get("input")
+    if isinstance(value, str):
+        return [served.encode(value, "input")]
+    ids = token_ids(value)
+    if ids is not None:
+        return [ids]
+    if isinstance(value, list) and value:
+        if all(isinstance(v, str) for v in value):
+            return [served.encode(v, "input") for v in value]
+        lists = [token_ids(v) for v in value]
+        if all(ids is not None for ids in lists):
+            return lists  # type: ignore[return-value]
+    raise bad(f"input: expected a string, a list of strings, a list of token ids (integers "
+              f">= 0) or a list of such lists, got {json_text(value)}", "input")

@@ -1,0 +1,199 @@
+"""POST /v1/completions and /v1/chat/completions on an iterative engine.
+
+A request is one engine stream: its prompt's token ids (a completion's
+prompt, or a chat's messages through the tokenizer's chat template) and the
+engine's other inputs from its fields, max_tokens (chat: also
+max_completion_tokens) as its max_steps. Each step's token id is decoded
+incrementally (engine.http.openai_text); the answer ends at the engine's end
+(finish_reason "stop" when the model said done, "length" at max_steps), at
+the tokenizer's eos_token_id or at a stop string ("stop"): the stream is then
+closed, which withdraws the request. Its text never holds a stop string nor
+what follows one, nor the eos token's text; usage counts the prompt's tokens
+and every token the engine gave (the eos and a stop string's included).
+
+Not streamed, the answer is one JSON object with `usage`. Streamed (`stream`),
+it is server-sent events in OpenAI's chunk format, begun once the first token
+came (an error before that is an ordinary error response), the last choice
+chunk carrying finish_reason, then with stream_options.include_usage a chunk
+of `usage` and no choice, then `data: [DONE]`. A stream that ends any other
+way (an engine error, its timeout, the server stopping) ends with a last
+`data: {"error": {...}}` event and no [DONE]. A caller that disconnects
+withdraws its request (engine.http.openai_reply.Watch).
+"""
+import asyncio
+import logging
+import time
+import uuid
+from typing import Optional
+
+from engine.errors import EngineError, EngineUnavailable
+from engine.http import openai_fields as fields
+from engine.http.openai_reply import (
+    DONE,
+    Events,
+    OpenAIError,
+    Watch,
+    event_bytes,
+    of_engine,
+    send_json,
+)
+from engine.http.openai_text import Detokenizer, Stops
+
+log = logging.getLogger("shmbatch")
+
+CUT = "the answer ended before it completed"
+SHUTDOWN = "the server is shutting down; this request was not completed"
+
+
+class Request:
+    """A completion or chat request, read."""
+
+    def __init__(self, served: fields.Served, body: dict, chat: bool) -> None:
+        fields.refuse_unhonoured(body)
+        self.served, self.chat = served, chat
+        self.field = "messages" if chat else "prompt"
+        self.ids = fields.chat_ids(served, body) if chat else fields.prompt_ids(served, body)
+        names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
+        self.max_steps = fields.max_steps(body, names, served.config.max_steps)
+        self.stops = fields.stops(body)
+        self.stream = fields.flag(body, "stream")
+        self.include_usage = self.stream and fields.include_usage(body)
+        self.x = served.request(self.ids, body, self.field)
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+
+class Text:
+    """An answer's text as its tokens come, and why it finished."""
+
+    def __init__(self, request: Request) -> None:
+        self.detokenizer = Detokenizer(request.served.tokenizer)
+        self.stops = Stops(request.stops)
+        self.eos = request.served.eos
+        self.tokens = 0
+        self.finish: Optional[str] = None  # set once the answer is over
+
+    def add(self, token: int) -> str:
+        """The text this token lets out; finish is set if it ends the answer."""
+        self.tokens += 1
+        if token == self.eos:
+            return self.end("stop")
+        piece = self.detokenizer.add(token)
+        if not piece:
+            return ""
+        piece, stopped = self.stops.feed(piece)
+        if stopped:
+            self.finish = "stop"
+        return piece
+
+    def end(self, reason: Optional[str]) -> str:
+        """The text held back, once the answer ended (at eos, or the engine's
+        end) for `reason`."""
+        if reason is None:  # never a clean end short of the answer
+            raise EngineUnavailable(CUT)
+        piece, stopped = self.stops.feed(self.detokenizer.flush())
+        if not stopped:
+            piece += self.stops.flush()
+        self.finish = "stop" if stopped else reason
+        return piece
+
+
+async def answer(model, request: Request, timeout_s: float, receive, send) -> None:
+    """Answers the request through send (EngineError and OpenAIError before
+    anything was sent are raised, for the caller to answer)."""
+    chunks = model.client.open_stream_async(request.x, timeout_s, max_steps=request.max_steps)
+    watch = Watch(receive, timeout_s)
+    events = Events(send)
+    try:
+        try:
+            if request.stream:
+                await _stream(request, chunks, events)
+            else:
+                await _whole(request, chunks, send)
+        finally:
+            watch.close()
+            await chunks.aclose()  # withdraws the request unless it ended
+    except asyncio.CancelledError:
+        if watch.ours():  # withdrawn: its caller left, or stopped reading
+            if watch.why == "slow":
+                log.warning("model %s: a stream's caller read nothing until past its "
+                            "deadline; closed", request.served.model)
+            return
+        await _shutdown(events, send)  # the server stops: its drain ran out
+
+
+async def _whole(request: Request, chunks, send) -> None:
+    text, pieces, served = Text(request), [], request.served
+    async for chunk in chunks:
+        pieces.append(text.add(served.token(chunk)))
+        if text.finish:
+            break
+    else:
+        pieces.append(text.end(chunks.finish_reason))
+    content = "".join(pieces)
+    if request.chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": content},
+                  "logprobs": None, "finish_reason": text.finish}
+    else:
+        choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": text.finish}
+    await send_json(send, 200, {**_head(request, False), "choices": [choice],
+                                "usage": _usage(request, text)})
+
+
+async def _stream(request: Request, chunks, events: Events) -> None:
+    text, served = Text(request), request.served
+    try:
+        async for chunk in chunks:
+            if not events.started and request.chat:  # the role, once the first token came
+                await events.event(_chunk(request, {"role": "assistant", "content": ""}))
+            piece = text.add(served.token(chunk))
+            if piece or text.finish:
+                await events.event(_chunk(request, piece, text.finish))
+            if text.finish:
+                break
+        else:
+            await events.event(_chunk(request, text.end(chunks.finish_reason), text.finish))
+    except (EngineError, OpenAIError) as e:
+        if not events.started:
+            raise
+        error = of_engine(e) if isinstance(e, EngineError) else e
+        await events.end(event_bytes(error.body()))
+        return
+    if request.include_usage:
+        await events.event({**_head(request, True), "choices": [],
+                            "usage": _usage(request, text)})
+    await events.end(DONE)
+
+
+async def _shutdown(events: Events, send) -> None:
+    error = of_engine(EngineUnavailable(SHUTDOWN))
+    if events.started:
+        await events.end(event_bytes(error.body()))
+    else:
+        await send_json(send, 503, error.body())
+
+
+def _head(request: Request, chunk: bool) -> dict:
+    kind = ("chat.completion" if request.chat else "text_completion") + (
+        ".chunk" if chunk and request.chat else "")
+    return {"id": request.id, "object": kind, "created": request.created,
+            "model": request.served.model}
+
+
+def _chunk(request: Request, piece, finish: Optional[str] = None) -> dict:
+    """A streamed chunk of one choice: piece is its text (a chat's delta dict
+    for the role chunk)."""
+    if request.chat:
+        delta = piece if isinstance(piece, dict) else ({"content": piece} if piece else {})
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    else:
+        choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": finish}
+    out = {**_head(request, True), "choices": [choice]}
+    if request.include_usage:
+        out["usage"] = None
+    return out
+
+
+def _usage(request: Request, text: Text) -> dict:
+    return {"prompt_tokens": len(request.ids), "completion_tokens": text.tokens,
+            "total_tokens": len(request.ids) + text.tokens}
