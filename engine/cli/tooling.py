@@ -46,10 +46,19 @@ def bench_parser(sub):
     p.add_argument("--model", choices=("synthetic", "onnx", "decoder"), default="synthetic",
                    help="onnx: a transformer encoder built at run time, through ONNX Runtime "
                         "on the CPU, with and without length_buckets (needs .[onnx]); decoder: "
-                        "a transformer decoder served the one-shot and the iterative way")
+                        "a transformer decoder served the one-shot and the iterative way "
+                        "(--backend-arg d_model=256: its engine.decoder.Decoder arguments)")
     p.add_argument("--rates", type=numbers(float),
                    help="--model decoder: offered requests/s of the rows (default: 0.25x, 1x "
                         "and 3x the one-shot way's capacity)")
+    p.add_argument("--http", action="store_true",
+                   help="--model decoder: also the iterative engine served by `shmbatch serve`, "
+                        "through generate_stream and /v1/completions (streamed, read by aiohttp)")
+    p.add_argument("--baseline", action="store_true",
+                   help="--model decoder: also bench/fastapi_stream_baseline.py, a FastAPI "
+                        "streaming server doing the same model work")
+    p.add_argument("--no-one-shot", action="store_true",
+                   help="--model decoder: leave out the one-shot way's rows")
     p.add_argument("--out", metavar="DIR", help="write DIR/bench.json and DIR/bench.png")
 
 
@@ -83,10 +92,13 @@ def cmd_bench(args) -> int:
     if args.model == "onnx":
         return _bench_model(args)
     if args.model == "decoder":
-        from engine.tools import decoder_bench
+        from engine.tools import decoder_bench, decoder_http
+        http = (decoder_http.GENERATE, decoder_http.OPENAI) * args.http + \
+            (decoder_http.FASTAPI,) * args.baseline
         result = decoder_bench.run(decoder_bench.Setup(
-            seconds=args.seconds or 8.0, seed=args.seed, rates=args.rates and tuple(args.rates)),
-            out_dir=args.out)
+            seconds=args.seconds or 8.0, seed=args.seed, rates=args.rates and tuple(args.rates),
+            model=key_values(args.backend_arg), one_shot=not args.no_one_shot, http=http,
+            pin=not args.no_pin), out_dir=args.out)
         if args.out:
             print(f"\nwrote {args.out}/bench.json and {args.out}/bench.png")
         return 1 if any(r["wrong"] or r["answered"] < r["requests"] for r in result["rows"]) else 0

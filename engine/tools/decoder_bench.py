@@ -11,6 +11,13 @@ engine whose requests join and leave the running batch at every step and
 stream their tokens. Every answer is checked against the model decoding
 that request alone.
 
+With `http` (engine.tools.decoder_http), the same requests at the same
+times also go to the iterative engine through HTTP: served by `shmbatch
+serve`, through Triton's generate_stream and OpenAI's /v1/completions, and to
+a FastAPI + StreamingResponse baseline doing the same model work; `pin` puts
+every serving process on the last CPU and the clients on the others, in
+every row.
+
 Then the engine's own cost per step: the step's wall time (the engine's
 service figure) minus the model's time inside it (join and step, timed in
 the batcher), at 1, 8 and 32 active requests; and a client's CPU per chunk.
@@ -31,6 +38,7 @@ from engine.client.client import Client
 from engine.serving import processes
 from engine.serving.supervisor import Engine
 from engine.shm import ring
+from engine.tools import decoder_http
 from engine.tools import load as loads
 
 ONE_SHOT, ITERATIVE = "one-shot", "iterative"
@@ -52,6 +60,10 @@ class Setup:
     min_requests: int = 32         # a row's requests at least (enough for a p99 at a low rate)
     cost_actives: tuple = (1, 8, 32)  # the engine's own cost per step at these running batches
     cost_seconds: float = 3.0
+    one_shot: bool = True          # the one-shot way's row at each rate
+    http: tuple = ()               # rows of engine.tools.decoder_http.ROWS, after the Client's
+    http_workers: int = 1
+    pin: bool = False              # serving processes on the last CPU, clients on the others
 
 
 # -- what is offered ------------------------------------------------------------------
@@ -98,11 +110,13 @@ def one_shot_capacity_rps(setup: Setup, seed: int, batches: int = 2) -> float:
 
 # -- a client process ---------------------------------------------------------------
 
-def _client(name: str, mode: str, requests: list, conn) -> None:
+def _client(name: str, mode: str, requests: list, cpus, conn) -> None:
     """Sends its requests at their scheduled times (open loop, asyncio) and
     reports, per request: index, scheduled, first chunk, end (ns), the gaps
     between chunks (ns), and its tokens (or the error)."""
     loads.fine_timer_slack()
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     client = Client(name, wait_s=30)
     conn.send("ready")
     start_ns = conn.recv()
@@ -138,19 +152,32 @@ def _client(name: str, mode: str, requests: list, conn) -> None:
     client.close()
 
 
-def run_row(mode: str, setup: Setup, rate: float, offered: list, oracle: list, row: int) -> dict:
-    """One row: the engine of `mode`, these requests at `rate`, every answer checked."""
+def run_row(mode: str, setup: Setup, rate: float, offered: list, oracle: list, row: int):
+    """One row: the engine of `mode`, these requests at `rate`, every answer
+    checked (an HTTP row's skip: a string saying why)."""
+    if mode in decoder_http.ROWS:
+        settings = engine_settings(ITERATIVE, setup, f"bench-dec-{os.getpid()}-{mode}-{row}")
+        got = decoder_http.run_row(mode, setup, settings, rate, offered, row)
+        if isinstance(got, str):
+            return got
+        out = summarize(mode, rate, got.results, oracle, got.stats)
+        out["server_cpu_us_per_chunk"] = got.cpu_us_per_chunk
+        return out
     offsets = loads.poisson_offsets_ns(rate, len(offered), setup.seed + row)
     name = f"bench-dec-{os.getpid()}-{mode}-{row}"
     ctx = multiprocessing.get_context("fork")
-    with Engine(**engine_settings(mode, setup, name)) as eng:
+    settings = engine_settings(mode, setup, name)
+    if decoder_http.server_cpus(setup.pin):
+        settings["cpus"] = [decoder_http.server_cpus(setup.pin)]
+    with Engine(**settings) as eng:
         parts = [[] for _ in range(setup.clients)]
         for k, (prompt, steps) in enumerate(offered):
             parts[k % setup.clients].append((k, int(offsets[k]), prompt, steps))
         pipes, procs = [], []
         for part in parts:
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_client, args=(name, mode, part, child), daemon=True)
+            p = ctx.Process(target=_client, daemon=True, args=(
+                name, mode, part, decoder_http.client_cpus(setup.pin), child))
             p.start()
             pipes.append(parent)
             procs.append(p)
@@ -187,11 +214,13 @@ def summarize(mode: str, rate: float, results: list, oracle: list, stats: dict) 
 
 
 def row_line(r: dict) -> str:
-    return (f"{r['mode']:>10} {r['offered_rps']:7.1f} req/s: {r['tokens_per_s']:7.0f} tokens/s  "
+    return (f"{r['mode']:>15} {r['offered_rps']:7.1f} req/s: {r['tokens_per_s']:7.0f} tokens/s  "
             f"TTFT p50 {r['ttft_ms']['p50']:8.1f} p99 {r['ttft_ms']['p99']:8.1f} ms  "
             f"chunk p50 {r['chunk_ms']['p50']:6.2f} p99 {r['chunk_ms']['p99']:6.2f} ms  "
             f"e2e p99 {r['e2e_ms']['p99']:8.1f} ms  answered {r['answered']}/{r['requests']} "
-            f"wrong {r['wrong']}  batch {r['avg_batch_size']:.1f}")
+            f"wrong {r['wrong']}  batch {r['avg_batch_size']:.1f}"
+            + (f"  server CPU {r['server_cpu_us_per_chunk']:.0f} us a chunk"
+               if "server_cpu_us_per_chunk" in r else ""))
 
 
 def _oracles(model_args: dict, offered: list, conn) -> None:
@@ -342,12 +371,15 @@ def run(setup: Setup, out_dir: Optional[str] = None) -> dict:
     # against the clients (the batchers start with this environment)
     for var in processes.THREAD_POOLS:
         os.environ.setdefault(var, "1")
+    decoder_http.check(setup.http)
     model = decoder.Decoder(**setup.model)
-    capacity = one_shot_capacity_rps(setup, setup.seed)
+    measured = setup.one_shot or not setup.rates
+    capacity = one_shot_capacity_rps(setup, setup.seed) if measured else 0.0
     rates = setup.rates or tuple(round(capacity * f, 1) for f in (0.25, 1.0, 3.0))
     print(f"shmbatch bench --model decoder: {model.layers} layers, d_model {model.d}, vocab "
-          f"{model.vocab}, max_batch_size {setup.max_batch_size}; the one-shot way's capacity "
-          f"{capacity:.1f} req/s (measured); {setup.seconds:g} s of Poisson arrivals a row, "
+          f"{model.vocab}, max_batch_size {setup.max_batch_size}; "
+          + (f"the one-shot way's capacity {capacity:.1f} req/s (measured); " if measured else "")
+          + f"{setup.seconds:g} s of Poisson arrivals a row, "
           f"prompt and output lengths geometric (mean {setup.mean_prompt:g}, "
           f"{setup.mean_output:g}; capped {setup.max_prompt}, {setup.max_steps})", flush=True)
     result = {"setup": dataclasses.asdict(setup), "rows": []}
@@ -355,8 +387,11 @@ def run(setup: Setup, out_dir: Optional[str] = None) -> dict:
         n = max(setup.min_requests, int(rate * setup.seconds))
         offered = draw(setup, n, setup.seed + 1000 * row, model.vocab)
         oracle = oracles(setup, offered)
-        for mode in (ONE_SHOT, ITERATIVE):
+        for mode in (ONE_SHOT,) * setup.one_shot + (ITERATIVE,) + tuple(setup.http):
             r = run_row(mode, setup, rate, offered, oracle, row)
+            if isinstance(r, str):
+                print(f"{mode:>15} {rate:7.1f} req/s: skipped: {r}", flush=True)
+                continue
             result["rows"].append(r)
             print(row_line(r), flush=True)
     print("\nthe engine's own cost per step (step wall time - model time):", flush=True)
@@ -375,7 +410,9 @@ def plot(path: str, rows: list) -> None:
     from engine import tools
     plt = tools.pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for mode, style in ((ONE_SHOT, "s--"), (ITERATIVE, "o-")):
+    styles = {ONE_SHOT: "s--", ITERATIVE: "o-"}
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        style = styles.get(mode, "^:")
         sel = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["offered_rps"])
         xs = [r["offered_rps"] for r in sel]
         ax1.plot(xs, [r["tokens_per_s"] for r in sel], style, label=mode)
