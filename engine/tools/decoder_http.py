@@ -18,7 +18,7 @@ the answers as server-sent events, one event a token:
 
 A row returns each request's answer for the caller to check against the model
 decoding that request alone, the engine's figures, and the CPU time the
-serving processes spent per chunk (psutil, before and after the row): the
+serving processes spent per chunk (psutil: their CPU time across the row): the
 HTTP workers' for serve, the whole process's for the baseline (its model
 included). With `pin`, every serving process runs on the last CPU and the
 clients on the others.
