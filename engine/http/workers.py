@@ -230,6 +230,8 @@ def _entry() -> None:
             launch.tell_failed(ready, launch.ChildFailed("StartFailed", app.startup_error))
         else:
             launch.tell_failed(ready, e)
+        if app is None:  # failed to start: told, and serve says it in one line
+            raise SystemExit(1) from None
         raise
     if app is not None and app.startup_error is not None:  # an older uvicorn returns
         launch.tell_failed(ready, launch.ChildFailed("StartFailed", app.startup_error))
