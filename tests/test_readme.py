@@ -1,6 +1,7 @@
 """The README is true: its Python and TOML examples run against live engines,
 its web recipes survive a sidecar that starts after them and restarts, its
 command lines name real flags, and it stays a user's guide."""
+import ast
 import contextlib
 import json
 import os
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -23,7 +25,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 TEXT = (ROOT / "README.md").read_text()
 SHMBATCH = str(pathlib.Path(sys.executable).with_name("shmbatch"))  # the console script
 ENV = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # as a user's shell has it
-NAMES = ("digits", "encoder", "count", "embed")  # the engine names the examples use
+NAMES = ("digits", "encoder", "count", "embed", "gpt2")  # the engine names the examples use
 
 
 def blocks(lang: str) -> list:
@@ -37,6 +39,7 @@ def renamed(code: str, tag: str) -> str:
     for name in NAMES:
         code = code.replace(f'"{name}"', f'"{tag}-{name}"').replace(f" {name} ", f" {tag}-{name} ")
         code = re.sub(rf"^{name} = {{", f'"{tag}-{name}" = {{', code, flags=re.M)  # a TOML table
+        code = code.replace(f"[engines.{name}]", f'[engines."{tag}-{name}"]')
         code = code.replace(f"/models/{name}/", f"/models/{tag}-{name}/")  # a URL
     return code
 
@@ -62,13 +65,13 @@ def guide(tmp_path):
 
 
 @contextlib.contextmanager
-def serving(folder, *command):
+def serving(folder, *command, start_s=60.0):
     """`shmbatch ...` run in folder until it prints ready; SIGTERM at the end, exit 0."""
     proc = subprocess.Popen([SHMBATCH, *command], cwd=folder, env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         try:
-            proc.ready_line = wait_for_line(proc.stdout, "ready")[-1]
+            proc.ready_line = wait_for_line(proc.stdout, "ready", timeout_s=start_s)[-1]
         except (EOFError, TimeoutError) as e:
             raise AssertionError(f"{e}; stderr: {proc.stderr.read()}") from None
         yield proc
@@ -166,12 +169,17 @@ def test_the_step_model_example_streams_its_chunks_and_stacks_them(guide):
     assert run_python(folder, "stream.py").splitlines() == ["[5, 6, 7, 8, 9]", "[1 2 3 4]"]
 
 
-def test_the_scikit_learn_example_exports_a_model_that_serve_answers_right(guide):
+def test_the_scikit_learn_export_makes_a_model_that_serve_answers_right(guide):
     pytest.importorskip("sklearn")
-    pytest.importorskip("skl2onnx")
+    skl2onnx = pytest.importorskip("skl2onnx")
     import onnxruntime
+    from sklearn.datasets import load_digits
+    from sklearn.svm import SVC
     folder, tag = guide
-    run_python(folder, "export.py")
+    export = re.search(r"`(to_onnx\(model, [^`]*)`", TEXT).group(1).replace("\n", " ")
+    X, y = load_digits(return_X_y=True)
+    onx = eval(export, {"to_onnx": skl2onnx.to_onnx, "model": SVC().fit(X, y), "X": X})
+    (folder / "digits.onnx").write_bytes(onx.SerializeToString())
     command = next(code for code in blocks("bash") if "digits.onnx" in code)
     argv = shlex.split(renamed(command.replace("\\\n", " "), tag))
     assert argv[0] == "shmbatch"
@@ -200,6 +208,75 @@ def test_the_models_file_serves_both_engines_to_the_triton_and_curl_examples(gui
         out = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
         assert out.returncode == 0, out.stderr
         assert json.loads(out.stdout)["OUTPUT"] == [2.0 * v + 1 for v in range(4)]
+
+
+# The hub cannot be reached from a test: GPT-2's tokenizer stands in as openai_models'
+# byte-level BPE, its ids filled up to GPT-2's vocabulary (the model may answer any).
+STANDIN = f"""\
+import sys
+sys.path.insert(0, {str(ROOT / "tests")!r})
+from openai_models import hf_tokenizer
+
+def from_pretrained():
+    tok = hf_tokenizer()
+    tok.add_tokens([f"<{{i}}>" for i in range(len(tok), 50257)])
+    return tok
+"""
+HUB = 'AutoTokenizer.from_pretrained("openai-community/gpt2")'
+CLIENT_PROMPT, CHAT, MAX_TOKENS = "Hello, my name is", [{"role": "user", "content": "Hi!"}], 16
+
+
+def greedy(gpt2: dict, tok, ids: list, max_tokens: int) -> tuple:
+    """(text, finish_reason, completion tokens) of the model alone, as the API answers them."""
+    steps, one = gpt2["Greedy"](), np.array([0])
+    steps.join(one, np.array([ids]), np.array([len(ids)]))
+    out: list = []
+    while len(out) < max_tokens and tok.eos_token_id not in out:
+        out.append(int(steps.step(one)[0][0]))
+    if out[-1] == tok.eos_token_id:
+        return tok.decode(out[:-1]), "stop", len(out)
+    return tok.decode(out), "length", len(out)
+
+
+def test_the_gpt2_example_answers_the_openai_client_as_the_model_alone_does(guide, monkeypatch):
+    for module in ("torch", "transformers", "tokenizers", "uvicorn"):
+        pytest.importorskip(module)
+    openai = pytest.importorskip("openai")
+    folder, tag = guide
+    model, client_py = folder / "gpt2.py", folder / "openai_client.py"
+    assert HUB in model.read_text()
+    assert f'prompt="{CLIENT_PROMPT}", max_tokens={MAX_TOKENS}' in client_py.read_text()
+    (folder / "standin.py").write_text(STANDIN)
+    model.write_text("import standin\n" + model.read_text().replace(HUB, "standin.from_pretrained()"))
+    monkeypatch.syspath_prepend(str(folder))
+    gpt2 = runpy.run_path(str(model))
+    tok = gpt2["tokenizer"]()
+    chat_ids = tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True)
+    chat_ids = chat_ids["input_ids"] if hasattr(chat_ids, "keys") else chat_ids
+    with serving(folder, "serve", "--config", "gpt2.toml", "--http-port", "0",
+                 start_s=300) as proc:
+        url = re.search(r"http://(\S+)$", proc.ready_line.strip()).group(1)
+        client_py.write_text(client_py.read_text().replace("localhost:8000", url))
+        first, rest = run_python(folder, "openai_client.py", timeout_s=300).split("\n", 1)
+        text, finish, tokens = first.rsplit(" ", 2)
+        want = greedy(gpt2, tok, tok.encode(CLIENT_PROMPT), MAX_TOKENS)
+        assert (ast.literal_eval(text), finish, int(tokens)) == want
+        assert rest == greedy(gpt2, tok, chat_ids, MAX_TOKENS)[0]  # the streamed chat
+
+        # several at once (batched, left-padded), each answered as if alone
+        client = openai.OpenAI(base_url=f"http://{url}/v1", api_key="unused", max_retries=0,
+                               timeout=300)
+        prompts = ["Hi!", "Once upon a time there was a café", "€5"]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            done = list(pool.map(lambda p: client.completions.create(
+                model=f"{tag}-gpt2", prompt=p, max_tokens=8), prompts))
+        for prompt, answer in zip(prompts, done):
+            ids = tok.encode(prompt)
+            text, finish, tokens = greedy(gpt2, tok, ids, 8)
+            assert (answer.choices[0].text, answer.choices[0].finish_reason) == (text, finish)
+            usage = answer.usage
+            assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == \
+                (len(ids), tokens, len(ids) + tokens)
 
 
 def post(port: int, x: np.ndarray):
