@@ -297,6 +297,18 @@ uint32_t sb_release_many(sb_ring *r, const uint32_t *slots, const uint32_t *gens
 	return released;
 }
 
+/* A running request withdrawn: its batcher drops it at its next step, so a
+ * place frees within one step (1 + 1 in the room word, ring.h), which admission
+ * reads before that batcher has said so itself. Relaxed: a figure, which the
+ * batcher overwrites after that step; lowered only, never raised. */
+static void place_freeing(sb_ring *r, uint32_t batcher)
+{
+	uint64_t *word = word_at(r, SB_W_ROOM_STEPS + batcher), cur = sb_load_relaxed(word);
+	while (cur > 2 && !__atomic_compare_exchange_n(word, &cur, 2, 0, __ATOMIC_RELAXED,
+						       __ATOMIC_RELAXED))
+		;
+}
+
 int sb_abandon(sb_ring *r, uint32_t slot, uint32_t gen)
 {
 	if (slot >= r->capacity)
@@ -317,6 +329,8 @@ int sb_abandon(sb_ring *r, uint32_t slot, uint32_t gen)
 		if (sb_cas_acq_rel(c, &cur, want)) {
 			if (SB_CTL_STATE(want) == SB_FREE)
 				slot_freed(r, slot);
+			else if (r->steps)
+				place_freeing(r, SB_CTL_BATCHER(cur));
 			return SB_OK; /* the caller counts it if it was a timeout */
 		}
 	}

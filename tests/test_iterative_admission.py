@@ -93,6 +93,21 @@ def test_a_full_running_batch_refuses_at_once_what_cannot_join_before_its_deadli
     assert stats["overloaded_total"] == 1 and stats["timeouts_total"] == 0
 
 
+def test_a_place_withdrawn_from_a_full_running_batch_is_counted_free_at_once(make_engine, log):
+    # its batcher drops it at its next step: a request sent before that step is
+    # admitted, not refused on the withdrawn request's remaining steps
+    eng = scripted(make_engine, "freed", log, max_steps=512, max_batch_size=1,
+                   model={"step_ms": 10.0})
+    with engine.Client(eng.name) as c:
+        running = c.stream(request(1, 400), timeout=120)
+        measured = codes.FIT_CALIBRATED + 2
+        assert [int(next(running)) for _ in range(measured)] == chunks(1, measured)
+        running.close()
+        assert ints(c.stream(request(2, 3), timeout=1.0)) == chunks(2, 3)
+    stats = wait_idle(eng)
+    assert stats["overloaded_total"] == 0 and stats["withdrawn_total"] == 1
+
+
 def test_stop_lets_running_and_queued_streams_finish(make_engine, log, gate):
     eng = scripted(make_engine, "stop", log, gate=gate)
     c = engine.Client(eng.name)

@@ -45,7 +45,7 @@ def test_a_stream_past_the_servers_timeout_ends_with_an_error_event(impatient):
     status, _, body = post(impatient, "/completions", {"model": "slow", "prompt": "endless",
                                                        "max_tokens": 1000, "stream": True})
     events = [e[len("data: "):] for e in body.decode().split("\n\n") if e]
-    assert status == 200 and "[DONE]" not in events
+    assert status == 200 and "[DONE]" not in events, body
     texts = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
     assert texts == ("endless" + "." * 1000)[:len(texts)] and texts
     assert json.loads(events[-1])["error"]["code"] == "RequestTimeout"
