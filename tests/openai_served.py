@@ -5,7 +5,7 @@ import socket
 import urllib.request
 
 import openai
-from conftest import unique_name
+from conftest import unique_name, wait_for
 from test_multi_engine import Served, table, top, toml_value
 
 from engine.segment import Segment
@@ -92,3 +92,14 @@ def withdrawn(engine: str) -> int:
         return seg.ring.word(codes.W_WITHDRAWN)
     finally:
         seg.close()
+
+
+def slot_comes_back(served) -> None:
+    """A short request to the one-slot engine is answered once its slot is free."""
+    def answered() -> bool:
+        status, _, body = post(served, "/completions", {"model": "slow", "prompt": "x",
+                                                        "max_tokens": 1})
+        assert status in (200, 503), body
+        return status == 200
+
+    wait_for(answered, "the one slot of slow free again", 60, every_s=0.05)

@@ -17,6 +17,7 @@ from openai_served import (  # noqa: E402
     raw_post,
     requests_total,
     serve,
+    slot_comes_back,
     withdrawn,
 )
 
@@ -32,17 +33,6 @@ def server(tmp_path_factory):
     })
     yield served
     served.stop()
-
-
-def slot_comes_back(served) -> None:
-    """A short request to the one-slot engine is answered once its slot is free."""
-    def answered() -> bool:
-        status, _, body = post(served, "/completions", {"model": "slow", "prompt": "x",
-                                                        "max_tokens": 1})
-        assert status in (200, 503), body
-        return status == 200
-
-    wait_for(answered, "the one slot of slow free again", 60, every_s=0.05)
 
 
 def error_of(body: bytes) -> dict:

@@ -17,6 +17,7 @@ from openai_served import (  # noqa: E402
     openai_table,
     post,
     serve,
+    slot_comes_back,
 )
 from test_multi_engine import Served, failed_serve, table, toml_value, top  # noqa: E402
 
@@ -42,6 +43,7 @@ def test_an_answer_past_the_servers_timeout_is_504(impatient):
 
 
 def test_a_stream_past_the_servers_timeout_ends_with_an_error_event(impatient):
+    slot_comes_back(impatient)  # the one slot, once another test's request left it
     status, _, body = post(impatient, "/completions", {"model": "slow", "prompt": "endless",
                                                        "max_tokens": 1000, "stream": True})
     events = [e[len("data: "):] for e in body.decode().split("\n\n") if e]
