@@ -38,7 +38,7 @@ from typing import Any, AsyncIterator, Dict, Iterator, Optional, Tuple, TypeVar
 
 import numpy as np
 
-from engine.client import answers, bulk, futures, room, streams, waiting
+from engine.client import answers, bulk, futures, loops, room, streams, waiting
 from engine.client.attach import attach
 from engine.client.lent import SlotRequest
 from engine.errors import EngineError, EngineUnavailable, InvalidInput, Overloaded, QueueFull
@@ -127,26 +127,25 @@ class Client:
 
     async def infer_async(self, x: Tensors, timeout: Optional[float] = 1.0, *,
                           priority: int = 0, max_steps: Optional[int] = None) -> Tensors:
-        """infer() for asyncio: awaits the answer without blocking the loop."""
+        """infer() for asyncio: awaits the answer without blocking the loop.
+        Cancelled, it withdraws the request."""
         deadline = waiting.deadline_ns(timeout)
         loop = asyncio.get_running_loop()
-        future: "asyncio.Future[Tensors]" = loop.create_future()
         seg, slot, gen, _ = self._enqueue(x, deadline, priority, max_steps)
-
-        def settle(value, error):
-            if not future.done():
-                future.set_exception(error) if error is not None else future.set_result(value)
-
-        def deliver(value, error):  # (on the completion thread) a closed loop wants nothing
-            try:
-                loop.call_soon_threadsafe(settle, value, error)
-            except RuntimeError:
-                pass
-
-        self.completer().add(futures.Ticket(
-            seg, slot, gen, deadline, timeout, lambda v: deliver(v, None),
-            lambda e: deliver(None, e)))
-        return await future
+        # a fast engine may have answered already (publishing woke its batcher)
+        settled, value, error, _ = answers.settle_now(seg, slot, gen, None)
+        if settled:
+            if error is not None:
+                raise error
+            return value
+        future: "asyncio.Future[Tensors]" = loop.create_future()
+        self.completer().add(futures.Ticket(seg, slot, gen, deadline, timeout, future,
+                                            loops.inbox(loop)))
+        try:
+            return await future
+        except asyncio.CancelledError:
+            waiting.withdraw(seg, slot, gen)  # answered meanwhile: its slot freed
+            raise
 
     def stream(self, x: Tensors, timeout: Optional[float] = 1.0, *, priority: int = 0,
                max_steps: Optional[int] = None) -> Iterator[Tensors]:

@@ -27,7 +27,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from engine.client import answers, waiting
+from engine.client import answers, loops, waiting
 from engine.client.handle import ANSWER, CHUNKS, Handle, Item
 from engine.errors import EngineError
 from engine.shm import codes, ring
@@ -39,6 +39,9 @@ log = logging.getLogger("shmbatch")
 
 # How often an idle evictor checks that its client still exists.
 EVICTOR_SLICE_NS = 1_000_000_000
+# How long a completer with nothing pending still watches its engine's batches,
+# so that a client sending one request after another wakes it once per answer
+LINGER_NS = 10_000_000
 
 
 class Request(concurrent.futures.Future):
@@ -170,24 +173,21 @@ class _WatchOnAppend(list):
 
 
 class Ticket:
-    """An infer_async() request, settled through the callbacks it was given:
-    to the completer, an item of kind ANSWER."""
-    __slots__ = ("seg", "slot", "gen", "deadline", "timeout", "on_value", "on_error")
+    """An infer_async() request, settled into an asyncio future through its
+    loop's Inbox: to the completer, an item of kind ANSWER."""
+    __slots__ = ("seg", "slot", "gen", "deadline", "timeout", "future", "inbox")
     kind = ANSWER
 
     def __init__(self, seg, slot: int, gen: int, deadline: Optional[int],
-                 timeout: Optional[float], on_value: Callable[[Any], object],
-                 on_error: Callable[[EngineError], object]) -> None:
+                 timeout: Optional[float], future, inbox: loops.Inbox) -> None:
         self.seg, self.slot, self.gen = seg, slot, gen
         self.deadline, self.timeout = deadline, timeout
-        self.on_value, self.on_error = on_value, on_error
+        self.future, self.inbox = future, inbox
 
     def try_settle(self, error: Optional[EngineError] = None) -> bool:
         settled, value, failure, _ = answers.settle_now(self.seg, self.slot, self.gen, None, error)
-        if failure is not None:
-            self.on_error(failure)
-        elif settled:
-            self.on_value(value)
+        if settled:  # a closed loop wants nothing
+            self.inbox.post(loops.resolve, (self.future, value, failure))
         return settled
 
 
@@ -203,7 +203,8 @@ class Completer(threading.Thread):
         self.incoming: Deque[Item] = collections.deque()  # appended by add(), drained by run()
         self.pending: Dict[int, Item] = {}  # the completer's own: id -> item
         self.ids = itertools.count()
-        self.idle = False
+        self.idle = False  # asleep on cond: add() wakes it
+        self.watching = None  # the segment whose done_seq it reads and waits on, if any
         self.closed = False
         self.checked_ns = ring.now_ns()
         self.lives: Optional[bool] = None  # the engine's liveness this pass (None: not probed)
@@ -213,6 +214,13 @@ class Completer(threading.Thread):
         if self.idle:  # else it takes the request on its next pass: waking it per
             with self.cond:  # request would cost a context switch each
                 self.cond.notify()
+            return
+        # it may be about to sleep on a done_seq read after this item's request
+        # moved (or on another engine's): then that move must wake it. Read after
+        # the append: a completer that starts watching later sees the item first
+        seg = self.watching
+        if seg is not None and (item.seg is not seg or _moved(item)):
+            seg.ring.wake_done()
 
     def close(self) -> None:
         with self.cond:
@@ -221,79 +229,104 @@ class Completer(threading.Thread):
         self.join(timeout=5.0)
 
     def run(self) -> None:
+        seg, linger_until = None, 0
         while True:
             self._drain()
-            if not self.pending:
-                with self.cond:
-                    self.idle = True  # add() reads it after appending: no lost wake-up
-                    if not self.incoming and not self.closed:
-                        self.cond.wait(timeout=1.0)
-                    self.idle = False
-                self._drain()
             if self.closed:
                 self._fail_all(waiting.client_closed(self.client.name))
                 return
-            if not self.pending:
+            if self.pending:
+                seg, linger_until = next(iter(self.pending.values())).seg, 0
+            elif seg is None or seg.closed or 0 < linger_until <= ring.now_ns():
+                self._sleep()
+                seg, linger_until = None, 0
                 continue
-            seg = next(iter(self.pending.values())).seg
+            elif not linger_until:  # idle: its engine watched a while, for the next request
+                linger_until = ring.now_ns() + LINGER_NS
+            self.watching = seg
             seen = seg.ring.done_seq()  # before polling: a later batch wakes us
-            next_deadline = self._settle()
-            if self.pending and not self.incoming:
-                wait_ns = waiting.LIVENESS_SLICE_NS
+            with loops.deferred():  # their loops woken once the pass is done
+                next_deadline = self._settle()
+            if not self.incoming:
+                until = linger_until if linger_until else ring.now_ns() + waiting.LIVENESS_SLICE_NS
                 if next_deadline is not None:
-                    wait_ns = max(0, min(wait_ns, next_deadline - ring.now_ns()))
-                seg.ring.wait_done_seq(seen, wait_ns)
+                    until = min(until, next_deadline)
+                seg.ring.wait_done_seq(seen, max(0, until - ring.now_ns()))
+            self.watching = None
+
+    def _sleep(self) -> None:
+        """Until add() or close() (or a second): nothing is pending."""
+        with self.cond:
+            self.idle = True  # add() reads it after appending: no lost wake-up
+            if not self.incoming and not self.closed:
+                self.cond.wait(timeout=1.0)
+            self.idle = False
 
     def _drain(self) -> None:
         while self.incoming:
             self.pending[next(self.ids)] = self.incoming.popleft()
 
     def _settle(self):
-        """Settles every request that is over; returns the nearest deadline still pending."""
-        by_seg, next_deadline = {}, None
+        """Settles every request that is over, and wakes the streams whose
+        chunk word moved; returns the nearest deadline still pending."""
+        by_seg: Dict[int, list] = {}
+        streams, next_deadline = [], None
         for key, t in self.pending.items():
-            by_seg.setdefault(id(t.seg), []).append((key, t))
+            if t.kind == CHUNKS:
+                streams.append((key, t))
+            else:
+                by_seg.setdefault(id(t.seg), []).append((key, t))
         now = ring.now_ns()
+        self.lives = None  # probed at most once a pass, and only if needed
         for group in by_seg.values():
             seg = group[0][1].seg
             slots = np.fromiter((t.slot for _, t in group), np.uint32, len(group))
             gens = np.fromiter((t.gen for _, t in group), np.uint32, len(group))
             outcomes = np.empty(len(group), np.int32)
             seg.ring.poll(slots, gens, outcomes)
-            self.lives = None  # probed at most once a pass, and only if needed
             for (key, t), code in zip(group, outcomes.tolist()):
-                try:
-                    settled = self._settle_one(t, code, now, seg)
-                except Exception as e:  # this request's fault: the others are still settled
-                    log.error("engine %s: a request's completion raised %s: %s; dropped",
-                              self.client.name, type(e).__name__, e)
-                    waiting.give_up(seg, t.slot, t.gen, e)
-                    settled = True
-                if settled:
-                    del self.pending[key]
-                elif t.kind == ANSWER and t.deadline is not None:
-                    next_deadline = min(next_deadline or t.deadline, t.deadline)
+                next_deadline = self._settled(key, t, code, now, next_deadline)
+        for key, t in streams:  # each woken if its chunk word moved; over once it is final
+            next_deadline = self._settled(key, t, None, now, next_deadline)
         return next_deadline
 
-    def _settle_one(self, t: Item, code: int, now: int, seg) -> bool:
-        """Whether item t is over (settled now or before)."""
-        if t.kind == CHUNKS:
-            return t.try_settle()  # wakes its loop if its chunk word moved
-        if code != codes.EBUSY:
-            return t.try_settle()  # answered, failed, or no longer its own
+    def _settled(self, key: int, t: Item, code: Optional[int], now: int, next_deadline):
+        """Settles item t if it is over (forgotten then); returns the nearest
+        deadline still pending, t's included. code: its slot's (ANSWER)."""
+        try:
+            if code is None:
+                settled = t.try_settle() or self._expired(t, now)
+            elif code != codes.EBUSY:
+                settled = t.try_settle()  # answered, failed, or no longer its own
+            else:
+                settled = self._expired(t, now)
+        except Exception as e:  # this request's fault: the others are still settled
+            log.error("engine %s: a request's completion raised %s: %s; dropped",
+                      self.client.name, type(e).__name__, e)
+            waiting.give_up(t.seg, t.slot, t.gen, EngineError(f"{type(e).__name__}: {e}"))
+            settled = True
+        if settled:
+            del self.pending[key]
+        elif t.deadline is not None:
+            next_deadline = min(next_deadline or t.deadline, t.deadline)
+        return next_deadline
+
+    def _expired(self, t: Item, now: int) -> bool:
+        """Whether pending item t was failed now: at its deadline, or its engine gone."""
         if t.deadline is not None and now >= t.deadline:
-            return t.try_settle(waiting.ticket_timed_out(seg, t.slot, t.gen, t.timeout,
+            return t.try_settle(waiting.ticket_timed_out(t.seg, t.slot, t.gen, t.timeout,
                                                          t.deadline))
         if self.lives is None:  # a probe costs 2 syscalls: at most one a slice
             self.lives = now - self.checked_ns < waiting.LIVENESS_SLICE_NS
             if not self.lives:
-                self.lives, self.checked_ns = waiting.engine_lives(seg), now
+                self.lives, self.checked_ns = waiting.engine_lives(t.seg), now
         return not self.lives and t.try_settle(waiting.engine_gone(self.client.name))
 
     def _fail_all(self, error) -> None:
         self._drain()
-        for t in self.pending.values():
-            t.try_settle(error)
+        with loops.deferred():
+            for t in self.pending.values():
+                t.try_settle(error)
         self.pending.clear()
 
 
@@ -319,6 +352,14 @@ class Evictor(threading.Thread):
                 if client is not None:
                     sweep(client.held)
                     client = None
+
+
+def _moved(item: Item) -> bool:
+    """Whether item's request was answered (or, a stream, wrote a chunk) already."""
+    r = item.seg.ring
+    if item.kind == CHUNKS:
+        return r.wait_chunks(item.slot, item.gen, 0, 0)[0] != codes.ETIMEOUT
+    return r.wait_slot(item.slot, item.gen, 0, 0) != codes.ETIMEOUT
 
 
 def sweep(held: dict) -> int:

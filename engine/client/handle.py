@@ -12,7 +12,7 @@ owner that waits without asking. Its `kind` says how:
   or failed; the completer fails it at its deadline, or when the engine dies;
 - CHUNKS (streams.AsyncStream): follows a stream's chunk word; the completer
   calls try_settle() on every pass to tell its event loop whether the word
-  moved, and its loop minds the deadline and the engine.
+  moved, and fails it at its deadline, or when the engine dies.
 
 Protocols, so that this module imports neither client.py nor its helpers.
 """
@@ -90,9 +90,12 @@ class AwaitsAnswer(Watched, Protocol):
 
 
 class FollowsChunks(Watched, Protocol):
-    """An item of kind CHUNKS: a stream whose loop is woken as chunks come."""
+    """An item of kind CHUNKS: a stream whose loop is woken as chunks come;
+    the completer fails it at its deadline, or when the engine dies."""
 
     kind: Literal["chunks"]
+    deadline: Optional[int]
+    timeout: Optional[float]
 
 
 Item = Union[AwaitsAnswer, FollowsChunks]

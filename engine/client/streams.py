@@ -18,9 +18,9 @@ client's completion thread, a handle.Item of kind CHUNKS.
 """
 import asyncio
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
-from engine.client import waiting
+from engine.client import loops, waiting
 from engine.client.handle import CHUNKS, Handle
 from engine.errors import EngineError
 from engine.shm import codes, ring
@@ -112,6 +112,14 @@ class Stream:
         return self.seg.config.answer(tuple(region[self.slot, k, ...].copy()
                                             for region in self.seg.out_regions))
 
+    def _chunks(self, first: int, end: int) -> Any:
+        """Chunks first..end-1, stacked (each output (end - first, *chunk_shape))."""
+        regions = self.seg.out_regions
+        if len(regions) == 1:
+            return self.seg.config.answer((regions[0][self.slot, first:end].copy(),))
+        return self.seg.config.answer(tuple(region[self.slot, first:end].copy()
+                                            for region in regions))
+
     def _read_word(self, code: int, word: int) -> None:
         """A wait_chunks outcome: the new word, or the slot settled (the word
         unchanged); EngineCorrupt and the like end the stream."""
@@ -123,11 +131,6 @@ class Stream:
             return
         self._open = False
         raise waiting.failed(self.seg, self.slot, self.gen, code)
-
-    def _poll(self) -> bool:
-        """Whether the stream has moved on since the last look (no wait)."""
-        code, word = self.seg.ring.wait_chunks(self.slot, self.gen, self._word, 0)
-        return code != codes.ETIMEOUT
 
     def _give_up(self, error) -> None:
         """Withdraws the request and raises error, unless it was answered that
@@ -167,19 +170,67 @@ class Stream:
         return code if why == waiting.ANSWERED else codes.ESTALE
 
 
-class AsyncStream:
+class _Waits:
+    """One future per wait, set by wake() (on the loop's thread)."""
+
+    loop: asyncio.AbstractEventLoop
+    _waiter: Optional[asyncio.Future] = None
+    _moved = False  # woken while no wait was pending
+    # called at each wake instead, while set (on the loop's thread): a writer
+    # that takes the chunks in the wake itself, with no coroutine resumed
+    on_wake: Optional[Callable[[], None]] = None
+
+    async def wait(self) -> None:
+        """Until the stream may have moved (a wake since the last wait counts;
+        a stream whose end is known never waits: nothing would wake it)."""
+        if self._moved or self._final():
+            self._moved = False
+            return
+        self._waiter = waiter = self.loop.create_future()
+        try:
+            await waiter
+        finally:
+            self._waiter, self._moved = None, False
+
+    def wake(self) -> None:
+        """Ends the pending wait() (or the next one) at once; on the loop's thread."""
+        if self.on_wake is not None:
+            return self.on_wake()
+        self._moved = True
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _final(self) -> bool:
+        raise NotImplementedError
+
+
+class AsyncStream(_Waits):
     """A Stream for asyncio: ``async for chunk in client.stream_async(x)``.
-    The client's completion thread, woken by every step's end, tells it
-    when its chunk word moves; the loop is never blocked, and minds the
-    deadline and the engine itself."""
+
+    The client's completion thread, woken by every step's end, posts a wake
+    to the stream's event loop when its chunk word moved (one wake of the
+    loop per step for all its streams: engine.client.loops), and fails it at
+    its deadline or when the engine dies; the loop is never blocked, and
+    waits on one future per wake, with no task or timer. Besides iteration,
+    a writer that sends what came at once takes the chunks in blocks:
+
+        while True:
+            got = chunks.ready()    # every chunk come since, stacked (None:
+            if got is not None: ... # none); at the end StopAsyncIteration,
+            else: await chunks.wait()   # or the request's error
+
+    and wake() ends a wait early (its caller went away, say)."""
     kind = CHUNKS  # to the completion thread
 
     def __init__(self, stream: Stream, loop: asyncio.AbstractEventLoop) -> None:
         self.stream, self.loop = stream, loop
         self.seg, self.slot, self.gen = stream.seg, stream.slot, stream.gen  # its ticket
-        self.moved = asyncio.Event()
+        self.deadline, self.timeout = stream.deadline, stream.timeout
+        self.inbox = loops.inbox(loop)
+        self.seen = 0  # the chunk word as the completion thread last saw it (its own)
         self.over = False  # read by the completion thread: drop this ticket
-        self.failed = None  # the completion thread's error for it (its client closed)
+        self.failed = None  # the completion thread's error for it (a timeout, say)
 
     def __aiter__(self) -> "AsyncStream":
         return self
@@ -187,6 +238,11 @@ class AsyncStream:
     @property
     def finish_reason(self) -> Optional[str]:
         return self.stream.finish_reason
+
+    @property
+    def chunks_read(self) -> int:
+        """How many chunks were handed out."""
+        return self.stream._sent
 
     async def __anext__(self) -> Any:
         s = self.stream
@@ -201,26 +257,55 @@ class AsyncStream:
                 raise
             if item is not _NOT_YET:
                 return item
-            if self.failed is not None:
-                error, self.failed = self.failed, None
-                self._end(error)  # raises, unless its answer came that instant
-                continue
-            self.moved.clear()
-            code, word = s.seg.ring.wait_chunks(s.slot, s.gen, s._word, 0)
-            if code != codes.ETIMEOUT:  # moved before the clear: read it
-                self._read(code, word)
-                continue
-            wait_ns = waiting.LIVENESS_SLICE_NS
-            if s.deadline is not None:
-                wait_ns = min(wait_ns, s.deadline - ring.now_ns())
+            if not self._look():
+                await self.wait()
+
+    def ready(self) -> Any:
+        """Every chunk written since the last call, without waiting, stacked
+        as a whole answer is (each output (n, *chunk_shape)); None while none
+        came. StopAsyncIteration once the answer ended and was handed out;
+        the request's error after its chunks."""
+        s = self.stream
+        while True:
+            if s._open:
+                code, word = s.seg.ring.wait_chunks(s.slot, s.gen, s._word, 0)
+                if code != codes.ETIMEOUT:
+                    self._read(code, word)
+            count = s._word & COUNT_MASK
+            if s._sent < count and s._open:
+                got = s._chunks(s._sent, count)
+                s._sent = count
+                return got
             try:
-                await asyncio.wait_for(self.moved.wait(), max(0, wait_ns) / 1e9)
-            except asyncio.TimeoutError:
-                if s.deadline is not None and ring.now_ns() >= s.deadline:
-                    self._end(waiting.ticket_timed_out(s.seg, s.slot, s.gen, s.timeout,
-                                                       s.deadline))
-                elif not waiting.engine_lives(s.seg):
-                    self._end(waiting.engine_gone(s.client.name))
+                s._next_ready()  # no chunk left: _NOT_YET, or the end
+            except StopIteration:
+                self.over = True
+                raise StopAsyncIteration from None
+            except BaseException:
+                self.over = True
+                raise
+            if self.failed is None:
+                return None
+            self._look()  # the error: raised, unless answered that instant
+
+    def _final(self) -> bool:
+        s = self.stream
+        return bool(s._word & codes.CHUNKS_END) or s._settled or not s._open
+
+    def _look(self) -> bool:
+        """Whether the stream moved since the last read (then read): an error
+        from the completion thread is raised, unless the answer came that
+        instant."""
+        if self.failed is not None:
+            error, self.failed = self.failed, None
+            self._end(error)
+            return True
+        s = self.stream
+        code, word = s.seg.ring.wait_chunks(s.slot, s.gen, s._word, 0)
+        if code == codes.ETIMEOUT:
+            return False
+        self._read(code, word)
+        return True
 
     def _read(self, code: int, word: int) -> None:
         try:
@@ -245,26 +330,28 @@ class AsyncStream:
 
     # -- the completion thread's side (futures.Completer) --------------------------
     def try_settle(self, error: Optional[EngineError] = None) -> bool:
-        """Wakes the loop when the chunk word moved, or with error (its client
-        closed: the loop's side withdraws the request and raises it); True once
-        the stream is over for the completer, which then forgets it."""
+        """Wakes the loop when the chunk word moved, or with error (its deadline,
+        the engine gone, its client closed: the loop's side withdraws the
+        request and raises it); True once the stream is over for the
+        completer, which then forgets it."""
         if self.over:
             return True
         if error is not None:
             self.failed = error
-            try:
-                self.loop.call_soon_threadsafe(self.moved.set)
-            except RuntimeError:  # its loop is closed
+            if not self.inbox.post(AsyncStream.wake, self):  # its loop is closed
                 self.stream.close()
             return True
-        if self.stream._poll():
-            try:
-                self.loop.call_soon_threadsafe(self.moved.set)
-            except RuntimeError:  # its loop is closed: nobody reads this stream any more
-                self.over = True
-                self.stream.close()
-                return True
-        return False
+        code, word = self.seg.ring.wait_chunks(self.slot, self.gen, self.seen, 0)
+        if code == codes.ETIMEOUT:
+            return False
+        # the word final, or the slot settled (the same word), or no longer ours
+        final = code != codes.OK or word == self.seen or bool(word & codes.CHUNKS_END)
+        self.seen = word
+        if not self.inbox.post(AsyncStream.wake, self):  # nobody reads this stream any more
+            self.over = True
+            self.stream.close()
+            return True
+        return final
 
 
 class Answered:
@@ -295,25 +382,58 @@ class Answered:
         self.close()
 
 
-class AsyncAnswered:
-    """open_stream_async() of a one-shot engine: its one answer, once."""
+class AsyncAnswered(_Waits):
+    """open_stream_async() of a one-shot engine: its one answer, once, as
+    AsyncStream hands out chunks (iterated, or ready() and wait())."""
 
     def __init__(self, answer) -> None:
         self.answer = answer  # the infer_async() coroutine, not yet started
+        self.loop = asyncio.get_running_loop()
         self.finish_reason: Optional[str] = None
+        self._task: Optional[asyncio.Future] = None
+        self._over = False
 
     def __aiter__(self) -> "AsyncAnswered":
         return self
 
     async def __anext__(self) -> Any:
-        if self.finish_reason is not None or self.answer is None:
+        if self.answer is not None:  # as ready() would, without a task
+            answer, self.answer, self._over = self.answer, None, True
+            value = await answer
+            self.finish_reason = "stop"
+            return value
+        while True:  # ready() began: its task holds the answer
+            got = self.ready()
+            if got is not None:
+                return {k: v[0] for k, v in got.items()} if isinstance(got, dict) else got[0]
+            await self.wait()
+
+    def _final(self) -> bool:
+        return self._over or (self._task is not None and self._task.done())
+
+    def ready(self) -> Any:
+        """The answer once it came, stacked as AsyncStream.ready() stacks
+        chunks (each output (1, *shape)); None before."""
+        if self._over:
             raise StopAsyncIteration
-        answer, self.answer = self.answer, None
-        value = await answer
+        if self._task is None:
+            self._task = asyncio.ensure_future(self.answer)
+            self.answer = None
+            self._task.add_done_callback(lambda _: self.wake())
+        if not self._task.done():
+            return None
+        self._over = True
+        value = self._task.result()  # or its error
         self.finish_reason = "stop"
-        return value
+        return {k: v[None] for k, v in value.items()} if isinstance(value, dict) else value[None]
 
     async def aclose(self) -> None:
+        self._over = True
         if self.answer is not None:
             self.answer.close()  # never started: nothing was enqueued
             self.answer = None
+        elif self._task is not None:
+            if not self._task.done():
+                self._task.cancel()  # withdraws its request
+            elif not self._task.cancelled():
+                self._task.exception()  # seen: not logged as never retrieved
