@@ -10,32 +10,26 @@ an iterative engine's whole answer, its chunks stacked, and "finish_reason":
 
 POST /v2/models/NAME/generate_stream answers the same request as
 server-sent events, one `data: {...}` event per chunk as the engine writes
-it; the last chunk's event of a complete answer carries "finish_reason". A
-stream that ends otherwise (an error, the server stopping, its timeout) ends
-with a last `data: {"error": ...}` event (an error before the first chunk is
-an ordinary error response). A caller that disconnects withdraws its
-request: its stream is closed, and the batcher drops the request at its next
-step; one that stops reading loses it at its deadline. A one-shot engine
-answers both with its one answer, as Client.stream does.
+it (the events of chunks that came together in one HTTP chunk:
+engine.http.streaming); the last chunk's event of a complete answer carries
+"finish_reason". A stream that ends otherwise (an error, the server
+stopping, its timeout) ends with a last `data: {"error": ...}` event (an
+error before the first chunk is an ordinary error response). A caller that
+disconnects withdraws its request: its stream is closed, and the batcher
+drops the request at its next step; one that stops reading loses it at its
+deadline. A one-shot engine answers both with its one answer, as
+Client.stream does.
 """
 import asyncio
 import json
-import logging
 
 import numpy as np
 
-from engine.errors import EngineError, RequestTimeout
-from engine.http import oip_tensors
+from engine.errors import RequestTimeout
+from engine.http import oip_tensors, streaming
 from engine.http.oip_tensors import BadRequest, datatype_of, json_text
 
-log = logging.getLogger("shmbatch")
-
 PARAMETERS = ("timeout", "priority", "max_steps")
-_END, _GONE = object(), object()  # the stream ended; the caller went away
-SHUTDOWN = "EngineUnavailable: the server is shutting down; this request was not completed"
-CUT = "EngineUnavailable: the answer ended before it completed"
-CLOSING_S = 5.0
-SEND_MIN_S = 1.0
 
 
 def read_request(model, body: bytes, default_timeout_s: float):
@@ -74,136 +68,75 @@ async def generate(model, body: bytes, default_timeout_s: float, receive):
     answer) once the caller disconnected, which withdraws the request."""
     x, timeout_s, priority, max_steps, request_id = read_request(model, body, default_timeout_s)
     chunks = model.client.open_stream_async(x, timeout_s, priority=priority, max_steps=max_steps)
-    gone = asyncio.ensure_future(_disconnected(receive))
-    got: list = []
     try:
-        while True:
-            try:
-                item = await _next(chunks, gone)
-            except RequestTimeout as e:
-                raise RequestTimeout(f"{e} ({len(got)} chunk(s) came; a longer answer asks a "
-                                     f"longer timeout: parameters.timeout, in microseconds)"
-                                     ) from None
-            if item is _GONE:
-                return None
-            if item is _END:
-                break
-            got.append(item)
+        blocks = await streaming.collect(chunks, receive)
+    except RequestTimeout as e:
+        raise RequestTimeout(f"{e} ({chunks.chunks_read} chunk(s) came; a longer answer asks a "
+                             f"longer timeout: parameters.timeout, in microseconds)") from None
     except asyncio.CancelledError:  # the server stops: its drain ran out
-        return 503, json.dumps({"error": SHUTDOWN}).encode(), []
-    finally:
-        gone.cancel()
-        await chunks.aclose()  # withdraws the request unless it ended
-    answer = _stacked(model, got) if model.config.iterative else got[0]
+        return 503, json.dumps({"error": streaming.SHUTDOWN}).encode(), []
+    if blocks is None:
+        return None
+    answer = _joined(model, blocks)
+    if not model.config.iterative:  # its one answer, not a chunk of one
+        answer = model.config.answer(tuple(a[0] for a in _in_order(model, answer)))
     out = answer_json(model, answer, request_id)
     out["finish_reason"] = chunks.finish_reason
     return 200, json.dumps(out).encode(), []
 
 
-async def generate_stream(model, body: bytes, default_timeout_s: float, receive, send) -> None:
+async def generate_stream(model, body: bytes, default_timeout_s: float, scope, receive,
+                          send) -> None:
     """Streams the answer through send (the response is this function's to
     write once its first chunk came; an error before that is raised). The
-    request's timeout bounds the caller's reading too: a caller that stops
-    reading loses its request at its deadline, and the connection is closed."""
+    request's timeout bounds the caller's reading too (engine.http.streaming)."""
     x, timeout_s, priority, max_steps, request_id = read_request(model, body, default_timeout_s)
-    deadline = asyncio.get_running_loop().time() + timeout_s
     chunks = model.client.open_stream_async(x, timeout_s, priority=priority, max_steps=max_steps)
-    gone = asyncio.ensure_future(_disconnected(receive))
-    started = False
-    try:
-        item = await _next(chunks, gone)  # an EngineError here is an ordinary error response
-        if item is _GONE:
-            return
-        await _within(deadline, send({"type": "http.response.start", "status": 200,
-                                      "headers": [(b"content-type", b"text/event-stream"),
-                                                  (b"cache-control", b"no-cache")]}))
-        started = True
-        while item is not _END:
-            event = answer_json(model, item, request_id)
-            if chunks.finish_reason is not None:  # known with the last chunk itself
-                event["finish_reason"] = chunks.finish_reason
-            await _within(deadline, _send_event(send, event))
-            try:
-                item = await _next(chunks, gone)
-            except EngineError as e:
-                await _within(_closing(), _send_event(send, {"error": f"{type(e).__name__}: {e}"}))
-                break
-            if item is _GONE:
-                return
-            if item is _END and chunks.finish_reason is None:  # never a clean end short
-                await _within(_closing(), _send_event(send, {"error": CUT}))
-        await _within(_closing(), send({"type": "http.response.body", "body": b""}))
-    except _SlowReader:  # the caller stopped reading: its request ends here
-        log.warning("model %s: a stream's caller read nothing until its deadline; closed",
-                    model.name)
-    except asyncio.CancelledError:  # the server stops: its drain ran out
-        if not started:
-            await send({"type": "http.response.start", "status": 503,
-                        "headers": [(b"content-type", b"application/json")]})
-            await send({"type": "http.response.body", "body": json.dumps({"error": SHUTDOWN}
-                                                                          ).encode()})
+    await GenerateEvents(model, request_id, chunks, scope, receive, send, timeout_s).run()
+
+
+class GenerateEvents(streaming.EventStream):
+    """The extension's events: each chunk as answer_json writes it, the last
+    one of a complete answer with its finish_reason; the constant part of an
+    event encoded once per request."""
+
+    def __init__(self, model, request_id, chunks, scope, receive, send, timeout_s: float) -> None:
+        super().__init__(chunks, scope, receive, send, timeout_s)
+        head = {"model_name": model.name, "model_version": "1"}
+        if request_id is not None:
+            head["id"] = request_id
+        self.head = "data: " + json.dumps(head)[:-1] + ", "
+        self.model = model
+        self.keys = [json.dumps(name) + ": " for name, _ in model.outputs]
+        # an integer's text is its JSON (a token id's, say)
+        self.texts = [str if not spec.shape and np.dtype(spec.dtype).kind in "iu"
+                      else streaming.dumps for _, spec in model.outputs]
+
+    def events(self, chunks, finish_reason) -> bytes:
+        head = self.head
+        if not self.model.config.named:  # one output: chunks is its array
+            key, text = head + self.keys[0], self.texts[0]
+            parts = [key + text(value) + "}\n\n" for value in chunks.tolist()]
         else:
-            await _send_event(send, {"error": SHUTDOWN}, more=False)
-    finally:
-        gone.cancel()
-        await chunks.aclose()  # withdraws the request unless it ended
+            columns = [a.tolist() for a in _in_order(self.model, chunks)]
+            parts = [head + ", ".join([key + text(value) for key, text, value in
+                                       zip(self.keys, self.texts, row)]) + "}\n\n"
+                     for row in zip(*columns)]
+        if finish_reason is not None:  # the last chunk's
+            parts[-1] = parts[-1][:-3] + ', "finish_reason": "' + finish_reason + '"}\n\n'
+        return "".join(parts).encode()
 
 
-def _closing() -> float:
-    """The deadline of a stream's last events: its request is over (its slot
-    free), but a caller that reads nothing still cannot hold the connection."""
-    return asyncio.get_running_loop().time() + CLOSING_S
+def _in_order(model, answer) -> list:
+    """An answer's (or a block of chunks') arrays in the order of model.outputs."""
+    values = model.config.by_name(answer)
+    return [values[spec.name] for _, spec in model.outputs]
 
 
-class _SlowReader(Exception):
-    """A send did not complete by the request's deadline: its caller stopped reading."""
-
-
-async def _within(deadline: float, sending) -> None:
-    """One send, bounded by the request's deadline (_SlowReader after it); a
-    send begun at the deadline (its chunk came in time) gets SEND_MIN_S."""
-    try:
-        left_s = deadline - asyncio.get_running_loop().time()
-        await asyncio.wait_for(sending, max(SEND_MIN_S, left_s))
-    except asyncio.TimeoutError:
-        raise _SlowReader from None
-
-
-async def _send_event(send, obj, more: bool = True) -> None:
-    await send({"type": "http.response.body", "more_body": more, "body": _event(obj)})
-
-
-def _stacked(model, chunks: list):
-    """The chunks of an answer stacked, in the caller's form (an empty answer
-    holds no chunk of each output)."""
-    by_name = [model.config.by_name(c) for c in chunks]
-    stacked = {spec.name: np.stack([c[spec.name] for c in by_name]) if by_name
-               else np.empty((0, *spec.shape), spec.dtype) for _, spec in model.outputs}
-    return stacked if model.config.named else stacked[""]
-
-
-async def _next(chunks, gone):
-    """The stream's next chunk, _END, or _GONE if the caller disconnected first
-    (the wait for the chunk is then cancelled, which closes the stream)."""
-    step = asyncio.ensure_future(chunks.__anext__())
-    await asyncio.wait({step, gone}, return_when=asyncio.FIRST_COMPLETED)
-    if step.done():
-        try:
-            return step.result()
-        except StopAsyncIteration:
-            return _END
-    step.cancel()
-    try:
-        await step
-    except (asyncio.CancelledError, StopAsyncIteration, EngineError):
-        pass
-    return _GONE
-
-
-async def _disconnected(receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-def _event(obj) -> bytes:
-    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+def _joined(model, blocks: list):
+    """Blocks of chunks joined into the whole answer, in the caller's form (an
+    empty answer holds no chunk of each output)."""
+    columns = [_in_order(model, block) for block in blocks]
+    return model.config.answer(tuple(
+        np.concatenate([c[i] for c in columns]) if columns
+        else np.empty((0, *spec.shape), spec.dtype) for i, (_, spec) in enumerate(model.outputs)))

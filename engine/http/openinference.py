@@ -302,7 +302,8 @@ class App:
                                        *model.body_limit(None, 1, self.max_body_bytes))
             if rest == ["generate"]:
                 return await oip_generate.generate(model, body, self.timeout_s, receive)
-            return await oip_generate.generate_stream(model, body, self.timeout_s, receive, send)
+            return await oip_generate.generate_stream(model, body, self.timeout_s, scope, receive,
+                                                      send)
         raise NotFound(f"no route {path}")
 
     def _model(self, name: str) -> Model:

@@ -1,0 +1,303 @@
+"""A stream followed on an HTTP worker's loop at the engine's pace: whole, or as server-sent events.
+
+The stream is one a Client opened (open_stream_async). The Client's
+completion thread wakes the worker's event loop once per engine step for
+all its streams (engine.client.loops); each stream then takes every chunk
+come since in one call (AsyncStream.ready), and EventStream writes them as
+one HTTP chunk. Under the HTTP worker, whose connections lend a writer of
+streamed bodies (WRITE_BODY), that happens in the wake's callback itself:
+per chunk no coroutine is resumed, and no task, future or timer is made.
+Elsewhere each wake resumes the writing coroutine through one future. Per
+request there is one task watching for the caller's disconnect and one
+timer bounding its sends.
+
+EventStream is protocol-neutral: a protocol subclasses it and says how its
+events are written (events(), end(), error_event(), error_body()); its
+run() does the rest. A caller that disconnects withdraws its request: its
+stream is closed, and the batcher drops the request at its next step. The
+request's timeout bounds the caller's reading too: a send still pending at
+the deadline (or SEND_MIN_S after it began, if later) ends the stream and
+closes the connection; the last events, after the stream's end, get
+CLOSING_S.
+"""
+import asyncio
+import json
+import logging
+from typing import Optional
+
+from engine.errors import EngineError
+
+log = logging.getLogger("shmbatch")
+
+SHUTDOWN = "EngineUnavailable: the server is shutting down; this request was not completed"
+CUT = "EngineUnavailable: the answer ended before it completed"
+CLOSING_S = 5.0
+SEND_MIN_S = 1.0
+EMPTY = object()  # an answer of no chunk
+# scope["extensions"][WRITE_BODY], where the server has it: write_body(body) ->
+# bool, the next bytes of a streamed response's body written at once, as ASGI's
+# send would, when the connection takes them now; False: send them instead
+WRITE_BODY = "shmbatch.write_body"
+
+
+class Follower:
+    """An opened stream and its caller's disconnect, followed together."""
+
+    def __init__(self, chunks, receive) -> None:
+        self.chunks = chunks
+        self.gone = asyncio.ensure_future(_disconnected(receive))
+        self.gone.add_done_callback(self._woken)
+        self.read = False  # all that came was read: what comes next wakes the stream
+
+    def _woken(self, _) -> None:
+        self.chunks.wake()
+
+    async def next(self):
+        """The chunks come since the last call, stacked (AsyncStream.ready),
+        waiting for one at least; None once the caller went away.
+        StopAsyncIteration at the end; the request's error after its chunks."""
+        chunks = self.chunks
+        if self.read:
+            await chunks.wait()
+        while True:
+            got = chunks.ready()
+            if got is not None:
+                self.read = True
+                return got
+            if self.gone.done():
+                return None
+            await chunks.wait()
+
+    async def close(self) -> None:
+        """Withdraws the request unless it ended."""
+        self.gone.cancel()
+        await self.chunks.aclose()
+
+
+async def collect(chunks, receive) -> Optional[list]:
+    """Every chunk of the stream, in blocks as they came (AsyncStream.ready);
+    None (the request withdrawn) once its caller disconnected. The request's
+    error is raised."""
+    follower = Follower(chunks, receive)
+    got: list = []
+    try:
+        while True:
+            more = await follower.next()
+            if more is None:
+                return None
+            got.append(more)
+    except StopAsyncIteration:
+        return got
+    finally:
+        await follower.close()
+
+
+class EventStream:
+    """One request's answer written as server-sent events through an ASGI
+    send, as its chunks come. Subclass it and define events(); then
+
+        await MyEvents(chunks, scope, receive, send, timeout_s).run()
+
+    Without the server's writer (WRITE_BODY) each block is sent through send.
+
+    An error before the first chunk is raised (answer it as any error); one
+    after ends the stream with error_event(). A stream cut short ends with
+    error_event(CUT); one cut by the server's shutdown with
+    error_event(SHUTDOWN), or a 503 of error_body(SHUTDOWN) before it began."""
+
+    headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+
+    def __init__(self, chunks, scope, receive, send, timeout_s: float) -> None:
+        self.chunks, self.receive, self.send = chunks, receive, send
+        # the server's writer of a streamed body, where it has one (the HTTP
+        # worker's connections): the chunks are then written in the stream's
+        # wakes themselves (_pump), with no coroutine resumed
+        self.write_body = scope.get("extensions", {}).get(WRITE_BODY)
+        self.handed: Optional[asyncio.Future] = None  # what the pump hands to run()
+        self.follower: Optional[Follower] = None
+        self.loop = asyncio.get_running_loop()
+        self.limit = self.loop.time() + timeout_s  # sends begun before it end by it
+        self.send_until = self.limit
+        self.sending = False
+        self.slow = False  # the bound cut a send: its caller stopped reading
+        self.task: Optional[asyncio.Task] = None
+        self.timer: Optional[asyncio.TimerHandle] = None
+
+    # -- what a protocol defines ---------------------------------------------------
+    def events(self, chunks, finish_reason: Optional[str]) -> bytes:
+        """The events of chunks: those come since the last call, stacked
+        (AsyncStream.ready: one output (n, *chunk_shape), or a dict of them);
+        finish_reason is the last one's: "stop" or "length" when it ends a
+        complete answer, else None."""
+        raise NotImplementedError
+
+    def end(self, finish_reason: str) -> bytes:
+        """What follows the last chunk of a complete answer."""
+        return b""
+
+    def error_event(self, message: str) -> bytes:
+        return event(json.dumps({"error": message}).encode())
+
+    def error_body(self, message: str) -> bytes:
+        """The JSON body of the 503 of a stream the server's shutdown cut before it began."""
+        return json.dumps({"error": message}).encode()
+
+    # -- the writing -------------------------------------------------------------------
+    async def run(self) -> None:
+        self.task = asyncio.current_task()
+        follower = Follower(self.chunks, self.receive)
+        started = False
+        try:
+            try:
+                got = await follower.next()  # an EngineError here is an ordinary error response
+            except StopAsyncIteration:  # an empty answer
+                got = EMPTY
+            if got is None:
+                return
+            self.timer = self.loop.call_at(self.limit, self._check)
+            await self._send({"type": "http.response.start", "status": 200,
+                              "headers": self.headers})
+            started = True
+            while got is not EMPTY:
+                reason = self.chunks.finish_reason
+                body = self.events(got, reason)
+                if reason is not None:  # the last chunk: its end is known with it
+                    try:
+                        self.chunks.ready()  # settles its slot: StopAsyncIteration
+                    except StopAsyncIteration:
+                        return await self._finish(body + self.end(reason))
+                    except EngineError as e:
+                        return await self._finish(body + self._error(e))
+                await self._send({"type": "http.response.body", "body": body, "more_body": True})
+                try:
+                    got = await self._next(follower)
+                except StopAsyncIteration:
+                    break
+                except EngineError as e:
+                    return await self._finish(self._error(e))
+                if got is None:
+                    return
+            reason = self.chunks.finish_reason  # ended: a clean end is never short
+            await self._finish(self.end(reason) if reason is not None
+                               else self.error_event(CUT))
+        except asyncio.CancelledError:
+            if self.slow:  # the bound cut a send: the request ends here
+                self.task.uncancel()
+                log.warning("a stream's caller read nothing until its deadline; closed")
+            elif not started:  # the server stops (its drain ran out)
+                await self.send({"type": "http.response.start", "status": 503,
+                                 "headers": [(b"content-type", b"application/json")]})
+                await self.send({"type": "http.response.body",
+                                 "body": self.error_body(SHUTDOWN)})
+            else:
+                await self.send({"type": "http.response.body",
+                                 "body": self.error_event(SHUTDOWN)})
+        finally:
+            if self.timer is not None:
+                self.timer.cancel()
+            await follower.close()  # withdraws the request unless it ended
+
+    async def _next(self, follower: Follower):
+        """What run() writes next: the next block (follower.next). With the
+        server's writer, the blocks are written by the pump as they come, and
+        this returns only what the pump hands back: the last block (its
+        finish_reason known), None once the caller went away; StopAsyncIteration
+        or the request's error. A body the connection did not take at once
+        (its caller reads slowly) is sent from here."""
+        if self.write_body is None:
+            return await follower.next()
+        while True:
+            self.handed, self.follower = self.loop.create_future(), follower
+            self.chunks.on_wake = self._pump
+            try:
+                self._pump()  # what came since the last block
+                handed = await self.handed
+            finally:
+                self.chunks.on_wake, self.handed = None, None
+            if type(handed) is _Raise:
+                raise handed.error
+            if type(handed) is not bytes:
+                return handed
+            await self._send({"type": "http.response.body", "body": handed, "more_body": True})
+
+    def _pump(self) -> None:
+        """The stream's waker while run() waits in _next: writes every block
+        come, in this callback, while the connection takes it."""
+        handed, chunks = self.handed, self.chunks
+        if handed is None or handed.done():
+            return
+        try:
+            while not self.follower.gone.done():
+                got = chunks.ready()
+                if got is None:
+                    return
+                if chunks.finish_reason is not None:  # the last block: run()'s to end
+                    return handed.set_result(got)
+                body = self.events(got, None)
+                if not self.write_body(body):
+                    return handed.set_result(body)
+            handed.set_result(None)
+        except BaseException as e:  # the end, or the request's error: run()'s to write
+            handed.set_result(_Raise(e))
+
+    def _error(self, e: EngineError) -> bytes:
+        return self.error_event(f"{type(e).__name__}: {e}")
+
+    async def _finish(self, body: bytes) -> None:
+        """The last events and the response's end, within CLOSING_S."""
+        self.limit = self.loop.time() + CLOSING_S
+        if self.timer is not None and self.timer.when() > self.limit:
+            self.timer.cancel()
+            self.timer = self.loop.call_at(self.limit, self._check)
+        await self._send({"type": "http.response.body", "body": body})
+
+    async def _send(self, message: dict) -> None:
+        self.send_until = max(self.limit, self.loop.time() + SEND_MIN_S)
+        self.sending = True
+        try:
+            await self.send(message)
+        finally:
+            self.sending = False
+
+    def _check(self) -> None:
+        """The timer: cuts a send past its bound, else looks again when one could be."""
+        now = self.loop.time()
+        if self.sending and now >= self.send_until:
+            self.slow, self.timer = True, None
+            self.task.cancel()
+            return
+        self.timer = self.loop.call_at(self.send_until if self.sending else now + SEND_MIN_S,
+                                       self._check)
+
+
+class _Raise:
+    """An exception the pump hands to run(), to be raised there."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def event(data: bytes) -> bytes:
+    """One server-sent event of data (a line of JSON, say)."""
+    return b"data: " + data + b"\n\n"
+
+
+def _json_maker():
+    """json.dumps(value) for a value of JSON types, as json.dumps writes it,
+    without the encoder json.dumps makes at each call."""
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:  # no C accelerator
+        return json.dumps
+    encode = make(None, None, json.encoder.encode_basestring_ascii, None, ": ", ", ",
+                  False, False, True)
+    return lambda value: "".join(encode(value, 0))
+
+
+dumps = _json_maker()
+
+
+async def _disconnected(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
