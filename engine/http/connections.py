@@ -14,6 +14,11 @@ uvicorn's httptools protocol, subclassed, with what it lacks:
   (uvicorn stops accepting, and the kernel would queue new connections on
   the shared socket until serve closes it, then reset them).
 
+And each request's send (HeadWithBody) writes the head of a response that
+says its length with its body, in one write of the socket, and lends the
+app a writer of a streamed body's next bytes (scope["extensions"]
+[streaming.WRITE_BODY]) that writes at once, with no coroutine.
+
 A refused connection is half-closed after its answer and read (discarded)
 for at most LINGER_S before it closes, so a caller still sending its
 request reads the answer rather than a reset. And the worker's logs stay
@@ -26,9 +31,12 @@ import logging
 import os
 import resource
 import time
+from typing import Optional
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from engine.http import streaming
 
 log = logging.getLogger("shmbatch")
 
@@ -41,6 +49,7 @@ LINGER_S = 2.0
 MAX_LINGERING = 16  # refused connections read at once; beyond, one closes at once
 LINGER_BYTES = 1 << 16
 LOG_INTERVAL_S = 10.0
+COALESCE_BYTES = 1 << 16  # a body up to this size is written with its response's head
 OOM_SCORE_RAISE = 500  # a worker dies before a batcher when memory runs out
 
 
@@ -94,7 +103,12 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._deadline = None  # the read timeout's timer
+        # the read timeout's one timer, armed while the connection lives: a
+        # request only notes when its reading began, so a keep-alive
+        # connection costs no timer per request
+        self._deadline = None
+        self._fresh = True  # no request has begun: its reading began with the connection
+        self._since = 0.0  # when the reading of the request (or connection) began
         self._partial = False  # a request has begun and is not whole yet
         self._head_done = False  # ... and its head has come
         self._body_bytes = 0  # ... and this much of its body
@@ -114,7 +128,8 @@ class GuardedProtocol(HttpToolsProtocol):
                                            f"connections to this worker, got one more: try "
                                            f"again, or reuse a connection")
         super().connection_made(transport)
-        self._arm()
+        self._since = self.loop.time()
+        self._arm(self._since + front.read_timeout_s)
 
     def _refuse(self, transport, message: str) -> None:
         self._refused, self.transport = True, transport
@@ -147,12 +162,17 @@ class GuardedProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._partial, self._head_done, self._body_bytes = True, False, 0
-        if self._deadline is None:  # the first request's runs from the connection's opening
-            self._arm()
+        if not self._fresh:  # the first request's runs from the connection's opening
+            self._since = self.loop.time()
+        self._fresh = False
 
     def on_headers_complete(self) -> None:
         self._head_done = True
+        existing = self.cycle
         super().on_headers_complete()
+        if self.cycle is not existing:
+            send = self.cycle.send = HeadWithBody(self.cycle)  # run_asgi looks it up later
+            self.scope.setdefault("extensions", {})[streaming.WRITE_BODY] = send.write_body
 
     def on_body(self, body: bytes) -> None:
         self._body_bytes += len(body)
@@ -160,12 +180,10 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self._partial = False
-        self._disarm()
         super().on_message_complete()
 
-    def _arm(self) -> None:
-        self._disarm()
-        self._deadline = self.loop.call_later(self.front.read_timeout_s, self._timed_out)
+    def _arm(self, when: float) -> None:
+        self._deadline = self.loop.call_at(when, self._timed_out)
 
     def _disarm(self) -> None:
         if self._deadline is not None:
@@ -177,9 +195,13 @@ class GuardedProtocol(HttpToolsProtocol):
         transport = self.transport
         if transport.is_closing():
             return
-        if self.flow.read_paused:  # this server stopped reading (a pipelined request
-            self._arm()  # waits, or the app has not read the body yet): not the caller's delay
-            return
+        now, timeout_s = self.loop.time(), self.front.read_timeout_s
+        if not (self._partial or self._fresh):  # between requests, or the app's: not read
+            return self._arm(now + timeout_s)
+        if now < self._since + timeout_s:  # a later request's reading: its own time left
+            return self._arm(self._since + timeout_s)
+        if self.flow.read_paused:  # this server stopped reading (a pipelined request waits,
+            return self._arm(now + timeout_s)  # or the app has not read the body yet)
         self.front.timed_out.add()
         if not self._partial:  # not a byte of a request: closed quietly
             transport.close()
@@ -196,6 +218,96 @@ class GuardedProtocol(HttpToolsProtocol):
             transport.write(answer(408, f"expected a request's head and body within "
                                         f"{self.front.read_timeout_s:g} s, got {got}"))
         transport.close()
+
+
+class HeadWithBody:
+    """A request's ASGI send (uvicorn's, wrapped): the head of a response that
+    says its length is held and written with the body's first bytes, in one
+    write, so that a small answer is one send() of the socket, not two. While
+    the connection's writing is paused (its caller reads slowly) or a body is
+    large, uvicorn's send writes as it does."""
+
+    __slots__ = ("cycle", "send", "head", "passing")
+
+    def __init__(self, cycle) -> None:
+        self.cycle, self.send = cycle, cycle.send  # uvicorn's, bound
+        self.head: Optional[bytes] = None
+        self.passing = False  # the head is written: the rest is uvicorn's send's
+
+    def __call__(self, message):
+        if self.passing:  # uvicorn's own coroutine: no frame of ours per message
+            return self.send(message)
+        return self._send(message)
+
+    async def _send(self, message) -> None:
+        # uvicorn's send awaits only while writing is paused: otherwise the
+        # transport set here is the one it writes to, and set back before any await
+        cycle = self.cycle
+        if cycle.flow.write_paused or cycle.disconnected:
+            self._release()
+            return await self.send(message)
+        if self.head is None:
+            self.passing = True
+            if message["type"] != "http.response.start" or cycle.response_started or \
+                    not any(name.lower() == b"content-length" for name, _ in
+                            message.get("headers", ())):
+                return await self.send(message)
+            real, cycle.transport = cycle.transport, _Held(cycle.transport)
+            try:
+                await self.send(message)
+            finally:
+                self.head, cycle.transport = cycle.transport.data, real
+            self.passing = self.head is None
+            return
+        if len(message.get("body", b"")) > COALESCE_BYTES:  # not worth its copy
+            self._release()
+            return await self.send(message)
+        real, cycle.transport = cycle.transport, _Held(cycle.transport, self.head)
+        self.head, self.passing = None, True
+        try:
+            await self.send(message)
+        finally:
+            held, cycle.transport = cycle.transport, real
+            if held.data:  # nothing was written (a HEAD request, an error)
+                real.write(held.data)
+
+    def write_body(self, body: bytes) -> bool:
+        """streaming.WRITE_BODY: a streamed (chunked) response's next body
+        bytes written now, as uvicorn's send writes them; False while its
+        writing is paused or the response is not a stream in progress."""
+        cycle = self.cycle
+        if cycle.flow.write_paused or cycle.disconnected or not cycle.chunked_encoding \
+                or cycle.response_complete or not self.passing:
+            return False
+        if body:
+            cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        return True
+
+    def _release(self) -> None:
+        self.passing = True
+        if self.head is not None:
+            head, self.head = self.head, None
+            self.cycle.transport.write(head)
+
+
+class _Held:
+    """A transport whose first write is held (data: what it held) or, given
+    a head, written after it in one write; the rest is the transport's."""
+
+    __slots__ = ("transport", "data")
+
+    def __init__(self, transport, head: Optional[bytes] = None) -> None:
+        self.transport, self.data = transport, head
+
+    def write(self, data: bytes) -> None:
+        if self.data is None:
+            self.data = data
+            return
+        head, self.data = self.data, b""
+        self.transport.write(head + data)
+
+    def __getattr__(self, name: str):
+        return getattr(self.transport, name)
 
 
 class Server(uvicorn.Server):
