@@ -1,0 +1,105 @@
+"""The HTTP worker at the engine's pace: many streams at once each get their own
+chunks, in order, through the writer that takes every chunk come in one wake of the
+loop; an async request whose awaiter is cancelled is withdrawn; and a keep-alive
+connection's later request has a read timeout of its own, from its first byte."""
+import asyncio
+import http.client
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("uvicorn")
+from conftest import unique_name, wait_for  # noqa: E402
+from test_http_connections import CLOSED_WITHIN_S, READ_TIMEOUT_S, Serve  # noqa: E402
+from test_http_connections import response, until_closed  # noqa: E402
+from test_multi_engine import Served, table, top  # noqa: E402
+
+import engine  # noqa: E402
+
+STEPS = dict(input_shape=[2], input_dtype="int64", output_shape=[], output_dtype="int64")
+X = np.arange(16, dtype=np.float32)
+
+
+def events(url: str, path: str, body: dict) -> list:
+    host, port = url.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        conn.request("POST", path, body=json.dumps(body).encode())
+        got = conn.getresponse()
+        assert got.status == 200, got.read()
+        return [json.loads(e[len("data: "):]) for e in got.read().decode().split("\n\n") if e]
+    finally:
+        conn.close()
+
+
+def test_streams_at_once_each_get_their_own_chunks_in_order(tmp_path):
+    name = unique_name("pace")
+    served = Served(tmp_path, top(http_workers=1) + table(
+        name, backend="serve_backends:counting", backend_args={"step_ms": 1.0},
+        iterative=True, max_steps=256, max_batch_size=32, **STEPS), "--http-port", "0")
+    try:
+        asked = {k: (1000 * k, 20 + 7 * k) for k in range(24)}  # (start, chunks) each its own
+        got: dict = {}
+
+        def read(k):
+            got[k] = events(served.url, f"/v2/models/{name}/generate_stream",
+                            {"INPUT": list(asked[k])})
+
+        threads = [threading.Thread(target=read, args=(k,)) for k in asked]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        for k, (start, n) in asked.items():
+            assert [e["OUTPUT"] for e in got[k]] == list(range(start, start + n)), k
+            assert [e.get("finish_reason") for e in got[k]] == [None] * (n - 1) + ["stop"], k
+    finally:
+        served.stop()
+
+
+def test_a_cancelled_async_request_is_withdrawn(make_engine, gate):
+    eng = make_engine("cancelled", backend="helpers:gated", backend_args={"gate": gate.name},
+                      max_batch_size=1)
+
+    async def main(c):
+        held = asyncio.ensure_future(c.infer_async(X, timeout=60))  # its batch waits at the gate
+        await asyncio.sleep(0)  # enqueued
+        wait_for(lambda: eng.stats()["queue_depth"] == 0, "the first request claimed")
+        queued = asyncio.ensure_future(c.infer_async(X + 1, timeout=60))
+        await asyncio.sleep(0)
+        queued.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await queued
+        wait_for(lambda: eng.stats()["withdrawn_total"] == 1, "the withdrawal counted")
+        gate.open()
+        return await held
+
+    with engine.Client(eng.name) as c:
+        assert np.array_equal(asyncio.run(main(c)), X * 2 + 1)
+        assert np.array_equal(c.infer(X + 2, timeout=60), (X + 2) * 2 + 1)
+    stats = eng.stats()
+    assert (stats["answered_total"], stats["withdrawn_total"], stats["requests_total"]) == (2, 1, 3)
+
+
+def test_a_later_request_on_a_kept_connection_has_its_own_read_timeout(tmp_path):
+    s = Serve(tmp_path, "--http-read-timeout-s", str(READ_TIMEOUT_S))
+    try:
+        with s.connect() as sock:
+            sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+            head = b""
+            while b"\r\n\r\n" not in head or not head.endswith(b"}"):
+                head += sock.recv(1 << 16)
+            assert head.startswith(b"HTTP/1.1 200"), head
+            time.sleep(READ_TIMEOUT_S * 0.6)  # idle on the kept connection, under its timeout
+            sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n")  # never ends
+            began = time.monotonic()
+            status, headers, answer = response(until_closed(sock, CLOSED_WITHIN_S))
+            assert time.monotonic() - began >= READ_TIMEOUT_S * 0.9  # from its own first byte
+        assert (status, headers["connection"]) == (408, "close")
+        assert "part of its head" in answer["error"], answer
+        assert s.infer().tolist() == (X * 2 + 1).tolist()
+    finally:
+        s.close()
