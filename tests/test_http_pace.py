@@ -1,7 +1,9 @@
 """The HTTP worker at the engine's pace: many streams at once each get their own
 chunks, in order, through the writer that takes every chunk come in one wake of the
-loop; an async request whose awaiter is cancelled is withdrawn; and a keep-alive
-connection's later request has a read timeout of its own, from its first byte."""
+loop; a protocol's event writer (streaming.EventStream) under any ASGI server writes
+them through send and may end an answer early, which withdraws its request; an async
+request whose awaiter is cancelled is withdrawn; and a keep-alive connection's later
+request has a read timeout of its own, from its first byte."""
 import asyncio
 import http.client
 import json
@@ -15,9 +17,12 @@ pytest.importorskip("uvicorn")
 from conftest import unique_name, wait_for  # noqa: E402
 from test_http_connections import CLOSED_WITHIN_S, READ_TIMEOUT_S, Serve  # noqa: E402
 from test_http_connections import response, until_closed  # noqa: E402
+from iterative_helpers import scripted  # noqa: E402
+from step_models import chunks, request  # noqa: E402
 from test_multi_engine import Served, table, top  # noqa: E402
 
 import engine  # noqa: E402
+from engine.http import streaming  # noqa: E402
 
 STEPS = dict(input_shape=[2], input_dtype="int64", output_shape=[], output_dtype="int64")
 X = np.arange(16, dtype=np.float32)
@@ -58,6 +63,51 @@ def test_streams_at_once_each_get_their_own_chunks_in_order(tmp_path):
             assert [e.get("finish_reason") for e in got[k]] == [None] * (n - 1) + ["stop"], k
     finally:
         served.stop()
+
+
+class Numbers(streaming.EventStream):
+    """Each chunk as `data: N`; the answer ends at `last`, however long it runs."""
+
+    def __init__(self, chunks, last, *args) -> None:
+        super().__init__(chunks, *args)
+        self.last = last
+
+    def events(self, block, finish_reason) -> bytes:
+        body = b""
+        for value in block.tolist():
+            body += streaming.event(str(value).encode())
+            if value == self.last:
+                raise streaming.Finished(body, "stop")
+        return body
+
+    def end(self, finish_reason: str) -> bytes:
+        return streaming.event(f"[{finish_reason}]".encode())
+
+
+def test_an_event_writer_through_send_may_end_an_answer_early_which_withdraws_it(
+        make_engine, log):
+    eng = scripted(make_engine, "writer", log, max_steps=256, model={"step_ms": 2.0})
+    sent: list = []
+
+    async def main(c):
+        forever = asyncio.Event()
+
+        async def receive():  # the caller stays until the answer ends
+            await forever.wait()
+
+        async def send(message):
+            sent.append(message)
+
+        stream = c.open_stream_async(request(3, 200), timeout=60)
+        last = chunks(3, 10)[-1]
+        await Numbers(stream, last, {"type": "http"}, receive, send, 60.0).run()
+
+    with engine.Client(eng.name) as c:
+        asyncio.run(main(c))
+    assert sent[0]["status"] == 200 and not sent[-1].get("more_body")
+    text = b"".join(m["body"] for m in sent[1:]).decode()
+    assert text == "".join(f"data: {v}\n\n" for v in chunks(3, 10)) + "data: [stop]\n\n"
+    wait_for(lambda: eng.stats()["withdrawn_total"] == 1, "the rest of the answer withdrawn")
 
 
 def test_a_cancelled_async_request_is_withdrawn(make_engine, gate):

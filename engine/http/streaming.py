@@ -40,6 +40,16 @@ EMPTY = object()  # an answer of no chunk
 WRITE_BODY = "shmbatch.write_body"
 
 
+class Finished(Exception):
+    """Raised by EventStream.events() to end the answer there (a stop string
+    found, say): body, its last events, is written, then end(finish_reason),
+    and the request is withdrawn if it runs on."""
+
+    def __init__(self, body: bytes, finish_reason: str) -> None:
+        super().__init__(finish_reason)
+        self.body, self.finish_reason = body, finish_reason
+
+
 class Follower:
     """An opened stream and its caller's disconnect, followed together."""
 
@@ -101,8 +111,9 @@ class EventStream:
     Without the server's writer (WRITE_BODY) each block is sent through send.
 
     An error before the first chunk is raised (answer it as any error); one
-    after ends the stream with error_event(). A stream cut short ends with
-    error_event(CUT); one cut by the server's shutdown with
+    after ends the stream with error_event(). events() may end the answer
+    early (Finished): its request is then withdrawn. A stream cut short
+    ends with error_event(CUT); one cut by the server's shutdown with
     error_event(SHUTDOWN), or a 503 of error_body(SHUTDOWN) before it began."""
 
     headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
@@ -128,7 +139,7 @@ class EventStream:
         """The events of chunks: those come since the last call, stacked
         (AsyncStream.ready: one output (n, *chunk_shape), or a dict of them);
         finish_reason is the last one's: "stop" or "length" when it ends a
-        complete answer, else None."""
+        complete answer, else None. Finished ends the answer early."""
         raise NotImplementedError
 
     def end(self, finish_reason: str) -> bytes:
@@ -160,7 +171,10 @@ class EventStream:
             started = True
             while got is not EMPTY:
                 reason = self.chunks.finish_reason
-                body = self.events(got, reason)
+                try:
+                    body = self.events(got, reason)
+                except Finished as e:
+                    return await self._finish(e.body + self.end(e.finish_reason))
                 if reason is not None:  # the last chunk: its end is known with it
                     try:
                         self.chunks.ready()  # settles its slot: StopAsyncIteration
@@ -175,6 +189,8 @@ class EventStream:
                     break
                 except EngineError as e:
                     return await self._finish(self._error(e))
+                except Finished as e:  # the pump's events() ended it
+                    return await self._finish(e.body + self.end(e.finish_reason))
                 if got is None:
                     return
             reason = self.chunks.finish_reason  # ended: a clean end is never short
