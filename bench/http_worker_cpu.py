@@ -1,0 +1,253 @@
+"""CPU time of the HTTP worker per streamed chunk and per one-row JSON infer.
+
+    python bench/http_worker_cpu.py [--tree DIR] [--streams 1,16,64] [--chunks 200]
+                                    [--step-ms 2] [--seconds 5] [--infers 4000]
+                                    [--concurrency 1,16] [--repeat 3]
+
+`shmbatch serve --config` with one HTTP worker and two engines: an iterative
+counting model (a request (start, n) answers start, start + 1, ... n chunks,
+each step sleeping --step-ms, so the batcher takes no CPU from the worker)
+and a one-shot identity engine (float32[16]). This process is the caller, on
+raw keep-alive sockets: S streams at once through generate_stream, each
+re-sent as soon as it ends, then C connections each sending its next
+one-row infer once answered. Every answer is checked against its own
+request (0 wrong, or the run fails). The figure is the worker's CPU time
+(user + system, psutil) over the run, less its idle rate (measured first:
+uvicorn's ticks, the client's threads), divided by the chunks or requests;
+the median of --repeat runs. How many streams share a wake of the worker
+(one per engine step) sets the cost of a chunk: each row says its rate.
+--tree: another source tree of shmbatch (its engine/_ringc built), e.g. a
+worktree of an earlier commit.
+"""
+import argparse
+import asyncio
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+import psutil
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+HERE = pathlib.Path(__file__).resolve().parent
+IDLE_S = 2.0
+
+
+class Counting:
+    """A step model (the batcher imports it from this file): (start, n) answers
+    start, start + 1, ... n chunks; each step sleeps step_ms."""
+
+    def __init__(self, step_ms: float) -> None:
+        self.step_s = step_ms / 1000
+        self.state: dict = {}
+
+    def join(self, ids, batch, lengths=None) -> None:
+        for i, (start, n) in zip(ids.tolist(), batch.tolist()):
+            self.state[i] = [start, n]
+
+    def step(self, ids):
+        import numpy as np
+        if self.step_s:
+            time.sleep(self.step_s)
+        out, done = np.empty(len(ids), np.int64), np.zeros(len(ids), bool)
+        for k, i in enumerate(ids.tolist()):
+            s = self.state[i]
+            out[k], s[0], s[1] = s[0], s[0] + 1, s[1] - 1
+            done[k] = s[1] == 0
+        return out, done
+
+    def leave(self, ids) -> None:
+        for i in ids.tolist():
+            self.state.pop(i, None)
+
+
+def counting(step_ms: float = 2.0) -> Counting:
+    return Counting(step_ms)
+
+
+def config(gen: str, one: str, step_ms: float) -> str:
+    return (f'http_workers = 1\n'
+            f'[engines."{gen}"]\nbackend = "http_worker_cpu:counting"\n'
+            f'backend_args = {{step_ms = {step_ms}}}\niterative = true\nmax_steps = 65536\n'
+            f'input_shape = [2]\ninput_dtype = "int64"\noutput_shape = []\n'
+            f'output_dtype = "int64"\nmax_batch_size = 64\nqueue_capacity = 256\n'
+            f'[engines."{one}"]\nbackend = "engine.backends:identity"\ninput_shape = [16]\n'
+            f'output_shape = [16]\nmax_batch_size = 64\nmax_delay_ms = 0.0\n'
+            f'queue_capacity = 256\n')
+
+
+async def response(reader):
+    """(status, body) of one HTTP/1.1 response (content-length or chunked)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    length = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
+    if length:
+        return status, await reader.readexactly(int(length.group(1)))
+    body = bytearray()
+    while True:
+        size = int((await reader.readuntil(b"\r\n"))[:-2], 16)
+        data = await reader.readexactly(size + 2)
+        if size == 0:
+            return status, bytes(body)
+        body += data[:-2]
+
+
+def post(path: str, body: bytes) -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n\r\n").encode() + body
+
+
+async def streams(address, name: str, count: int, chunks: int, until: float) -> int:
+    """count callers, each re-sending its stream until `until`; the chunks read."""
+    async def caller(k: int) -> int:
+        reader, writer = await asyncio.open_connection(*address)
+        got, i = 0, 0
+        try:
+            while time.monotonic() < until:
+                start = (k * 1_000_003 + i * 7919) % (1 << 40)
+                i += 1
+                writer.write(post(f"/v2/models/{name}/generate_stream",
+                                  json.dumps({"INPUT": [start, chunks]}).encode()))
+                status, body = await response(reader)
+                events = [json.loads(e[6:]) for e in body.decode().split("\n\n") if e]
+                values = [e["OUTPUT"] for e in events]
+                if status != 200 or values != list(range(start, start + chunks)) \
+                        or events[-1].get("finish_reason") != "stop":
+                    raise AssertionError(f"stream ({start}, {chunks}): got {status} {body[:200]!r}")
+                got += chunks
+        finally:
+            writer.close()
+        return got
+
+    return sum(await asyncio.gather(*(caller(k) for k in range(count))))
+
+
+async def infers(address, name: str, count: int, total: int) -> int:
+    """count connections sending one-row infers until total are answered."""
+    left = [total]
+
+    async def caller(k: int) -> int:
+        reader, writer = await asyncio.open_connection(*address)
+        done = 0
+        try:
+            while left[0] > 0:
+                left[0] -= 1
+                x = [float(k * 100_000 + left[0] % 100_000) + j / 4 for j in range(16)]
+                writer.write(post(f"/v2/models/{name}/infer", json.dumps(
+                    {"inputs": [{"name": "INPUT", "datatype": "FP32", "shape": [1, 16],
+                                 "data": x}]}).encode()))
+                status, body = await response(reader)
+                out = json.loads(body)["outputs"][0] if status == 200 else None
+                if out is None or out["data"] != x or out["shape"] != [1, 16]:
+                    raise AssertionError(f"infer of {x[:2]}...: got {status} {body[:200]!r}")
+                done += 1
+        finally:
+            writer.close()
+        return done
+
+    return sum(await asyncio.gather(*(caller(k) for k in range(count))))
+
+
+def cpu_s(proc: psutil.Process) -> float:
+    """The process's CPU time (user + system, its threads' that ended included)."""
+    t = proc.cpu_times()
+    return t.user + t.system
+
+
+def threads_cpu_s(pid: int) -> float:
+    """Its live threads' CPU time, to the nanosecond (/proc/PID/task/*/schedstat)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError):  # a thread that ended meanwhile
+            pass
+    return total / 1e9
+
+
+def measure(worker, idle_per_s: float, run) -> tuple:
+    """(µs of the worker's CPU per unit net of idle, of it in user and system
+    mode, units, seconds) of run()."""
+    t0, began = worker.cpu_times(), time.monotonic()
+    units = run()
+    spent = time.monotonic() - began
+    t1 = worker.cpu_times()
+    user, system = t1.user - t0.user, t1.system - t0.system
+    per = (user + system - idle_per_s * spent) / units * 1e6
+    return per, user / units * 1e6, system / units * 1e6, units, spent
+
+
+def rows(worker, idle_per_s: float, repeat: int, run) -> str:
+    """The median of `repeat` runs, with the range and the user/system split."""
+    got = sorted((measure(worker, idle_per_s, run) for _ in range(repeat)), key=lambda m: m[0])
+    per, user, system, units, spent = got[len(got) // 2]
+    spread = f" (of {repeat}: {got[0][0]:.1f}..{got[-1][0]:.1f})" if repeat > 1 else ""
+    return (f"{per:6.1f} µs{spread}; user {user:.1f} + system {system:.1f}; "
+            f"{units / spent:,.0f}/s")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tree", type=pathlib.Path, default=ROOT)
+    p.add_argument("--streams", default="1,16,64", help="streams at once, per row")
+    p.add_argument("--chunks", type=int, default=200, help="chunks per stream")
+    p.add_argument("--step-ms", type=float, default=2.0)
+    p.add_argument("--seconds", type=float, default=5.0, help="of each stream row")
+    p.add_argument("--infers", type=int, default=4000, help="requests per infer row")
+    p.add_argument("--concurrency", default="1,16", help="infer connections, per row")
+    p.add_argument("--repeat", type=int, default=3, help="runs of each row (the median shown)")
+    args = p.parse_args()
+    tree = args.tree.resolve()
+    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{HERE}"}
+    gen, one = f"cpugen{os.getpid()}", f"cpuone{os.getpid()}"
+    with tempfile.TemporaryDirectory() as folder:
+        path = pathlib.Path(folder) / "models.toml"
+        path.write_text(config(gen, one, args.step_ms))
+        serve = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--config", str(path),
+                                  "--http-port", "0", "--log-level", "WARNING"],
+                                 stdout=subprocess.PIPE, text=True, env=env, cwd=folder)
+        try:
+            return run(args, tree, serve, gen, one)
+        finally:
+            serve.terminate()
+            serve.wait(60)
+
+
+def run(args, tree, serve, gen: str, one: str) -> int:
+    for line in serve.stdout:
+        if "ready" in line:
+            break
+    else:
+        raise RuntimeError("serve exited before it was ready")
+    host, port = re.search(r"http://(\S+)$", line.strip()).group(1).rsplit(":", 1)
+    address = (host, int(port))
+    worker = next(c for c in psutil.Process(serve.pid).children(recursive=True)
+                  if "engine.http.workers" in " ".join(c.cmdline()))
+    # warm: both paths once, then the idle rate (uvicorn's ticks, the client's threads)
+    asyncio.run(streams(address, gen, 2, 20, time.monotonic() + 0.5))
+    asyncio.run(infers(address, one, 4, 400))
+    began = threads_cpu_s(worker.pid)
+    time.sleep(IDLE_S)
+    idle_per_s = (threads_cpu_s(worker.pid) - began) / IDLE_S
+    print(f"{tree}: HTTP worker pid {worker.pid}, idle {idle_per_s * 1e6:,.0f} µs of CPU a "
+          f"second (subtracted); µs of its CPU per unit, median of {args.repeat}:")
+    for count in (int(c) for c in args.streams.split(",")):
+        print(f"  generate_stream, {count:3d} streams at once, {args.chunks} chunks each, step "
+              f"{args.step_ms:g} ms, per chunk: " + rows(worker, idle_per_s, args.repeat,
+                                                         lambda: asyncio.run(streams(
+                                                             address, gen, count, args.chunks,
+                                                             time.monotonic() + args.seconds))))
+    for count in (int(c) for c in args.concurrency.split(",")):
+        print(f"  infer, one row, {count:3d} connections, per request: " + rows(
+            worker, idle_per_s, args.repeat,
+            lambda: asyncio.run(infers(address, one, count, args.infers))))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
