@@ -244,17 +244,21 @@ class AsyncStream(_Waits):
         """How many chunks were handed out."""
         return self.stream._sent
 
+    def _next_ready(self) -> Any:
+        """The stream's next chunk, or _NOT_YET; the stream is over once this
+        ends it (StopAsyncIteration) or raises its error."""
+        try:
+            return self.stream._next_ready()
+        except StopIteration:
+            self.over = True
+            raise StopAsyncIteration from None
+        except BaseException:
+            self.over = True
+            raise
+
     async def __anext__(self) -> Any:
-        s = self.stream
         while True:
-            try:
-                item = s._next_ready()
-            except StopIteration:
-                self.over = True
-                raise StopAsyncIteration from None
-            except BaseException:
-                self.over = True
-                raise
+            item = self._next_ready()
             if item is not _NOT_YET:
                 return item
             if not self._look():
@@ -276,14 +280,7 @@ class AsyncStream(_Waits):
                 got = s._chunks(s._sent, count)
                 s._sent = count
                 return got
-            try:
-                s._next_ready()  # no chunk left: _NOT_YET, or the end
-            except StopIteration:
-                self.over = True
-                raise StopAsyncIteration from None
-            except BaseException:
-                self.over = True
-                raise
+            self._next_ready()  # no chunk left: _NOT_YET, or the end
             if self.failed is None:
                 return None
             self._look()  # the error: raised, unless answered that instant
