@@ -74,7 +74,7 @@ async def generate(model, body: bytes, default_timeout_s: float, receive):
         raise RequestTimeout(f"{e} ({chunks.chunks_read} chunk(s) came; a longer answer asks a "
                              f"longer timeout: parameters.timeout, in microseconds)") from None
     except asyncio.CancelledError:  # the server stops: its drain ran out
-        return 503, json.dumps({"error": streaming.SHUTDOWN}).encode(), []
+        return 503, json.dumps({"error": f"EngineUnavailable: {streaming.SHUTDOWN}"}).encode(), []
     if blocks is None:
         return None
     answer = _joined(model, blocks)

@@ -113,7 +113,7 @@ class OpenAIApp:
             if path == EMBED:
                 return await openai_embed.answer(model, served, body, timeout_s, receive, send)
             request = openai_generate.Request(served, body, chat="chat" in path)
-            return await openai_generate.answer(model, request, timeout_s, receive, send)
+            return await openai_generate.answer(model, request, timeout_s, scope, receive, send)
         except (QueueFull, EngineUnavailable) as e:  # 503: when to try again
             raise of_engine(e, retry_after_s=model.retry_after_s(e)) from None
         except EngineError as e:

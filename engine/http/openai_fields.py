@@ -72,9 +72,10 @@ class Served:
                           f"{self.model!r} without a default), got none", spec.name)
         return request
 
-    def token(self, chunk) -> int:
-        value = chunk[self.settings.output] if self.config.named else chunk
-        return int(value.item())
+    def tokens(self, chunks) -> List[int]:
+        """The token ids of a block of chunks (n, *chunk shape): one each."""
+        value = chunks[self.settings.output] if self.config.named else chunks
+        return value.reshape(len(value)).tolist()
 
     def vector(self, answer) -> np.ndarray:
         return answer[self.settings.output] if self.config.named else answer

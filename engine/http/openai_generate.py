@@ -18,31 +18,22 @@ chunk carrying finish_reason, then with stream_options.include_usage a chunk
 of `usage` and no choice, then `data: [DONE]`. A stream that ends any other
 way (an engine error, its timeout, the server stopping) ends with a last
 `data: {"error": {...}}` event and no [DONE]. A caller that disconnects
-withdraws its request (engine.http.openai_reply.Watch).
+withdraws its request; one that stops reading is cut at its deadline
+(engine.http.streaming, which writes a wake's tokens as one HTTP chunk).
 """
 import asyncio
-import logging
+import json
 import time
 import uuid
 from typing import Optional
 
 from engine.errors import EngineError, EngineUnavailable
 from engine.http import openai_fields as fields
-from engine.http.openai_reply import (
-    DONE,
-    Events,
-    OpenAIError,
-    Watch,
-    event_bytes,
-    of_engine,
-    send_json,
-)
+from engine.http import streaming
+from engine.http.openai_reply import DONE, of_engine, send_json
 from engine.http.openai_text import Detokenizer, Stops
 
-log = logging.getLogger("shmbatch")
-
 CUT = "the answer ended before it completed"
-SHUTDOWN = "the server is shutting down; this request was not completed"
 
 
 class Request:
@@ -98,38 +89,29 @@ class Text:
         return piece
 
 
-async def answer(model, request: Request, timeout_s: float, receive, send) -> None:
+async def answer(model, request: Request, timeout_s: float, scope, receive, send) -> None:
     """Answers the request through send (EngineError and OpenAIError before
     anything was sent are raised, for the caller to answer)."""
     chunks = model.client.open_stream_async(request.x, timeout_s, max_steps=request.max_steps)
-    watch = Watch(receive, timeout_s)
-    events = Events(send)
+    if request.stream:
+        return await ChunkEvents(request, chunks, scope, receive, send, timeout_s).run()
+    follower = streaming.Follower(chunks, receive)
+    text, pieces = Text(request), []
     try:
-        try:
-            if request.stream:
-                await _stream(request, chunks, events)
-            else:
-                await _whole(request, chunks, send)
-        finally:
-            watch.close()
-            await chunks.aclose()  # withdraws the request unless it ended
-    except asyncio.CancelledError:
-        if watch.ours():  # withdrawn: its caller left, or stopped reading
-            if watch.why == "slow":
-                log.warning("model %s: a stream's caller read nothing until past its "
-                            "deadline; closed", request.served.model)
-            return
-        await _shutdown(events, send)  # the server stops: its drain ran out
-
-
-async def _whole(request: Request, chunks, send) -> None:
-    text, pieces, served = Text(request), [], request.served
-    async for chunk in chunks:
-        pieces.append(text.add(served.token(chunk)))
-        if text.finish:
-            break
-    else:
+        while not text.finish:
+            got = await follower.next()
+            if got is None:  # its caller left: withdrawn
+                return
+            for token in request.served.tokens(got):
+                pieces.append(text.add(token))
+                if text.finish:
+                    break
+    except StopAsyncIteration:
         pieces.append(text.end(chunks.finish_reason))
+    except asyncio.CancelledError:  # the server stops: its drain ran out
+        return await send_json(send, 503, of_engine(EngineUnavailable(streaming.SHUTDOWN)).body())
+    finally:
+        await follower.close()  # withdraws the request unless it ended
     content = "".join(pieces)
     if request.chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": content},
@@ -140,37 +122,46 @@ async def _whole(request: Request, chunks, send) -> None:
                                 "usage": _usage(request, text)})
 
 
-async def _stream(request: Request, chunks, events: Events) -> None:
-    text, served = Text(request), request.served
-    try:
-        async for chunk in chunks:
-            if not events.started and request.chat:  # the role, once the first token came
-                await events.event(_chunk(request, {"role": "assistant", "content": ""}))
-            piece = text.add(served.token(chunk))
+class ChunkEvents(streaming.EventStream):
+    """A streamed answer in OpenAI's chunk format: every token's text as it
+    comes (a chat's first event names the role), the last choice chunk with
+    finish_reason, the usage chunk if asked, then [DONE]; an error as OpenAI's
+    error object in a last event, with no [DONE]."""
+
+    def __init__(self, request: Request, chunks, scope, receive, send, timeout_s: float) -> None:
+        super().__init__(chunks, scope, receive, send, timeout_s)
+        self.request, self.text = request, Text(request)
+        self.first = request.chat  # the role chunk is still to come
+
+    def events(self, chunks, finish_reason) -> bytes:
+        request, text, out = self.request, self.text, []
+        if self.first:
+            self.first = False
+            out.append(_event(_chunk(request, {"role": "assistant", "content": ""})))
+        for token in request.served.tokens(chunks):
+            piece = text.add(token)
             if piece or text.finish:
-                await events.event(_chunk(request, piece, text.finish))
+                out.append(_event(_chunk(request, piece, text.finish)))
             if text.finish:
-                break
-        else:
-            await events.event(_chunk(request, text.end(chunks.finish_reason), text.finish))
-    except (EngineError, OpenAIError) as e:
-        if not events.started:
-            raise
-        error = of_engine(e) if isinstance(e, EngineError) else e
-        await events.end(event_bytes(error.body()))
-        return
-    if request.include_usage:
-        await events.event({**_head(request, True), "choices": [],
-                            "usage": _usage(request, text)})
-    await events.end(DONE)
+                raise streaming.Finished(b"".join(out), text.finish)
+        return b"".join(out)
+
+    def end(self, finish_reason: str) -> bytes:
+        request, text, out = self.request, self.text, []
+        if not text.finish:  # the engine ended it: the text held back goes out
+            out.append(_event(_chunk(request, text.end(finish_reason), text.finish)))
+        if request.include_usage:
+            out.append(_event({**_head(request, True), "choices": [],
+                               "usage": _usage(request, text)}))
+        out.append(DONE)
+        return b"".join(out)
+
+    def error_body(self, error: EngineError) -> bytes:
+        return json.dumps(of_engine(error).body()).encode()
 
 
-async def _shutdown(events: Events, send) -> None:
-    error = of_engine(EngineUnavailable(SHUTDOWN))
-    if events.started:
-        await events.end(event_bytes(error.body()))
-    else:
-        await send_json(send, 503, error.body())
+def _event(obj) -> bytes:
+    return b"data: " + streaming.dumps(obj).encode() + b"\n\n"
 
 
 def _head(request: Request, chunk: bool) -> dict:

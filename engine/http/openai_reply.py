@@ -33,7 +33,6 @@ TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_req
          413: "invalid_request_error"}
 CLOSING_S = 5.0  # a stream's last events may take this long past its deadline
 JSON = (b"content-type", b"application/json")
-EVENTS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 DONE = b"data: [DONE]\n\n"
 
 
@@ -95,30 +94,6 @@ async def refuse_too_large(scope, receive, send, error: oip_body.TooLarge) -> No
     await send({"type": "http.response.body", "body": body, "more_body": True})
     await oip_body.drain(receive, oip_body.DRAIN_BYTES, oip_body.DRAIN_S)
     await send({"type": "http.response.body", "body": b""})
-
-
-def event_bytes(obj) -> bytes:
-    return b"data: " + json.dumps(obj).encode() + b"\n\n"
-
-
-class Events:
-    """A response of server-sent events, started at the first event."""
-
-    def __init__(self, send) -> None:
-        self.send = send
-        self.started = False
-
-    async def event(self, obj) -> None:
-        await self.raw(event_bytes(obj))
-
-    async def raw(self, data: bytes, more: bool = True) -> None:
-        if not self.started:
-            self.started = True
-            await self.send({"type": "http.response.start", "status": 200, "headers": EVENTS})
-        await self.send({"type": "http.response.body", "body": data, "more_body": more})
-
-    async def end(self, data: bytes = b"") -> None:
-        await self.raw(data, more=False)
 
 
 class Watch:

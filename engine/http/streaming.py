@@ -25,12 +25,12 @@ import json
 import logging
 from typing import Optional
 
-from engine.errors import EngineError
+from engine.errors import EngineError, EngineUnavailable
 
 log = logging.getLogger("shmbatch")
 
-SHUTDOWN = "EngineUnavailable: the server is shutting down; this request was not completed"
-CUT = "EngineUnavailable: the answer ended before it completed"
+SHUTDOWN = "the server is shutting down; this request was not completed"
+CUT = "the answer ended before it completed"
 CLOSING_S = 5.0
 SEND_MIN_S = 1.0
 EMPTY = object()  # an answer of no chunk
@@ -113,8 +113,9 @@ class EventStream:
     An error before the first chunk is raised (answer it as any error); one
     after ends the stream with error_event(). events() may end the answer
     early (Finished): its request is then withdrawn. A stream cut short
-    ends with error_event(CUT); one cut by the server's shutdown with
-    error_event(SHUTDOWN), or a 503 of error_body(SHUTDOWN) before it began."""
+    ends with the error_event of EngineUnavailable(CUT); one cut by the
+    server's shutdown with that of EngineUnavailable(SHUTDOWN), or a 503 of
+    its error_body before it began."""
 
     headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
@@ -146,12 +147,13 @@ class EventStream:
         """What follows the last chunk of a complete answer."""
         return b""
 
-    def error_event(self, message: str) -> bytes:
-        return event(json.dumps({"error": message}).encode())
+    def error_event(self, error: EngineError) -> bytes:
+        """The last event of a stream that failed after it began."""
+        return event(self.error_body(error))
 
-    def error_body(self, message: str) -> bytes:
+    def error_body(self, error: EngineError) -> bytes:
         """The JSON body of the 503 of a stream the server's shutdown cut before it began."""
-        return json.dumps({"error": message}).encode()
+        return json.dumps({"error": f"{type(error).__name__}: {error}"}).encode()
 
     # -- the writing -------------------------------------------------------------------
     async def run(self) -> None:
@@ -181,21 +183,21 @@ class EventStream:
                     except StopAsyncIteration:
                         return await self._finish(body + self.end(reason))
                     except EngineError as e:
-                        return await self._finish(body + self._error(e))
+                        return await self._finish(body + self.error_event(e))
                 await self._send({"type": "http.response.body", "body": body, "more_body": True})
                 try:
                     got = await self._next(follower)
                 except StopAsyncIteration:
                     break
                 except EngineError as e:
-                    return await self._finish(self._error(e))
+                    return await self._finish(self.error_event(e))
                 except Finished as e:  # the pump's events() ended it
                     return await self._finish(e.body + self.end(e.finish_reason))
                 if got is None:
                     return
             reason = self.chunks.finish_reason  # ended: a clean end is never short
             await self._finish(self.end(reason) if reason is not None
-                               else self.error_event(CUT))
+                               else self.error_event(EngineUnavailable(CUT)))
         except asyncio.CancelledError:
             if self.slow:  # the bound cut a send: the request ends here
                 self.task.uncancel()
@@ -204,10 +206,10 @@ class EventStream:
                 await self.send({"type": "http.response.start", "status": 503,
                                  "headers": [(b"content-type", b"application/json")]})
                 await self.send({"type": "http.response.body",
-                                 "body": self.error_body(SHUTDOWN)})
+                                 "body": self.error_body(EngineUnavailable(SHUTDOWN))})
             else:
                 await self.send({"type": "http.response.body",
-                                 "body": self.error_event(SHUTDOWN)})
+                                 "body": self.error_event(EngineUnavailable(SHUTDOWN))})
         finally:
             if self.timer is not None:
                 self.timer.cancel()
@@ -255,9 +257,6 @@ class EventStream:
             handed.set_result(None)
         except BaseException as e:  # the end, or the request's error: run()'s to write
             handed.set_result(_Raise(e))
-
-    def _error(self, e: EngineError) -> bytes:
-        return self.error_event(f"{type(e).__name__}: {e}")
 
     async def _finish(self, body: bytes) -> None:
         """The last events and the response's end, within CLOSING_S."""
