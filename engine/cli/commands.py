@@ -1,4 +1,4 @@
-"""The `shmbatch` command: serve, status, reload, cleanup, bench, tune."""
+"""The `shmbatch` command: serve, status, reload, cleanup, bench, tune, manifest."""
 import json
 import os
 import signal
@@ -397,6 +397,7 @@ def main(argv=None) -> int:
     _cleanup_parser(sub)
     tooling.bench_parser(sub)
     tooling.tune_parser(sub)
+    tooling.manifest_parser(sub)
     args = parser.parse_args(argv)
     # a backend module in the working directory imports, as under gunicorn and uvicorn
     # (a console script's sys.path[0] is its own folder)
@@ -406,7 +407,8 @@ def main(argv=None) -> int:
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         return {"serve": cmd_serve, "status": cmd_status, "reload": cmd_reload,
-                "cleanup": cmd_cleanup, "bench": tooling.cmd_bench, "tune": tooling.cmd_tune}[args.command](args)
+                "cleanup": cmd_cleanup, "bench": tooling.cmd_bench, "tune": tooling.cmd_tune,
+                "manifest": lambda a: tooling.cmd_manifest(a, serve_plan)}[args.command](args)
     except KeyboardInterrupt:
         return 130
     except (EngineError, ValueError, RuntimeError, OSError) as e:

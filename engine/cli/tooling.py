@@ -276,3 +276,74 @@ def cmd_tune(args) -> int:
     tune.run(backend, backend_args, cfg.input_specs, slo_ms, limit=args.max_batch,
              out_dir=args.out, buckets=cfg.length_buckets)
     return 0
+
+
+def manifest_parser(sub):
+    p = sub.add_parser("manifest", help="Kubernetes or KServe YAML that runs a serve config",
+                       description="Prints YAML (to stdout) that runs `shmbatch serve --config "
+                       "FILE` in a pod: /dev/shm, memory, probes and the grace period sized "
+                       "from the config's engines (engine.tools.manifest_pod).")
+    kinds = p.add_subparsers(dest="kind", required=True)
+    k8s = kinds.add_parser("kubernetes", help="a ConfigMap, a Deployment, a Service for the "
+                           "HTTP port, and an autoscaler on queue wait")
+    kserve = kinds.add_parser("kserve", help="a ConfigMap and a KServe ServingRuntime (v2)")
+    for q in (k8s, kserve):
+        q.add_argument("--config", required=True, metavar="FILE.toml", help="serve's config")
+        q.add_argument("--image", required=True, help="an image with shmbatch and the backends")
+        q.add_argument("--name", help="the objects' name (default: the engine's, or the file's)")
+        q.add_argument("--namespace", help="the objects' namespace (default: kubectl's)")
+        q.add_argument("--metrics-port", type=int, metavar="PORT",
+                       help="/metrics, for Prometheus and the autoscaler (default: the "
+                            "config's metrics_port, else 9090)")
+        q.add_argument("--shm-headroom-mib", type=int, metavar="MIB",
+                       help="/dev/shm beyond the segments, for the pod's other users "
+                            "(default 64)")
+        q.add_argument("--process-memory-mib", type=int, metavar="MIB",
+                       help="memory per serve process (supervisor, batcher, HTTP worker) "
+                            "beside /dev/shm (default 256)")
+    k8s.add_argument("--app-image", help="the app's container (a Client of the engines)")
+    k8s.add_argument("--app-command", metavar='"CMD ARGS"', help="the app container's command")
+    k8s.add_argument("--replicas", type=int, default=2)
+    k8s.add_argument("--max-replicas", type=int, help="the autoscaler's bound (default: "
+                                                      "4 x --replicas, at least 10)")
+    k8s.add_argument("--autoscaler", choices=("none", "hpa", "keda"), default="none",
+                     help="hpa: a pods metric from prometheus-adapter; keda: a ScaledObject "
+                          "with a Prometheus trigger")
+    k8s.add_argument("--target-queue-wait-ms", type=float, default=20.0, metavar="MS",
+                     help="the p90 queue wait the autoscaler holds (default %(default)s)")
+    k8s.add_argument("--prometheus-url", help="keda: the Prometheus server it queries")
+    k8s.add_argument("--run-as-user", type=int, metavar="UID",
+                     help="the pod's user: serve and the app share it, as a segment is its "
+                          "creator's alone (default 1000)")
+
+
+def cmd_manifest(args, plan) -> int:
+    """Prints the manifest; plan is serve's reading of a config
+    (engine.cli.commands.serve_plan). Nothing is printed unless all of it is made."""
+    import argparse
+    import pathlib
+    import sys
+
+    from engine.tools import manifest, manifest_kserve, manifest_pod
+    from engine.tools.manifest_pod import or_default
+    with open(args.config, encoding="utf-8") as f:
+        text = f.read()
+    engines, serve = plan(argparse.Namespace(config=args.config, backend_arg=None))
+    kserve = args.kind == "kserve"
+    pod = manifest_pod.serve_pod(
+        engines, serve, name=args.name, image=args.image, metrics_port=args.metrics_port,
+        headroom_mib=or_default(args.shm_headroom_mib, manifest_pod.DEFAULT_HEADROOM_MIB),
+        process_mib=or_default(args.process_memory_mib, manifest_pod.DEFAULT_PROCESS_MIB),
+        http_port=manifest_kserve.HTTP_PORT if kserve else None,
+        fallback_name=pathlib.Path(args.config).stem)
+    if kserve:
+        out = manifest_kserve.kserve(pod, text, namespace=args.namespace)
+    else:
+        out = manifest.kubernetes(
+            pod, text, namespace=args.namespace, replicas=args.replicas,
+            app_image=args.app_image, app_command=args.app_command, autoscaler=args.autoscaler,
+            target_queue_wait_ms=args.target_queue_wait_ms, max_replicas=args.max_replicas,
+            prometheus_url=args.prometheus_url or manifest.DEFAULT_PROMETHEUS_URL,
+            run_as_user=or_default(args.run_as_user, manifest_pod.DEFAULT_RUN_AS_USER))
+    sys.stdout.write(out)
+    return 0

@@ -1,0 +1,261 @@
+"""What a pod needs to run `shmbatch serve` from a serve config: the numbers
+shmbatch knows and a hand-written manifest gets wrong.
+
+- /dev/shm: a memory-backed emptyDir whose sizeLimit (the tmpfs's size) holds
+  every engine's segment, the bytes Segment.create commits and
+  stats()["segment_bytes"] reports, computed here without making one, plus a
+  headroom for the pod's other users of /dev/shm, plus the 1/16 that
+  engine.shm.sizing keeps free (an engine refuses to start without it).
+- memory: a memory-backed emptyDir's pages count against the memory of the
+  container that writes them, the serve container here (it commits each
+  segment); its request and limit are the whole emptyDir plus a budget per
+  process (supervisor, batchers, HTTP workers).
+- readiness: true only while every engine serves (`/v2/health/ready`, or
+  `shmbatch status NAME --ready` for each engine when there is no HTTP port).
+- stopping: a preStop sleep, then the kubelet's SIGTERM makes serve drain;
+  terminationGracePeriodSeconds covers the sleep, the longest stop serve can
+  take, and a margin.
+"""
+import dataclasses
+import math
+import re
+import shlex
+from typing import List, Optional
+
+from engine.shm import codes, ring
+from engine.shm.sizing import SHM_MARGIN_DIVISOR, SHM_MARGIN_MIN_BYTES
+
+MIB = 1 << 20
+CONFIG_DIR = "/etc/shmbatch"
+CONFIG_KEY = "models.toml"
+SHM_VOLUME, CONFIG_VOLUME = "dshm", "config"
+SERVE_CONTAINER = "shmbatch"
+DEFAULT_METRICS_PORT = 9090
+DEFAULT_HEADROOM_MIB = 64  # the app's own /dev/shm (multiprocessing, torch's DataLoader)
+DEFAULT_PROCESS_MIB = 256  # one process with numpy and a small model; a big model needs more
+DEFAULT_RUN_AS_USER = 1000
+PRESTOP_SLEEP_S = 5  # the endpoints controller takes the pod out of the Service meanwhile
+GRACE_MARGIN_S = 10
+HTTP_KILL_AFTER_S = 10  # engine.http.workers kills a worker still running graceful_s + 10 s after SIGTERM
+START_MARGIN_S = 10  # Engine.start waits start_timeout_s x instances + 10 s
+READY_PERIOD_S, STARTUP_PERIOD_S = 5, 2
+DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]{0,38}[a-z0-9])?\Z")
+
+
+def segment_bytes(cfg) -> int:
+    """The bytes an engine's segment commits in /dev/shm (as Segment.create lays
+    it out), or ValueError for one that cannot be made."""
+    size = ring.layout_bytes(cfg.queue_capacity, len(cfg.input_specs), cfg.slot_bytes,
+                             cfg.in_place, cfg.priority_levels, cfg.steps)
+    if size == 0:
+        raise ValueError(f"engine {cfg.name!r}: a segment of {cfg.queue_capacity} slots of "
+                         f"{cfg.input_slot_bytes} B input cannot be laid out: lower "
+                         f"queue_capacity or the max shapes")
+    if len(cfg.to_json()) > codes.CONFIG_BYTES:
+        raise ValueError(f"engine {cfg.name!r}'s settings take {len(cfg.to_json())} B as JSON, "
+                         f"more than the header's {codes.CONFIG_BYTES} B")
+    return size
+
+
+def shm_limit_bytes(segments: int, headroom: int) -> int:
+    """The smallest tmpfs, in whole MiB, that holds the segments and the
+    headroom and still has the 1/16 free that each engine checks for
+    (engine.shm.sizing: T - used - max(1 MiB, T/16) >= 0)."""
+    used = segments + headroom
+    need = used * SHM_MARGIN_DIVISOR // (SHM_MARGIN_DIVISOR - 1) + SHM_MARGIN_MIN_BYTES
+    return -(-need // MIB) * MIB
+
+
+def dns_name(text: str) -> str:
+    """A Kubernetes name (a DNS-1035 label, room left for suffixes) from an
+    engine's or a file's name."""
+    name = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")
+    name = re.sub(r"^[^a-z]+", "", name)[:40].rstrip("-")
+    if not DNS_LABEL.match(name):
+        raise ValueError(f"cannot make a Kubernetes name of {text!r}: give --name")
+    return name
+
+
+def _engines(settings: List[dict]):
+    """(EngineConfig, EngineOptions) of each engine, checked as serve checks
+    them (nothing imported, nothing created)."""
+    from engine.serving.supervisor import Engine
+    out = []
+    for one in settings:
+        one = dict(one)
+        name = one.pop("name")
+        try:
+            eng = Engine(name, **one)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"engine {name!r}: {e}") from None
+        out.append((eng.config, eng.options))
+    return out
+
+
+@dataclasses.dataclass
+class ServePod:
+    """The serve container of a pod, and the numbers it is sized by."""
+
+    name: str
+    image: str
+    engines: list  # (EngineConfig, EngineOptions)
+    http_port: Optional[int]
+    http_workers: int
+    metrics_port: int
+    headroom_bytes: int
+    process_bytes: int
+
+    @property
+    def names(self) -> List[str]:
+        return [cfg.name for cfg, _ in self.engines]
+
+    @property
+    def segments(self) -> dict:
+        return {cfg.name: segment_bytes(cfg) for cfg, _ in self.engines}
+
+    @property
+    def shm_bytes(self) -> int:
+        return shm_limit_bytes(sum(self.segments.values()), self.headroom_bytes)
+
+    @property
+    def processes(self) -> int:
+        batchers = sum(cfg.instances for cfg, _ in self.engines)
+        return 1 + batchers + (self.http_workers if self.http_port is not None else 0)
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.shm_bytes + self.processes * self.process_bytes
+
+    @property
+    def stop_bound_s(self) -> float:
+        """The longest serve's stop takes: the HTTP workers' graceful shutdown
+        (killed past drain_timeout_s + 10 s), then every engine's drain at once."""
+        drain = max(opts.drain_timeout_s for _, opts in self.engines)
+        http = math.ceil(drain) + HTTP_KILL_AFTER_S if self.http_port is not None else 0
+        return drain + http
+
+    @property
+    def grace_s(self) -> int:
+        return PRESTOP_SLEEP_S + math.ceil(self.stop_bound_s) + GRACE_MARGIN_S
+
+    @property
+    def start_bound_s(self) -> float:
+        """The longest serve's start takes: the engines start one after another."""
+        return sum(opts.start_timeout_s * cfg.instances + START_MARGIN_S
+                   for cfg, opts in self.engines)
+
+    @property
+    def gpus(self) -> int:
+        ids = {tok.strip() for _, opts in self.engines for g in (opts.gpus or [])
+               for tok in str(g).split(",") if tok.strip()}
+        return len(ids)
+
+    def check(self) -> dict:
+        """The handler of the readiness (and startup) probe."""
+        if self.http_port is not None:  # the route the Service's traffic reaches, all engines
+            return {"httpGet": {"path": "/v2/health/ready", "port": self.http_port}}
+        commands = [["shmbatch", "status", name, "--ready"] for name in self.names]
+        if len(commands) == 1:
+            return {"exec": {"command": commands[0]}}
+        return {"exec": {"command": ["sh", "-c", " && ".join(shlex.join(c) for c in commands)]}}
+
+    def probe(self, period_s: int, failures: int) -> dict:
+        timeout_s = 2 if self.http_port is not None else 3 * len(self.names)
+        return {**self.check(), "periodSeconds": period_s, "timeoutSeconds": timeout_s,
+                "failureThreshold": failures}
+
+    def args(self) -> List[str]:
+        args = ["serve", "--config", f"{CONFIG_DIR}/{CONFIG_KEY}",
+                "--metrics-port", str(self.metrics_port), "--metrics-host", "0.0.0.0"]
+        if self.http_port is not None:
+            args += ["--http-port", str(self.http_port), "--http-host", "0.0.0.0"]
+        return args
+
+    def container(self, name: str = SERVE_CONTAINER, startup: bool = False) -> dict:
+        memory = f"{self.memory_bytes // MIB}Mi"
+        limits = {"memory": memory}
+        if self.gpus:
+            limits["nvidia.com/gpu"] = self.gpus
+        ports = [{"name": "metrics", "containerPort": self.metrics_port, "protocol": "TCP"}]
+        if self.http_port is not None:
+            ports.insert(0, {"name": "http", "containerPort": self.http_port, "protocol": "TCP"})
+        out = {
+            "name": name, "image": self.image, "command": ["shmbatch"], "args": self.args(),
+            "ports": ports,
+            # the cpu request: a core per batcher and HTTP worker; no cpu limit, whose
+            # throttling would stall a batch halfway
+            "resources": {"requests": {"cpu": str(self.processes - 1), "memory": memory},
+                          "limits": limits},
+            "readinessProbe": self.probe(READY_PERIOD_S, 2),
+            "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_S}}},
+            "volumeMounts": [{"name": SHM_VOLUME, "mountPath": "/dev/shm"},
+                             {"name": CONFIG_VOLUME, "mountPath": CONFIG_DIR, "readOnly": True}],
+        }
+        if startup:
+            out["startupProbe"] = self.probe(
+                STARTUP_PERIOD_S, math.ceil((self.start_bound_s + START_MARGIN_S) / STARTUP_PERIOD_S))
+        return out
+
+    def volumes(self) -> list:
+        return [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory",
+                                                  "sizeLimit": f"{self.shm_bytes // MIB}Mi"}},
+                {"name": CONFIG_VOLUME, "configMap": {"name": self.config_map_name}}]
+
+    @property
+    def config_map_name(self) -> str:
+        return f"{self.name}-config"
+
+    def config_map(self, text: str, labels: dict, namespace: Optional[str]) -> dict:
+        return {"apiVersion": "v1", "kind": "ConfigMap",
+                "metadata": metadata(self.config_map_name, labels, namespace),
+                "data": {CONFIG_KEY: text}}
+
+    def sizing_note(self) -> str:
+        """The sizes, and where they come from, as a comment for the manifest."""
+        each = ", ".join(f"{n} {b:,} B" for n, b in self.segments.items())
+        return (f"/dev/shm {self.shm_bytes // MIB} MiB: the segments ({each}),\n"
+                f"+ {self.headroom_bytes // MIB} MiB headroom, + the 1/{SHM_MARGIN_DIVISOR} an "
+                f"engine keeps free.\nmemory {self.memory_bytes // MIB} MiB: that emptyDir (its "
+                f"pages count against the serve container)\n+ {self.processes} processes x "
+                f"{self.process_bytes // MIB} MiB.")
+
+
+def or_default(value, default):
+    return default if value is None else value
+
+
+def metadata(name: str, labels: dict, namespace: Optional[str]) -> dict:
+    out = {"name": name, "labels": dict(labels)}
+    if namespace:
+        out["namespace"] = namespace
+    return out
+
+
+def serve_pod(engines: List[dict], serve: dict, *, name: Optional[str], image: str,
+              metrics_port: Optional[int], headroom_mib: int, process_mib: int,
+              http_port: Optional[int] = None, fallback_name: str = "shmbatch") -> ServePod:
+    """The serve container's plan, from serve_plan's (engines, serve's own
+    keys): http_port, when given, stands in for the config's."""
+    built = _engines(engines)
+    if name is None:
+        name = dns_name(built[0][0].name if len(built) == 1 else fallback_name)
+    elif not DNS_LABEL.match(name):
+        raise ValueError(f"--name: expected a DNS label of at most 40 characters "
+                         f"([a-z][-a-z0-9]*), got {name!r}")
+    http = http_port if http_port is not None else serve.get("http_port")
+    metrics = metrics_port or serve.get("metrics_port") or DEFAULT_METRICS_PORT
+    for what, port in (("http_port", http), ("metrics_port", metrics)):
+        if port is not None and not 0 < int(port) < 65536:  # 0 (any free port) has no Service
+            raise ValueError(f"{what}: expected a port in 1..65535 for a pod, got {port}")
+    if http is not None and int(http) == int(metrics):
+        raise ValueError(f"http_port and metrics_port are both {http}: expected two ports")
+    if headroom_mib < 0 or process_mib < 1:
+        raise ValueError(f"expected --shm-headroom-mib >= 0 and --process-memory-mib >= 1, "
+                         f"got {headroom_mib} and {process_mib}")
+    pod = ServePod(name=name, image=image, engines=built,
+                   http_port=None if http is None else int(http),
+                   http_workers=int(serve.get("http_workers") or 1), metrics_port=int(metrics),
+                   headroom_bytes=headroom_mib * MIB, process_bytes=process_mib * MIB)
+    for cfg, _ in built:  # every engine sized now: one that cannot be fails here
+        segment_bytes(cfg)
+    return pod
