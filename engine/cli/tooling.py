@@ -56,7 +56,8 @@ def bench_parser(sub):
                         "through generate_stream and /v1/completions (streamed, read by aiohttp)")
     p.add_argument("--baseline", action="store_true",
                    help="--model decoder: also bench/fastapi_stream_baseline.py, a FastAPI "
-                        "streaming server doing the same model work")
+                        "streaming server doing the same model work, with continuous batching "
+                        "and without (one request at a time)")
     p.add_argument("--no-one-shot", action="store_true",
                    help="--model decoder: leave out the one-shot way's rows")
     p.add_argument("--out", metavar="DIR", help="write DIR/bench.json and DIR/bench.png")
@@ -94,7 +95,7 @@ def cmd_bench(args) -> int:
     if args.model == "decoder":
         from engine.tools import decoder_bench, decoder_http
         http = (decoder_http.GENERATE, decoder_http.OPENAI) * args.http + \
-            (decoder_http.FASTAPI,) * args.baseline
+            (decoder_http.FASTAPI, decoder_http.FASTAPI_B1) * args.baseline
         result = decoder_bench.run(decoder_bench.Setup(
             seconds=args.seconds or 8.0, seed=args.seed, rates=args.rates and tuple(args.rates),
             model=key_values(args.backend_arg), one_shot=not args.no_one_shot, http=http,

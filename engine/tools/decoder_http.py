@@ -14,7 +14,9 @@ the answers as server-sent events, one event a token:
   with the engine's openai table;
 - fastapi: bench/fastapi_stream_baseline.py, a FastAPI + StreamingResponse
   server doing the same model work in its own process, on the
-  generate_stream body.
+  generate_stream body, with continuous batching of its own;
+- fastapi_b1: the same server calling the model for one request at a time
+  (its --max-batch-size 1), as a server without batching does.
 
 A row returns each request's answer for the caller to check against the model
 decoding that request alone, the engine's figures, and the CPU time the
@@ -44,8 +46,9 @@ import psutil
 from engine.shm import ring
 from engine.tools import load as loads
 
-GENERATE, OPENAI, FASTAPI = "generate_stream", "openai", "fastapi"
-ROWS = (GENERATE, OPENAI, FASTAPI)
+GENERATE, OPENAI, FASTAPI, FASTAPI_B1 = "generate_stream", "openai", "fastapi", "fastapi_b1"
+ROWS = (GENERATE, OPENAI, FASTAPI, FASTAPI_B1)
+BASELINES = {FASTAPI: None, FASTAPI_B1: 1}  # row: its --max-batch-size (None: the engine's)
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BASELINE = ROOT / "bench" / "fastapi_stream_baseline.py"
 START_S = 120.0
@@ -78,8 +81,8 @@ def check(rows) -> None:
     except ImportError:
         raise RuntimeError("the HTTP rows read their streams with aiohttp: pip install aiohttp"
                            ) from None
-    if FASTAPI in rows and not BASELINE.exists():
-        raise RuntimeError(f"the fastapi row runs {BASELINE}, which is not there (it lives in "
+    if set(BASELINES) & set(rows) and not BASELINE.exists():
+        raise RuntimeError(f"the fastapi rows run {BASELINE}, which is not there (it lives in "
                            f"the repository, not the package)")
 
 
@@ -197,10 +200,10 @@ def start_serve(settings: dict, setup, openai: bool, folder: str) -> Server:
     return server
 
 
-def start_baseline(settings: dict, setup, folder: str) -> Server:
+def start_baseline(settings: dict, setup, folder: str, max_batch_size: Optional[int]) -> Server:
     return Server([sys.executable, str(BASELINE), "--port", "0", "--name", settings["name"],
                    "--model", json.dumps(settings["backend_args"]),
-                   "--max-batch-size", str(settings["max_batch_size"]),
+                   "--max-batch-size", str(max_batch_size or settings["max_batch_size"]),
                    "--max-steps", str(settings["max_steps"]),
                    "--max-prompt", str(settings["max_input_shape"][0])],
                   server_cpus(setup.pin), folder)
@@ -345,8 +348,8 @@ def run_row(kind: str, setup, settings: dict, rate: float, offered: list, row: i
     `rate`): a Row, or a string saying why the row was skipped."""
     offsets = loads.poisson_offsets_ns(rate, len(offered), setup.seed + row)
     with tempfile.TemporaryDirectory(prefix="shmbatch-bench-http-") as folder:
-        if kind == FASTAPI:
-            server = start_baseline(settings, setup, folder)
+        if kind in BASELINES:
+            server = start_baseline(settings, setup, folder, BASELINES[kind])
         else:
             try:
                 server = start_serve(settings, setup, kind == OPENAI, folder)
@@ -359,7 +362,7 @@ def run_row(kind: str, setup, settings: dict, rate: float, offered: list, row: i
             if why is not None:
                 return why
             results, cpu_s = _drive(server, kind, settings["name"], setup, offered, offsets)
-            stats = _engine_stats(settings["name"]) if kind != FASTAPI else json.loads(
+            stats = _engine_stats(settings["name"]) if kind not in BASELINES else json.loads(
                 urllib.request.urlopen(f"{server.url}/stats", timeout=30).read())
         finally:
             server.stop()
@@ -374,7 +377,7 @@ def _drive(server: Server, kind: str, model: str, setup, offered: list, offsets)
     for k, (prompt, steps) in enumerate(offered):
         parts[k % setup.clients].append((k, int(offsets[k]), prompt, steps))
     pipes, procs = [], []
-    route = GENERATE if kind == FASTAPI else kind
+    route = GENERATE if kind in BASELINES else kind
     for part in parts:
         parent, child = ctx.Pipe()
         p = ctx.Process(target=_client, args=(server.url, route, model, part, setup.timeout_s,
