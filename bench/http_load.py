@@ -3,7 +3,7 @@
 `Client` in 4 worker processes; synthetic backend (2 ms + 100 µs per item), max_batch_size 32.
 
     python bench/http_load.py [--concurrency 4,16,64] [--requests 4000] [--workers 4]
-                              [--out FILE.json]
+                              [--out FILE.json] [--tree DIR] [--no-client]
 
 A row at concurrency C: `hey -c C` (C keep-alive connections, each sending its next JSON
 infer once answered), then C threads spread over the worker processes, each calling
@@ -12,7 +12,8 @@ p50/p99 (from hey's per-request CSV, and each Client call's own clock), the batc
 engine formed (its counters, read before and after), and the CPU time per request of the
 processes that carried the requests: the HTTP workers, or the Client processes. The HTTP
 layer's own cost per request is the difference of the two mean latencies, and of the two
-CPU times.
+CPU times. --tree: serve from another source tree of shmbatch (its engine/_ringc built, the
+same segment layout), e.g. a worktree of an earlier commit; --no-client: the hey rows alone.
 """
 import argparse
 import csv
@@ -40,13 +41,14 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 X = np.arange(16, dtype=np.float32)
 
 
-def serve(name: str, workers: int):
+def serve(name: str, workers: int, tree: pathlib.Path):
+    env = {**os.environ, "PYTHONPATH": str(tree.resolve())}
     proc = subprocess.Popen(
         [sys.executable, "-m", "engine", "serve", "--name", name,
          "--backend", "engine.backends:synthetic", "--backend-arg", "fixed_ms=2.0",
          "--backend-arg", "per_item_us=100.0", "--input-shape", "16", "--output-shape", "16",
          "--max-batch-size", "32", "--http-port", "0", "--http-workers", str(workers),
-         "--log-level", "WARNING"], stdout=subprocess.PIPE, text=True)
+         "--log-level", "WARNING"], stdout=subprocess.PIPE, text=True, env=env, cwd="/tmp")
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
@@ -160,11 +162,13 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=4000, help="per row")
     ap.add_argument("--workers", type=int, default=4, help="HTTP workers, and Client processes")
     ap.add_argument("--out", help="write the rows as JSON here")
+    ap.add_argument("--tree", type=pathlib.Path, default=ROOT, help="the source tree serve runs")
+    ap.add_argument("--no-client", action="store_true", help="the hey rows alone")
     args = ap.parse_args()
     if shutil.which("hey") is None:
         raise SystemExit("needs hey (apt-get install hey)")
     name = f"httpload-{os.getpid()}"
-    proc, url, http_procs = serve(name, args.workers)
+    proc, url, http_procs = serve(name, args.workers, args.tree)
     rows = []
     try:
         body = {"inputs": [{"name": "INPUT", "shape": [1, 16], "datatype": "FP32",
@@ -180,6 +184,13 @@ def main() -> int:
             h = run_hey(url, name, c, args.requests, f.name)
             h["cpu_us_per_request"] = (cpu_s(http_procs) - cpu0) / h["requests"] * 1e6
             h.update(batches_between(before, engine_counts(name)))
+            if args.no_client:
+                rows.append({"concurrency": c, "http": h})
+                print(f"c={c:<3} HTTP (hey): {h['rps']:7,.0f} req/s  p50 {h['p50_ms']:6.2f} ms  "
+                      f"p99 {h['p99_ms']:6.2f} ms  avg batch {h['avg_batch']:5.1f} (largest "
+                      f"{h['largest_batch']})  cpu {h['cpu_us_per_request']:5.0f} us/req  "
+                      f"failed {h['failed']}", flush=True)
+                continue
             before = engine_counts(name)
             k, k_cpu = run_clients(name, c, args.requests, args.workers)
             k["cpu_us_per_request"] = k_cpu / k["requests"] * 1e6
@@ -202,12 +213,13 @@ def main() -> int:
         proc.terminate()
         proc.wait(120)
     if args.out:
-        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+        commit = subprocess.run(["git", "-C", str(args.tree), "rev-parse", "--short", "HEAD"],
                                 capture_output=True, text=True).stdout.strip()
         with open(args.out, "w") as f:
             json.dump({"commit": commit, "machine": platform.platform(),
                        "cpus": os.cpu_count(), "rows": rows}, f, indent=2)
-    return 0 if all(r["http"]["failed"] + r["client"]["failed"] == 0 for r in rows) else 1
+    return 0 if all(r["http"]["failed"] + r.get("client", {"failed": 0})["failed"] == 0
+                    for r in rows) else 1
 
 
 if __name__ == "__main__":
