@@ -29,10 +29,6 @@ DEFAULT_PROMETHEUS_URL = "http://prometheus-operated.monitoring.svc:9090"
 AUTOSCALERS = ("none", "hpa", "keda")
 
 
-def labels(pod: ServePod) -> dict:
-    return {"app.kubernetes.io/name": pod.name, "app.kubernetes.io/component": "shmbatch"}
-
-
 def app_container(image: str, command: Optional[str]) -> dict:
     out = {"name": "app", "image": image}
     if command is not None:
@@ -73,14 +69,14 @@ def deployment(pod: ServePod, *, namespace, replicas: int, app_image, app_comman
                    "prometheus.io/path": "/metrics"}
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": metadata(pod.name, labels(pod), namespace),
+        "metadata": metadata(pod.name, pod.labels, namespace),
         "spec": {
             "replicas": replicas,
             "selector": {"matchLabels": {"app.kubernetes.io/name": pod.name}},
             # a new pod serves before an old one goes: capacity holds through a rollout
             "strategy": {"type": "RollingUpdate",
                          "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
-            "template": {"metadata": {"labels": labels(pod), "annotations": annotations},
+            "template": {"metadata": {"labels": pod.labels, "annotations": annotations},
                          "spec": spec},
         },
     }
@@ -88,7 +84,7 @@ def deployment(pod: ServePod, *, namespace, replicas: int, app_image, app_comman
 
 def service(pod: ServePod, namespace) -> dict:
     return {"apiVersion": "v1", "kind": "Service",
-            "metadata": metadata(pod.name, labels(pod), namespace),
+            "metadata": metadata(pod.name, pod.labels, namespace),
             "spec": {"selector": {"app.kubernetes.io/name": pod.name},
                      "ports": [{"name": "http", "port": pod.http_port,
                                 "targetPort": pod.http_port, "protocol": "TCP"}]}}
@@ -123,7 +119,7 @@ def target_seconds(ms: float) -> str:
 
 def hpa(pod: ServePod, namespace, replicas: int, max_replicas: int, target_ms: float) -> dict:
     return {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
-            "metadata": metadata(pod.name, labels(pod), namespace),
+            "metadata": metadata(pod.name, pod.labels, namespace),
             "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment",
                                         "name": pod.name},
                      "minReplicas": replicas, "maxReplicas": max_replicas,
@@ -142,7 +138,7 @@ def promql(pod: ServePod, namespace) -> str:
 def scaled_object(pod: ServePod, namespace, replicas: int, max_replicas: int, target_ms: float,
                   prometheus_url: str) -> dict:
     return {"apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject",
-            "metadata": metadata(pod.name, labels(pod), namespace),
+            "metadata": metadata(pod.name, pod.labels, namespace),
             "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment",
                                         "name": pod.name},
                      "minReplicaCount": replicas, "maxReplicaCount": max_replicas,
@@ -176,7 +172,7 @@ def kubernetes(pod: ServePod, config_text: str, *, namespace: Optional[str] = No
     if run_as_user < 0:
         raise ValueError(f"--run-as-user: expected a uid >= 0, got {run_as_user}")
     docs = [(f"shmbatch serve's config, as given (engines {', '.join(pod.names)})",
-             pod.config_map(config_text, labels(pod), namespace)),
+             pod.config_map(config_text, namespace)),
             ("", deployment(pod, namespace=namespace, replicas=replicas, app_image=app_image,
                             app_command=app_command, run_as_user=run_as_user))]
     if pod.http_port is not None:

@@ -19,10 +19,6 @@ HTTP_PORT = 8080  # KServe's predictor port
 MODEL_FORMAT = "shmbatch"
 
 
-def labels(pod: ServePod) -> dict:
-    return {"app.kubernetes.io/name": pod.name, "app.kubernetes.io/component": "shmbatch"}
-
-
 def container(pod: ServePod) -> dict:
     out = pod.container(name="kserve-container")
     out["ports"] = [{"containerPort": HTTP_PORT, "protocol": "TCP"}]
@@ -35,7 +31,7 @@ def container(pod: ServePod) -> dict:
 def serving_runtime(pod: ServePod, namespace: Optional[str]) -> dict:
     return {
         "apiVersion": "serving.kserve.io/v1alpha1", "kind": "ServingRuntime",
-        "metadata": metadata(pod.name, labels(pod), namespace),
+        "metadata": metadata(pod.name, pod.labels, namespace),
         "spec": {
             "annotations": {"prometheus.kserve.io/port": str(pod.metrics_port),
                             "prometheus.kserve.io/path": "/metrics"},
@@ -70,6 +66,6 @@ def kserve(pod: ServePod, config_text: str, *, namespace: Optional[str] = None) 
     """The manifest's YAML text: the config's ConfigMap and the ServingRuntime."""
     return documents([
         (f"shmbatch serve's config, as given (engines {', '.join(pod.names)})",
-         pod.config_map(config_text, labels(pod), namespace)),
+         pod.config_map(config_text, namespace)),
         (example_service(pod), serving_runtime(pod, namespace)),
     ])

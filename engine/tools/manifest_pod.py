@@ -202,12 +202,16 @@ class ServePod:
                 {"name": CONFIG_VOLUME, "configMap": {"name": self.config_map_name}}]
 
     @property
+    def labels(self) -> dict:
+        return {"app.kubernetes.io/name": self.name, "app.kubernetes.io/component": "shmbatch"}
+
+    @property
     def config_map_name(self) -> str:
         return f"{self.name}-config"
 
-    def config_map(self, text: str, labels: dict, namespace: Optional[str]) -> dict:
+    def config_map(self, text: str, namespace: Optional[str]) -> dict:
         return {"apiVersion": "v1", "kind": "ConfigMap",
-                "metadata": metadata(self.config_map_name, labels, namespace),
+                "metadata": metadata(self.config_map_name, self.labels, namespace),
                 "data": {CONFIG_KEY: text}}
 
     def sizing_note(self) -> str:
