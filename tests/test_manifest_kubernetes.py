@@ -263,7 +263,7 @@ def test_the_scaled_object_queries_prometheus_for_the_queue_wait_p90(config):
     query = trigger["metadata"]["query"]
     assert query.startswith("histogram_quantile(0.9, sum by (le) (rate("
                             "shmbatch_queue_wait_seconds_bucket{")
-    assert 'pod=~"web-.+"' in query and 'namespace="ml"' in query
+    assert 'pod=~"web-[a-z0-9]+-[a-z0-9]{5}"' in query and 'namespace="ml"' in query
     assert {d["metadata"].get("namespace") for d in kinds.values()} == {"ml"}
 
 

@@ -1,5 +1,6 @@
-"""The tooling subcommands of `shmbatch`: bench and tune (engine.tools does
-the work; imported only when one of them runs)."""
+"""The tooling subcommands of `shmbatch`: bench, tune and manifest
+(engine.tools does the work; imported only when one of them runs)."""
+import argparse
 import dataclasses
 import itertools
 import json
@@ -279,11 +280,23 @@ def cmd_tune(args) -> int:
     return 0
 
 
+MANIFEST_SYNOPSIS = """\
+shmbatch manifest kubernetes --config models.toml --image IMAGE [--app-image IMG --app-command "CMD ARGS"]
+                             [--replicas 2] [--autoscaler hpa|keda] [--target-queue-wait-ms 20]
+                             [--max-replicas N] [--prometheus-url URL] [--run-as-user 1000]
+                             [--name NAME] [--namespace NS] [--metrics-port 9090]
+                             [--shm-headroom-mib 64] [--process-memory-mib 256]
+shmbatch manifest kserve --config models.toml --image IMAGE [--name NAME] [--namespace NS] ...
+
+Prints YAML (to stdout) that runs `shmbatch serve --config FILE` in a pod, its /dev/shm,
+memory, probes and grace period sized from the config's engines; `manifest KIND --help`
+tells each flag."""
+
+
 def manifest_parser(sub):
     p = sub.add_parser("manifest", help="Kubernetes or KServe YAML that runs a serve config",
-                       description="Prints YAML (to stdout) that runs `shmbatch serve --config "
-                       "FILE` in a pod: /dev/shm, memory, probes and the grace period sized "
-                       "from the config's engines (engine.tools.manifest_pod).")
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description=MANIFEST_SYNOPSIS)
     kinds = p.add_subparsers(dest="kind", required=True)
     k8s = kinds.add_parser("kubernetes", help="a ConfigMap, a Deployment, a Service for the "
                            "HTTP port, and an autoscaler on queue wait")
@@ -321,7 +334,6 @@ def manifest_parser(sub):
 def cmd_manifest(args, plan) -> int:
     """Prints the manifest; plan is serve's reading of a config
     (engine.cli.commands.serve_plan). Nothing is printed unless all of it is made."""
-    import argparse
     import pathlib
     import sys
 

@@ -130,7 +130,8 @@ def hpa(pod: ServePod, namespace, replicas: int, max_replicas: int, target_ms: f
 
 
 def promql(pod: ServePod, namespace) -> str:
-    where = f'pod=~"{pod.name}-.+"' + (f',namespace="{namespace}"' if namespace else "")
+    # a Deployment's pods are NAME-<ReplicaSet hash>-<5 characters>
+    where = f'pod=~"{pod.name}-[a-z0-9]+-[a-z0-9]{{5}}"' + (f',namespace="{namespace}"' if namespace else "")
     return (f"histogram_quantile({QUANTILE}, sum by (le) "
             f"(rate(shmbatch_queue_wait_seconds_bucket{{{where}}}[{RATE_WINDOW}])))")
 

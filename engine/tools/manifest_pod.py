@@ -152,7 +152,10 @@ class ServePod:
 
     def check(self) -> dict:
         """The handler of the readiness (and startup) probe."""
-        if self.http_port is not None:  # the route the Service's traffic reaches, all engines
+        # the HTTP route, where there is one: it is what the Service's traffic reaches
+        # (ready also means the HTTP workers attached), it covers every engine, and a
+        # GET starts no Python process in the container at every period, as exec does
+        if self.http_port is not None:
             return {"httpGet": {"path": "/v2/health/ready", "port": self.http_port}}
         commands = [["shmbatch", "status", name, "--ready"] for name in self.names]
         if len(commands) == 1:
