@@ -17,6 +17,8 @@ import sys
 import traceback
 from typing import Any, Optional, Sequence, Tuple
 
+from engine import logfmt
+
 READY = ("ready",)
 
 
@@ -117,7 +119,9 @@ def await_ready(proc: Child, reader, timeout_s: Optional[float], what: str, died
 
 def child_args() -> Tuple[dict, multiprocessing.connection.Connection]:
     """In the child: (its arguments, the readiness pipe's writer), as the
-    parent's launch() passed them (sys.path is set already)."""
+    parent's launch() passed them (sys.path is set already); its log set up
+    as its parent's serve chose (engine.logfmt)."""
+    logfmt.from_environment()
     args = pickle.load(sys.stdin.buffer)
     return args, multiprocessing.connection.Connection(int(sys.argv[1]), readable=False)
 

@@ -45,6 +45,8 @@ def _serve_parser(sub):
                    help="open connections per HTTP worker; one more is answered 503 at once "
                         "(default 1024, lower if the open-file limit requires)")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-format", default="text", help="text, or json: one JSON object per "
+                   "line on stderr (ts, level, engine, event, fields), from every process")
 
 
 def _read_config(path: str) -> dict:
@@ -150,10 +152,10 @@ def cmd_serve(args) -> int:
     import logging
     import threading
 
+    from engine import logfmt
     from engine.cli.serve import Serving
     from engine.serving import notify
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logfmt.configure(args.log_level, args.log_format)
     log = logging.getLogger("shmbatch")
     engines, serve = serve_plan(args)
     serving = Serving(engines, **serve)  # validates every engine, creates nothing
@@ -169,7 +171,8 @@ def cmd_serve(args) -> int:
         notify.sd_notify(f"READY=1\nMAINPID={os.getpid()}\nSTATUS={what} {names} ready")
         while not stop.wait(1.0):
             serving.watch()
-        log.info("%s %s: signal received; draining", what, names)
+        log.info("%s %s: signal received; draining", what, names,
+                 extra={"engine": names} if len(serving.names) == 1 else None)
         notify.sd_notify(f"STOPPING=1\nSTATUS={what} {names} draining")
     finally:
         serving.stop()

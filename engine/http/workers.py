@@ -26,7 +26,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Dict, List, Optional, Tuple
 
-from engine import launch
+from engine import launch, logfmt
 
 log = logging.getLogger("shmbatch")
 
@@ -220,7 +220,9 @@ def _entry() -> None:
         # uvicorn's own lines at INFO (four per worker start and stop) say what
         # serve's one line says already
         level = max(logging.getLevelName(args["log_level"].upper()), logging.WARNING)
-        config = uvicorn.Config(app, lifespan="on", log_level=level, access_log=False,
+        # JSON (engine.logfmt): uvicorn's loggers go to the root's handler, not its own text
+        logs = {"log_config": None} if logfmt.json_chosen() else {}
+        config = uvicorn.Config(app, lifespan="on", log_level=level, access_log=False, **logs,
                                 timeout_graceful_shutdown=args["graceful_s"],
                                 http=connections.protocol(front), backlog=BACKLOG)
         connections.quiet_floods()

@@ -10,7 +10,7 @@ import multiprocessing.connection
 import os
 from typing import Optional, Tuple
 
-from engine import launch
+from engine import launch, logfmt
 from engine.errors import BackendError
 
 log = logging.getLogger("shmbatch")
@@ -44,7 +44,9 @@ def spawn(engine: str, index: int, backend, backend_args: dict, cpus, gpu, epoch
     args = dict(name=engine, instance=index, backend=backend, backend_args=backend_args,
                 cpus=cpus, gpu=gpu, epoch=epoch)
     try:
-        return launch.launch("engine.batching.batcher", args, env=batcher_env(cpus))
+        # a batcher serves one engine: each of its log lines is about it
+        env = {**batcher_env(cpus), logfmt.ENGINE_VAR: engine}
+        return launch.launch("engine.batching.batcher", args, env=env)
     except launch.ChildFailed as e:
         raise BackendError(e.kind, f"cannot pass the backend to a batcher process: "
                            f"{e.message}") from None
