@@ -38,7 +38,7 @@ from typing import Any, AsyncIterator, Dict, Iterator, Optional, Tuple, TypeVar
 
 import numpy as np
 
-from engine.client import answers, bulk, futures, loops, room, streams, waiting
+from engine.client import answers, bulk, futures, loops, retrying, room, rows, streams, waiting
 from engine.client.attach import attach
 from engine.client.lent import SlotRequest
 from engine.errors import EngineError, EngineUnavailable, InvalidInput, Overloaded, QueueFull
@@ -64,7 +64,10 @@ class Client:
     engine: each request attaches if it can and raises EngineUnavailable at
     once ("not started yet", "starting") while it cannot, so a web app may be
     started before its sidecar. Any Client re-attaches by itself when its
-    engine is restarted under the same name.
+    engine is restarted under the same name. With ``retries=N`` a request
+    refused (QueueFull, Overloaded) or failed unstarted is sent again up to N
+    times, backed off, within its deadline and a retry budget
+    (engine.client.retrying); ``retries_total`` counts them.
 
     Every request method takes ``(x, timeout=1.0, *, priority=0,
     max_steps=None, out=None)``, or those of them it has, in that order.
@@ -74,8 +77,10 @@ class Client:
     and await_answer(), are handle.Handle: what the client's helpers use of
     it. Callers need none of them."""
 
-    def __init__(self, name: str, *, wait_s: float = 0.0, lazy: bool = False) -> None:
+    def __init__(self, name: str, *, wait_s: float = 0.0, lazy: bool = False,
+                 retries: int = 0) -> None:
         self.name = name
+        self._retry = retrying.policy(retries)
         self._closed = False
         self.attached: Optional[Segment] = None
         self._checked_ns = 0
@@ -109,6 +114,8 @@ class Client:
         timeout is also the request's deadline inside the engine; priority 0
         is the most urgent. An iterative engine's answer is its chunks
         stacked, (steps, *chunk_shape), at most max_steps of them."""
+        if self._retry is not None:
+            return self._retry.infer(self, x, timeout, priority, max_steps, out)
         deadline = waiting.deadline_ns(timeout)
         seg, slot, gen, outs = self._enqueue(x, deadline, priority, max_steps, out)
         return self.await_answer(seg, slot, gen, deadline, timeout, outs)
@@ -120,7 +127,9 @@ class Client:
         out if given (as for infer). cancel() withdraws the request while no
         batch has answered it."""
         deadline = waiting.deadline_ns(timeout)
-        seg, slot, gen, outs = self._enqueue(x, deadline, priority, max_steps, out)
+        seg, slot, gen, outs = (self._enqueue(x, deadline, priority, max_steps, out)
+                                if self._retry is None else
+                                self._retry.enqueue(self, x, deadline, priority, max_steps, out))
         if self._evictor is None:
             self._start_evictor()
         return futures.Request(self, seg, slot, gen, deadline, timeout, outs)
@@ -129,6 +138,8 @@ class Client:
                           priority: int = 0, max_steps: Optional[int] = None) -> Tensors:
         """infer() for asyncio: awaits the answer without blocking the loop.
         Cancelled, it withdraws the request."""
+        if self._retry is not None:
+            return await self._retry.infer_async(self, x, timeout, priority, max_steps)
         deadline = waiting.deadline_ns(timeout)
         loop = asyncio.get_running_loop()
         seg, slot, gen, _ = self._enqueue(x, deadline, priority, max_steps)
@@ -222,6 +233,11 @@ class Client:
         """
         return bulk.infer_many(self, xs, timeout, priority)
 
+    @property
+    def retries_total(self) -> int:
+        """How many retries this client sent (Client(retries=N))."""
+        return 0 if self._retry is None else self._retry.retries_total
+
     def predicted_wait_s(self, priority: int = 0) -> float:
         """How long a request of this priority sent now would wait for its
         answer, as admission by deadline predicts it (the engine's fit of its
@@ -290,7 +306,7 @@ class Client:
             fused = False
         if code == codes.OK and not fused:
             try:
-                _write_rows(seg, slot, arrays, lengths)
+                rows.write_rows(seg, slot, arrays, lengths)
                 if seg.iterative:
                     r.stream_open(slot, gen, max_steps or 0)
             except BaseException:
@@ -418,25 +434,6 @@ def _check_steps(cfg, outs, max_steps) -> None:
     if not (type(max_steps) is int and 1 <= max_steps <= cfg.max_steps):
         raise InvalidInput(f"max_steps: expected an int in [1, {cfg.max_steps}] (the engine's "
                            f"max_steps), got {max_steps!r}")
-
-
-def _write_rows(seg, slot: int, arrays: tuple, lengths: tuple) -> None:
-    """A request's tensors into its slot's rows, with their real lengths."""
-    for t, (spec, region) in enumerate(zip(seg.config.input_specs, seg.in_regions)):
-        _write(region[slot], arrays[t], spec.var_axis, lengths[t])
-        if spec.var_axis is not None:
-            seg.lengths[slot, t] = lengths[t]
-
-
-def _write(row: np.ndarray, array: np.ndarray, var_axis, length: int) -> None:
-    """One input into its row; with a variable dim, the padding zeroed (so a
-    batch needs no per-request fill)."""
-    if var_axis is None:
-        row[...] = array
-    else:
-        head = (slice(None),) * var_axis
-        row[head + (slice(0, length),)] = array
-        row[head + (slice(length, None),)] = 0
 
 
 def _after_fork_in_child() -> None:

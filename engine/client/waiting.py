@@ -110,8 +110,12 @@ def failed(seg, slot: int, gen: int, code: int) -> EngineError:
         status, text = seg.ring.slot_error(slot)
         seg.ring.release_slot(slot, gen)
         if status == codes.STATUS_EXPIRED:
-            return RequestTimeout(f"expected an answer before the request's deadline, got "
-                                  f"none: {text}")
+            error = RequestTimeout(f"expected an answer before the request's deadline, got "
+                                   f"none: {text}")
+            # not computed (a stream's: past its deadline): Client(retries=N) may
+            # send it again while its deadline allows
+            error.unstarted = True  # type: ignore[attr-defined]
+            return error
         return backend_error(status, text)
     if code == codes.ECORRUPT:
         return EngineCorrupt(f"engine {seg.name!r}: expected the request's slot in a state of "
