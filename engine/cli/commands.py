@@ -1,4 +1,4 @@
-"""The `shmbatch` command: serve, status, reload, cleanup, bench, tune, manifest."""
+"""The `shmbatch` command: serve, status, reload, cleanup, bench, tune, manifest, dashboard."""
 import json
 import os
 import signal
@@ -401,6 +401,7 @@ def main(argv=None) -> int:
     tooling.bench_parser(sub)
     tooling.tune_parser(sub)
     tooling.manifest_parser(sub)
+    tooling.dashboard_parser(sub)
     args = parser.parse_args(argv)
     # a backend module in the working directory imports, as under gunicorn and uvicorn
     # (a console script's sys.path[0] is its own folder)
@@ -411,7 +412,8 @@ def main(argv=None) -> int:
     try:
         return {"serve": cmd_serve, "status": cmd_status, "reload": cmd_reload,
                 "cleanup": cmd_cleanup, "bench": tooling.cmd_bench, "tune": tooling.cmd_tune,
-                "manifest": lambda a: tooling.cmd_manifest(a, serve_plan)}[args.command](args)
+                "manifest": lambda a: tooling.cmd_manifest(a, serve_plan),
+                "dashboard": tooling.cmd_dashboard}[args.command](args)
     except KeyboardInterrupt:
         return 130
     except (EngineError, ValueError, RuntimeError, OSError) as e:

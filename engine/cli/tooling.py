@@ -360,3 +360,18 @@ def cmd_manifest(args, plan) -> int:
             run_as_user=or_default(args.run_as_user, manifest_pod.DEFAULT_RUN_AS_USER))
     sys.stdout.write(out)
     return 0
+
+
+def dashboard_parser(sub):
+    p = sub.add_parser("dashboard", help="a Grafana dashboard of the /metrics families (JSON "
+                       "on stdout: shmbatch dashboard > grafana.json)")
+    p.add_argument("--title", default="shmbatch", help="the dashboard's title")
+    p.add_argument("--uid", default="shmbatch", help="the dashboard's uid (one per copy)")
+
+
+def cmd_dashboard(args) -> int:
+    import sys
+
+    from engine.tools import dashboard
+    sys.stdout.write(dashboard.text(args.title, args.uid))
+    return 0
