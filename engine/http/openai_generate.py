@@ -126,12 +126,16 @@ class ChunkEvents(streaming.EventStream):
     """A streamed answer in OpenAI's chunk format: every token's text as it
     comes (a chat's first event names the role), the last choice chunk with
     finish_reason, the usage chunk if asked, then [DONE]; an error as OpenAI's
-    error object in a last event, with no [DONE]."""
+    error object in a last event, with no [DONE]. A text chunk's event is its
+    text written between two strings made once per request."""
 
     def __init__(self, request: Request, chunks, scope, receive, send, timeout_s: float) -> None:
         super().__init__(chunks, scope, receive, send, timeout_s)
         self.request, self.text = request, Text(request)
         self.first = request.chat  # the role chunk is still to come
+        sample = _event(_chunk(request, MARK))  # the event of a text chunk, its text MARK
+        # the text is the event's last string (a model named MARK comes before it)
+        self.before, _, self.after = sample.rpartition(streaming.dumps(MARK))
 
     def events(self, chunks, finish_reason) -> bytes:
         request, text, out = self.request, self.text, []
@@ -140,11 +144,12 @@ class ChunkEvents(streaming.EventStream):
             out.append(_event(_chunk(request, {"role": "assistant", "content": ""})))
         for token in request.served.tokens(chunks):
             piece = text.add(token)
-            if piece or text.finish:
-                out.append(_event(_chunk(request, piece, text.finish)))
             if text.finish:
-                raise streaming.Finished(b"".join(out), text.finish)
-        return b"".join(out)
+                out.append(_event(_chunk(request, piece, text.finish)))
+                raise streaming.Finished("".join(out).encode(), text.finish)
+            if piece:
+                out.append(self.before + streaming.dumps(piece) + self.after)
+        return "".join(out).encode()
 
     def end(self, finish_reason: str) -> bytes:
         request, text, out = self.request, self.text, []
@@ -153,15 +158,17 @@ class ChunkEvents(streaming.EventStream):
         if request.include_usage:
             out.append(_event({**_head(request, True), "choices": [],
                                "usage": _usage(request, text)}))
-        out.append(DONE)
-        return b"".join(out)
+        return "".join(out).encode() + DONE
 
     def error_body(self, error: EngineError) -> bytes:
         return json.dumps(of_engine(error).body()).encode()
 
 
-def _event(obj) -> bytes:
-    return b"data: " + streaming.dumps(obj).encode() + b"\n\n"
+MARK = "\u2603"  # a text that stands for a chunk's own in the event made once per request
+
+
+def _event(obj) -> str:
+    return "data: " + streaming.dumps(obj) + "\n\n"
 
 
 def _head(request: Request, chunk: bool) -> dict:
