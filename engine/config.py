@@ -67,6 +67,8 @@ class EngineConfig:
                            "leave the running batch at every step, answers stream in chunks")
     max_steps: int = knob(256, "int", "iterative: the most chunks (steps) one request's answer "
                           "holds")
+    warmup: bool = knob(False, "bool", "before ready (and a reload's switch), each batcher calls "
+                        "its model on zeros at every batch size and length bucket")
 
     def __post_init__(self):
         put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen)
@@ -144,6 +146,7 @@ class EngineConfig:
         if self.admission not in ("deadline", "none"):
             raise ValueError(f"admission must be 'deadline' or 'none', got {self.admission!r}")
         put("isolate_failures", bool(self.isolate_failures))
+        put("warmup", bool(self.warmup))
         if not float(self.max_delay_ms) >= 0:
             raise ValueError(f"max_delay_ms must be >= 0, got {self.max_delay_ms}")
         put("max_delay_ms", float(self.max_delay_ms))

@@ -53,7 +53,8 @@ class ServiceFit:
     The first batch of each shape is not a measure: a model initialises
     lazily per shape (allocations, autotuning, a compile), and that first
     call can take seconds. measuring(shape) says which fit a batch of that
-    shape feeds: none the first time the shape is seen."""
+    shape feeds: none the first time the shape is seen (with warmup, the
+    warmed shapes were seen before the batcher was ready)."""
 
     def __init__(self, warmup: int = 0):
         self.c_fit = ring.new_fit(warmup)  # skips the first `warmup` batches
@@ -65,6 +66,16 @@ class ServiceFit:
             return self.c_fit
         self.shapes.add(shape)
         return ring.NO_FIT
+
+    def publish(self, r: ring.Ring) -> bool:
+        """Publishes the fit for admission, as finish_batch does, once it is
+        calibrated (warmup's calls fed it: engine.batching.warmup); True if so."""
+        if self.c_fit.batches < codes.FIT_CALIBRATED:
+            return False
+        fixed_ns, per_item_ns = self.estimate()
+        r.set_word(codes.W_FIT_FIXED_NS, fixed_ns)
+        r.set_word(codes.W_FIT_ITEM_PS, int(per_item_ns * 1000))
+        return True
 
     def add(self, batch_size: int, service_ns: int) -> bool:
         """Adds a batch; True when the fit was solved anew."""

@@ -28,7 +28,7 @@ from typing import Optional
 import numpy as np
 
 from engine import launch, spec
-from engine.batching import admission, aimd, iterative, policy, threads
+from engine.batching import admission, aimd, iterative, policy, threads, warmup
 from engine.batching.loop import RETIRED, STOPPED, await_epoch, await_work, error_text, tell_death
 from engine.batching.model_call import ModelCall
 from engine.segment import Segment
@@ -322,10 +322,15 @@ def main(name: str, instance: int, backend, backend_args: dict, cpus, gpu, conn,
             batcher = iterative.Stepper(segment, instance, fn, epoch)
         else:
             batcher = Batcher(segment, instance, fn, epoch)
+        # before ready: a reload's switch and the engine's start wait for it
+        warm_ms = (warmup.warm_steps if cfg.iterative else warmup.warm_batches)(batcher) \
+            if cfg.warmup else None
         pid = os.getpid()
         segment.ring.set_word(codes.W_BATCHER_START + instance, liveness.start_ticks(pid) or 0)
         segment.ring.set_word(codes.W_BATCHER_PID + instance, pid)
         pools = threads.report(fn, pinned=bool(cpus))  # for `shmbatch status`
+        if warm_ms is not None:
+            pools["warmup_ms"] = warm_ms  # stats()["warmup_ms"]
     except BaseException as e:
         launch.tell_failed(conn, e)
         conn.close()

@@ -90,6 +90,10 @@ def knob_flag(p, knob, with_default: bool = False) -> None:
         doc += " (e.g. 128,3; none a variable dim; '' a scalar)"
     elif kind == "json":
         doc += " (JSON; in a TOML file, a table)"
+    if kind == "bool":  # --warmup alone means true; --warmup false still parses
+        p.add_argument(flag, type=parse, default=default, nargs="?", const=True,
+                       metavar="true|false", help=doc)
+        return
     p.add_argument(flag, type=parse, default=default, metavar=metavar, help=doc)
 
 

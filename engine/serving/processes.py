@@ -106,3 +106,13 @@ def thread_pools(instances) -> list:
         if proc is not None and proc.ready_info is not None:
             pools.append({"batcher": b.index, "pid": proc.pid, **proc.ready_info})
     return pools
+
+
+def figures(instances) -> dict:
+    """stats()'s figures of the live batchers: their thread pools ("threads",
+    as thread_pools()) and "warmup_ms", the slowest one's warmup (warmup=True;
+    None without; each batcher's own is in its "threads" entry). The start
+    waited for their sum: batchers start one after another."""
+    pools = thread_pools(instances)
+    warmed = [p["warmup_ms"] for p in pools if p.get("warmup_ms") is not None]
+    return {"threads": pools, "warmup_ms": max(warmed) if warmed else None}

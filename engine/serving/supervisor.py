@@ -225,10 +225,10 @@ class Engine:
     # -- figures -------------------------------------------------------------
     def stats(self) -> Dict[str, Any]:
         """The engine's figures, read from its segment, and its batchers' thread
-        pools (as `shmbatch status NAME --json`)."""
+        pools (as `shmbatch status NAME --json`) and warmup (processes.figures)."""
         if self._seg is None:
             raise EngineUnavailable(f"engine {self.name!r} is not running")
-        return {**metrics.read_stats(self._seg), "threads": processes.thread_pools(self._instances)}
+        return {**metrics.read_stats(self._seg), **processes.figures(self._instances)}
 
     # -- reload -------------------------------------------
     def reload(self, backend: Union[None, str, spec.Factory] = None,
