@@ -200,6 +200,16 @@ def test_warmed_shapes_calibrate_admission_before_the_first_request(make_engine,
     assert not cold.stats()["admission"]["calibrated"]
 
 
+def test_a_warmed_shapes_first_request_is_a_measure_of_the_fit(make_engine, tmp_path):
+    sizes = list(range(1, 8))  # seven shapes: one batch short of the fit's calibration
+    eng, _ = started(make_engine, tmp_path / "calls.jsonl", warmup=True, max_batch_size=7,
+                     allowed_batch_sizes=sizes, backend_args={"first_s": 0})
+    assert not eng.stats()["admission"]["calibrated"]
+    with engine.Client(eng.name) as c:  # its shape was warmed: no first call to skip
+        assert np.array_equal(c.infer(x_of(1), timeout=30), x_of(1) + 1)
+    wait_for(lambda: eng.stats()["admission"]["calibrated"], "the eighth batch in the fit", 10)
+
+
 def test_a_reload_warms_its_new_batchers_before_they_take_the_queue(make_engine, tmp_path):
     old_log, new_log = tmp_path / "old.jsonl", tmp_path / "new.jsonl"
     eng, _ = started(make_engine, old_log, warmup=True, max_batch_size=2, instances=2)
