@@ -6,5 +6,6 @@ Both share `loop` (the wait for work and the loop's constants) and `results`
 (what a model's result must be, and the conversion between one array and
 named tensors). `policy` says when to flush and whom to take, `admission`
 fits the service time that clients predict waits from, `aimd` adapts the
-batch limit to a latency objective.
+batch limit to a latency objective, `warmup` calls the model at every batch
+shape before the batcher says it is ready.
 """
