@@ -11,6 +11,7 @@ those below it, never up; on one floor, only within its own sub-package
 
     floor 6  engine.cli       the `shmbatch` command (also `python -m engine`)
     floor 5  engine.tools     bench and tune: the serving runtime never imports them
+    floor 5  engine.ray       Ray Serve replicas sharing one engine per node
     floor 4  engine.http      the HTTP front (Open Inference Protocol) and its workers
     floor 3  engine.serving   the supervisor: batcher processes, restarts, reload, metrics
     floor 2  engine.client    a process attached to an engine: requests and answers

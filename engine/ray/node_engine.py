@@ -1,0 +1,59 @@
+"""A node's engine as a process of its own: the supervisor its owner actor starts.
+
+The owner (engine.ray.owner) starts it with engine.launch, so that a dead
+supervisor is a dead child the owner can see, restart, and clean up after,
+while the owner itself lives on. It runs engine.Engine(name, **knobs),
+says ready once clients can attach, and on SIGTERM (or SIGINT) stops the
+engine: new requests are refused, the queued ones answered, the segment
+removed. It takes SIGTERM by the kernel's parent-death signal too, and
+checks its parent besides: an owner that dies, however it dies, leaves
+nothing behind.
+"""
+import ctypes
+import os
+import signal
+import threading
+
+from engine import launch
+
+_PR_SET_PDEATHSIG = 1
+PARENT_CHECK_S = 0.5  # how often the parent is checked, should the signal be missed
+
+
+def start(name: str, knobs: dict, timeout_s: float) -> launch.Child:
+    """Starts engine `name` in a child process and waits until it serves;
+    launch.ChildFailed (the child killed) unless it does within timeout_s."""
+    proc, reader = launch.launch("engine.ray.node_engine", {"name": name, "knobs": knobs})
+    try:
+        launch.await_ready(proc, reader, timeout_s, f"engine {name!r}", died="EngineDied")
+        return proc
+    except BaseException:
+        launch.kill(proc)
+        raise
+    finally:
+        reader.close()
+
+
+def _entry() -> None:
+    args, conn = launch.child_args()
+    parent = os.getppid()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    # the signal follows the thread that started this process: the owner's monitor thread
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent:
+        return
+    from engine.serving.supervisor import Engine
+    try:
+        eng = Engine(args["name"], **args["knobs"]).start()
+    except BaseException as e:
+        launch.tell_failed(conn, e)
+        return
+    try:
+        launch.tell_ready(conn, {"pid": os.getpid()})
+        conn.close()
+        while not stop.wait(PARENT_CHECK_S) and os.getppid() == parent:
+            pass
+    finally:
+        eng.stop()

@@ -1,0 +1,292 @@
+"""engine.ray on a local Ray cluster of two nodes (two raylets on this host,
+sharing its /dev/shm): one engine per node serves every replica of that
+node, over HTTP (an Open Inference Protocol body) and through the handle;
+a killed node engine is restarted while the other node serves on; nothing
+is left once the application is deleted or Serve shut down.
+
+One cluster and one application serve the whole module (a cluster takes
+seconds to start). Each replica takes at most MAX_ONGOING requests at once,
+so a batch of more than MAX_ONGOING holds two replicas' requests."""
+import asyncio
+import json
+import os
+import pathlib
+import signal
+import socket
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import numpy as np
+import psutil
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+import engine  # noqa: E402
+from engine.ray import deployment, engine_name  # noqa: E402
+from engine.ray.owner import NAMESPACE, actor_name  # noqa: E402
+from engine.segment import Segment  # noqa: E402
+from engine.serving import metrics  # noqa: E402
+from engine.shm import codes  # noqa: E402
+from conftest import unique_name, wait_for  # noqa: E402
+
+ROOT = pathlib.Path(engine.__file__).resolve().parent.parent
+SHAPE = (4,)
+MAX_ONGOING = 4  # requests a replica takes at once
+REPLICAS_PER_NODE = 2
+KNOBS = dict(backend="engine.backends:synthetic", backend_args={"fixed_ms": 1.0, "per_item_us": 10.0},
+             input_shape=SHAPE, output_shape=SHAPE, max_batch_size=2 * MAX_ONGOING,
+             max_delay_ms=300.0)
+SUPERVISOR = "engine.ray.node_engine import _entry"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def replica_app(name: str, per_node: int = REPLICAS_PER_NODE):
+    return deployment(name, engine=KNOBS, num_replicas=2 * per_node,
+                      ray_actor_options={"num_cpus": 0, "resources": {"replica": 1}},
+                      max_replicas_per_node=per_node, max_ongoing_requests=MAX_ONGOING)
+
+
+def within(timeout_s: float, what: str, fn, *args, **kwargs):
+    """fn(*args, **kwargs), or TimeoutError if it has not returned within timeout_s."""
+    pool = ThreadPoolExecutor(1)
+    try:
+        return pool.submit(fn, *args, **kwargs).result(timeout_s)
+    except FutureTimeout:
+        raise TimeoutError(f"not within {timeout_s} s: {what}") from None
+    finally:
+        pool.shutdown(wait=False)
+
+
+def run(name: str, per_node: int = REPLICAS_PER_NODE) -> None:
+    within(120, f"application {name} running", serve.run, replica_app(name, per_node),
+           name=name, route_prefix=f"/{name}")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Two nodes, each with room for REPLICAS_PER_NODE replicas; Serve's
+    HTTP proxy on a free port of the head node."""
+    path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([path] if path else []))
+    slots = {"replica": REPLICAS_PER_NODE + 1}  # room for one more application's replica
+    c = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "resources": slots, "include_dashboard": False})
+    try:
+        c.add_node(num_cpus=2, resources=slots)
+        ray.init(address=c.address, log_to_driver=False, logging_level="WARNING")
+        port = free_port()
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+        yield port
+    finally:
+        session = c.head_node.session_name if c.head_node is not None else None
+        within(60, "Serve shut down", serve.shutdown)
+        ray.shutdown()
+        c.shutdown()
+        if path is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = path
+        _reap_workers(session)
+
+
+def _reap_workers(session) -> None:
+    """Waits (bounded) for the cluster's worker processes to exit; kills any left."""
+    if session is None:
+        return
+    mine = [p for p in psutil.process_iter(["cmdline"])
+            if any(session in part for part in p.info["cmdline"] or ())]
+    _, alive = psutil.wait_procs(mine, timeout=10)
+    for p in alive:
+        p.kill()
+
+
+@pytest.fixture(scope="module")
+def app(cluster):
+    """The module's application, on both nodes: (name, HTTP port, its engines' names)."""
+    name = unique_name("ray")
+    run(name)
+    nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
+    return name, cluster, [engine_name(name, name, node) for node in nodes]
+
+
+def engines_of(prefix: str) -> list:
+    return sorted(p.name[len("shmbatch-"):] for p in pathlib.Path("/dev/shm").glob(f"shmbatch-{prefix}-*"))
+
+
+def supervisors() -> set:
+    return {p.pid for p in psutil.process_iter(["cmdline"])
+            if any(SUPERVISOR in part for part in p.info["cmdline"] or ())}
+
+
+def stats(name: str) -> dict:
+    seg = Segment.attach(name)
+    try:
+        return metrics.read_stats(seg)
+    finally:
+        seg.close()
+
+
+def supervisor_pid(name: str) -> int:
+    seg = Segment.attach(name, header_only=True)
+    try:
+        return seg.ring.word(codes.W_SUPERVISOR_PID)
+    finally:
+        seg.close()
+
+
+def owner_status(name: str) -> dict:
+    return ray.get(ray.get_actor(actor_name(name), namespace=NAMESPACE).status.remote())
+
+
+def owner_exists(name: str) -> bool:
+    try:
+        ray.get_actor(actor_name(name), namespace=NAMESPACE)
+        return True
+    except ValueError:
+        return False
+
+
+def post(port: int, route: str, body: bytes, timeout_s: float = 30.0):
+    """(status, headers, JSON answer) of a POST."""
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{route}", data=body,
+                                     headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as r:
+            return r.status, dict(r.headers), json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.loads(e.read())
+
+
+def infer_body(rows: np.ndarray) -> bytes:
+    return json.dumps({"inputs": [{"name": "INPUT", "datatype": "FP32", "shape": list(rows.shape),
+                                   "data": rows.ravel().tolist()}]}).encode()
+
+
+def requests(n: int, k: int = 1, start: int = 0) -> list:
+    """n distinct requests of k rows each."""
+    return [np.arange(k * SHAPE[0], dtype=np.float32).reshape(k, *SHAPE) + 100 * (start + i)
+            for i in range(n)]
+
+
+async def through_handle(name: str, xs: list) -> list:
+    handle = serve.get_app_handle(name)
+    return await asyncio.gather(*(handle.infer.remote(x) for x in xs))
+
+
+def test_replicas_run_on_both_nodes_each_node_served_by_exactly_one_engine(app):
+    name, _, engines = app
+    assert engines_of(name) == engines  # one engine per node, named after it
+    assert [owner_status(e)["replicas"] for e in engines] == [REPLICAS_PER_NODE] * 2
+    pids = {supervisor_pid(e) for e in engines}
+    assert len(pids) == 2 and pids <= supervisors()
+
+
+def test_every_answer_through_the_handle_is_its_own_requests(app):
+    name = app[0]
+    xs = [x[0] for x in requests(32)]
+    ys = asyncio.run(through_handle(name, xs))
+    for x, y in zip(xs, ys):
+        np.testing.assert_array_equal(y, x * 2 + 1)
+
+
+def test_every_answer_over_http_is_its_own_requests(app):
+    name, port, _ = app
+    xs = requests(16, k=3)
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda x: post(port, f"/{name}", infer_body(x)), xs))
+    for x, (status, headers, body) in zip(xs, answers):
+        assert status == 200, body
+        out = body["outputs"][0]
+        assert body["model_name"] == name and out["shape"] == [3, *SHAPE]
+        np.testing.assert_array_equal(np.array(out["data"], np.float32).reshape(3, *SHAPE),
+                                      x * 2 + 1)
+
+
+def test_errors_map_to_the_protocols_statuses_and_the_engines_exceptions(app):
+    name, port, _ = app
+    status, _, body = post(port, f"/{name}", json.dumps({"inputs": [
+        {"name": "INPUT", "datatype": "FP32", "shape": [1, 5], "data": [0] * 5}]}).encode())
+    assert status == 400 and "expected shape" in body["error"]
+    with pytest.raises(engine.InvalidInput):
+        asyncio.run(through_handle(name, [np.zeros(5, np.float32)]))
+
+
+def test_a_batch_mixes_the_requests_of_two_replicas_of_a_node(app):
+    name, _, engines = app
+    before = [stats(e)["batch_size_counts"] for e in engines]
+    xs = [x[0] for x in requests(4 * MAX_ONGOING * REPLICAS_PER_NODE)]
+    ys = asyncio.run(through_handle(name, xs))
+    for x, y in zip(xs, ys):
+        np.testing.assert_array_equal(y, x * 2 + 1)
+    for e, seen in zip(engines, before):
+        counts = stats(e)["batch_size_counts"]
+        new = [size for size, n in counts.items() if n > seen.get(size, 0)]
+        # no replica holds more than MAX_ONGOING requests at once
+        assert max(new) > MAX_ONGOING, (e, counts, seen)
+
+
+def test_each_replica_reports_its_node_engines_queue_wait(app):
+    name = app[0]
+    handle = serve.get_app_handle(name)
+    reported = handle.record_autoscaling_stats.remote().result(timeout_s=30)
+    assert set(reported) == {"queue_wait_ms", "predicted_wait_ms"}
+    assert all(isinstance(v, float) and v >= 0 for v in reported.values())
+
+
+def test_a_killed_node_engine_answers_503_then_serves_again_while_the_other_serves_on(app):
+    name, port, (dying, living) = app
+    old_pid = supervisor_pid(dying)
+    os.kill(old_pid, signal.SIGKILL)
+    seen = {"refused": 0, "served_meanwhile": 0, "served_again": 0}
+
+    def burst(start: int) -> None:
+        xs = requests(8, start=start)
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda x: post(port, f"/{name}", infer_body(x)), xs))
+        for x, (status, headers, body) in zip(xs, answers):
+            by = headers["shmbatch-engine"]
+            if status == 503:
+                assert by == dying and "EngineUnavailable" in body["error"], body
+                seen["refused"] += 1
+                continue
+            assert status == 200, body
+            np.testing.assert_array_equal(
+                np.array(body["outputs"][0]["data"], np.float32).reshape(1, *SHAPE), x * 2 + 1)
+            if by == living and seen["refused"] and not seen["served_again"]:
+                seen["served_meanwhile"] += 1
+            if by == dying and seen["refused"]:
+                seen["served_again"] += 1
+
+    starts = iter(range(1000, 10 ** 6, 8))
+    wait_for(lambda: burst(next(starts)) or seen["served_again"],
+             "the killed engine's replicas to serve again", timeout_s=60, every_s=0.01)
+    assert seen["refused"] and seen["served_meanwhile"], seen
+    assert supervisor_pid(dying) != old_pid and owner_status(dying)["restarts"] == 1
+    assert engines_of(name) == sorted([dying, living])
+
+
+def test_nothing_is_left_after_serve_delete_or_serve_shutdown(app):
+    name, _, engines = app
+    other = unique_name("ray")
+    run(other, per_node=1)
+    others = engines_of(other)
+    assert len(others) == 2 and not set(others) & set(engines)
+    within(60, f"serve.delete({name!r})", serve.delete, name)
+    assert engines_of(name) == [] and len(supervisors()) == 2
+    wait_for(lambda: not any(owner_exists(e) for e in engines), "the owners to end",
+             timeout_s=10, every_s=0.05)
+    within(60, "serve.shutdown()", serve.shutdown)
+    assert engines_of(other) == [] and supervisors() == set()
+    wait_for(lambda: not any(owner_exists(e) for e in others), "the owners to end",
+             timeout_s=10, every_s=0.05)
