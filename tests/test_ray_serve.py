@@ -39,9 +39,9 @@ ROOT = pathlib.Path(engine.__file__).resolve().parent.parent
 SHAPE = (4,)
 MAX_ONGOING = 4  # requests a replica takes at once
 REPLICAS_PER_NODE = 2
-KNOBS = dict(backend="engine.backends:synthetic", backend_args={"fixed_ms": 1.0, "per_item_us": 10.0},
-             input_shape=SHAPE, output_shape=SHAPE, max_batch_size=2 * MAX_ONGOING,
-             max_delay_ms=300.0)
+# 2x + 1, but a batch holding a negative value raises (tests/helpers.py)
+KNOBS = dict(backend="helpers:failing", input_shape=SHAPE, output_shape=SHAPE,
+             max_batch_size=2 * MAX_ONGOING, max_delay_ms=300.0)
 SUPERVISOR = "engine.ray.node_engine import _entry"
 
 
@@ -78,7 +78,9 @@ def cluster():
     """Two nodes, each with room for REPLICAS_PER_NODE replicas; Serve's
     HTTP proxy on a free port of the head node."""
     path = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([path] if path else []))
+    # the nodes' workers import engine, and the batchers the tests' backend
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests")] +
+                                               ([path] if path else []))
     slots = {"replica": REPLICAS_PER_NODE + 1}  # room for one more application's replica
     c = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 2, "resources": slots, "include_dashboard": False})
@@ -213,13 +215,30 @@ def test_every_answer_over_http_is_its_own_requests(app):
                                       x * 2 + 1)
 
 
-def test_errors_map_to_the_protocols_statuses_and_the_engines_exceptions(app):
+def test_errors_map_to_the_protocols_statuses_and_to_the_engines_exceptions(app):
     name, port, _ = app
-    status, _, body = post(port, f"/{name}", json.dumps({"inputs": [
-        {"name": "INPUT", "datatype": "FP32", "shape": [1, 5], "data": [0] * 5}]}).encode())
-    assert status == 400 and "expected shape" in body["error"]
+    handle = serve.get_app_handle(name)
+    row = np.ones(SHAPE, np.float32)
+
+    def over_http(rows, **parameters):
+        body = json.loads(infer_body(rows))
+        body["parameters"] = parameters
+        status, _, answer = post(port, f"/{name}", json.dumps(body).encode())
+        return status, answer["error"]
+
+    status, error = over_http(np.ones((1, 5), np.float32))
+    assert status == 400 and "expected shape" in error
     with pytest.raises(engine.InvalidInput):
-        asyncio.run(through_handle(name, [np.zeros(5, np.float32)]))
+        handle.infer.remote(np.ones(5, np.float32)).result(timeout_s=30)
+    assert over_http(-row[None]) == (500, "BackendError: ValueError: negative input")
+    with pytest.raises(engine.BackendError) as raised:
+        handle.infer.remote(-row).result(timeout_s=30)
+    assert (raised.value.exc_type, raised.value.message) == ("ValueError", "negative input")
+    # a lone request waits max_delay_ms for its batch: past a 1 ms timeout
+    status, error = over_http(row[None], timeout=1000)
+    assert (status, error.split(":")[0]) in ((504, "RequestTimeout"), (503, "Overloaded")), error
+    with pytest.raises((engine.RequestTimeout, engine.Overloaded)):
+        handle.infer.remote(row, timeout_s=0.001).result(timeout_s=30)
 
 
 def test_a_batch_mixes_the_requests_of_two_replicas_of_a_node(app):
