@@ -10,7 +10,7 @@ those below it, never up; on one floor, only within its own sub-package
 (tests/test_architecture.py reads this table):
 
     floor 6  engine.cli       the `shmbatch` command (also `python -m engine`)
-    floor 5  engine.tools     bench and tune: the serving runtime never imports them
+    floor 5  engine.tools     bench, tune, manifests, dashboard: the runtime never imports them
     floor 5  engine.ray       Ray Serve replicas sharing one engine per node
     floor 4  engine.http      the HTTP front (Open Inference Protocol) and its workers
     floor 3  engine.serving   the supervisor: batcher processes, restarts, reload, metrics
@@ -21,8 +21,8 @@ those below it, never up; on one floor, only within its own sub-package
 and on floor 1 beside engine.shm, the modules directly in engine/: errors,
 tensors, config, segment (a segment made from a config), spec (what a
 backend is), backends and decoder (the built-in models), launch (child
-processes). This module, the package's face, is above
-them all.
+processes), logfmt (the log's format). This module, the package's face, is
+above them all.
 """
 from engine.client.client import Client as Client
 from engine.errors import BackendError as BackendError
