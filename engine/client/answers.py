@@ -10,7 +10,7 @@ from typing import Optional
 
 import numpy as np
 
-from engine.client import waiting
+from engine.client import tracing, waiting
 from engine.errors import EngineCorrupt, EngineError
 from engine.shm import codes
 
@@ -56,6 +56,19 @@ def chunk_count(seg, slot: int, gen: int) -> int:
 
 def settle_now(seg, slot: int, gen: int, outs: Optional[tuple],
                error: Optional[EngineError] = None):
+    """settle(), by a caller that settles its own request in the context it
+    made it in (infer_async()'s answer that came at once): a settled one's
+    span is recorded here (engine.client.tracing)."""
+    settled, value, failure, stamps = settle(seg, slot, gen, outs, error)
+    if settled:
+        began = tracing.begin()
+        if began is not None:
+            tracing.record(began, seg.name, stamps, failure)
+    return settled, value, failure, stamps
+
+
+def settle(seg, slot: int, gen: int, outs: Optional[tuple],
+           error: Optional[EngineError] = None):
     """A ticket's outcome without waiting: (settled, answer, error, stamps).
     Answered: its answer, in the caller's form, with the request's stamps
     (None with several outputs). Not answered: with error, the request

@@ -27,7 +27,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from engine.client import answers, loops, waiting
+from engine.client import answers, loops, tracing, waiting
 from engine.client.handle import ANSWER, CHUNKS, Handle, Item
 from engine.errors import EngineError
 from engine.shm import codes, ring
@@ -70,6 +70,7 @@ class Request(concurrent.futures.Future):
         # once answered: the engine's (arrival_ns, claim_ns, done_ns) of the request
         # (CLOCK_MONOTONIC): its queue wait is claim - arrival, its batch done - claim
         self.stamps_ns: Optional[Tuple[int, int, int]] = None
+        self._began = tracing.begin()  # the caller's context, for the request's span
 
     def result(self, timeout: Optional[float] = None) -> Any:
         if self._state == _PENDING:
@@ -93,7 +94,10 @@ class Request(concurrent.futures.Future):
             if (self._state != _PENDING
                     or waiting.withdraw(self.seg, self.slot, self.gen, release=False) != codes.OK):
                 return False  # settled, or answered already (its answer is result()'s)
-            return super().cancel()
+            cancelled = super().cancel()
+        if self._began is not None:
+            tracing.record(self._began, self.seg.name, None, concurrent.futures.CancelledError())
+        return cancelled
 
     def add_done_callback(self, fn: Callable[["concurrent.futures.Future[Any]"], object]) -> None:
         super().add_done_callback(fn)
@@ -113,13 +117,13 @@ class Request(concurrent.futures.Future):
             self.client.completer().add(self)
 
     def try_settle(self, error: Optional[EngineError] = None) -> bool:
-        """Settles the future if its request is over (answers.settle_now)."""
+        """Settles the future if its request is over (answers.settle)."""
         # one settler at a time, the asker or the completer: the lock under
         # self._condition, taken without the Condition's Python-level wrapper
         with self.client.futures_lock:
             if self._state != _PENDING:
                 return True
-            settled, value, failure, self.stamps_ns = answers.settle_now(
+            settled, value, failure, self.stamps_ns = answers.settle(
                 self.seg, self.slot, self.gen, self.outs, error)
             if settled and self.client.held.get(self.slot) is self._ref:
                 del self.client.held[self.slot]
@@ -129,7 +133,9 @@ class Request(concurrent.futures.Future):
                 self.set_exception(failure)
             elif settled:
                 self.set_result(value)
-            return settled
+        if settled and self._began is not None:  # outside the lock: an export may be slow
+            tracing.record(self._began, self.seg.name, self.stamps_ns, failure)
+        return settled
 
     def _settle(self, wait_s) -> None:
         """Settles the future, waiting up to wait_s for its answer (None: as
@@ -175,7 +181,7 @@ class _WatchOnAppend(list):
 class Ticket:
     """An infer_async() request, settled into an asyncio future through its
     loop's Inbox: to the completer, an item of kind ANSWER."""
-    __slots__ = ("seg", "slot", "gen", "deadline", "timeout", "future", "inbox")
+    __slots__ = ("seg", "slot", "gen", "deadline", "timeout", "future", "inbox", "began")
     kind = ANSWER
 
     def __init__(self, seg, slot: int, gen: int, deadline: Optional[int],
@@ -183,11 +189,17 @@ class Ticket:
         self.seg, self.slot, self.gen = seg, slot, gen
         self.deadline, self.timeout = deadline, timeout
         self.future, self.inbox = future, inbox
+        self.began = tracing.begin()  # made in the caller's task: its context
 
     def try_settle(self, error: Optional[EngineError] = None) -> bool:
-        settled, value, failure, _ = answers.settle_now(self.seg, self.slot, self.gen, None, error)
+        settled, value, failure, stamps = answers.settle(self.seg, self.slot, self.gen, None,
+                                                         error)
         if settled:  # a closed loop wants nothing
             self.inbox.post(loops.resolve, (self.future, value, failure))
+            if self.began is not None:
+                # withdrawn by its cancelled task: no answer (or an unwanted one) came
+                why = concurrent.futures.CancelledError() if self.future.cancelled() else failure
+                tracing.record(self.began, self.seg.name, stamps, why)
         return settled
 
 

@@ -44,6 +44,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from engine.client import tracing
 from engine.client.client import Client
 from engine.config import EngineConfig
 from engine.errors import (
@@ -201,6 +202,14 @@ class App:
             return await self._lifespan(receive, send)
         if scope["type"] != "http":
             return  # websockets are not served
+        token = tracing.continued(scope["headers"])  # the caller's traceparent, when tracing
+        try:
+            return await self._http(scope, receive, send)
+        finally:
+            if token is not None:
+                tracing.detach(token)
+
+    async def _http(self, scope, receive, send) -> None:
         if self.openai is not None and scope["path"].startswith("/v1/"):
             return await self.openai(scope, receive, send)
         headers = []
