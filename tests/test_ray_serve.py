@@ -54,7 +54,8 @@ def free_port() -> int:
 def replica_app(name: str, per_node: int = REPLICAS_PER_NODE):
     return deployment(name, engine=KNOBS, num_replicas=2 * per_node,
                       ray_actor_options={"num_cpus": 0, "resources": {"replica": 1}},
-                      max_replicas_per_node=per_node, max_ongoing_requests=MAX_ONGOING)
+                      max_replicas_per_node=per_node, max_ongoing_requests=MAX_ONGOING,
+                      health_check_period_s=1.0)
 
 
 def within(timeout_s: float, what: str, fn, *args, **kwargs):
@@ -151,6 +152,14 @@ def owner_status(name: str) -> dict:
     return ray.get(ray.get_actor(actor_name(name), namespace=NAMESPACE).status.remote())
 
 
+def serving_owner(name: str) -> dict:
+    """The status of the node's owner; {} while there is none (or it is ending)."""
+    try:
+        return owner_status(name)
+    except (ValueError, ray.exceptions.RayActorError):
+        return {}
+
+
 def owner_exists(name: str) -> bool:
     try:
         ray.get_actor(actor_name(name), namespace=NAMESPACE)
@@ -213,6 +222,15 @@ def test_every_answer_over_http_is_its_own_requests(app):
         assert body["model_name"] == name and out["shape"] == [3, *SHAPE]
         np.testing.assert_array_equal(np.array(out["data"], np.float32).reshape(3, *SHAPE),
                                       x * 2 + 1)
+
+
+def test_the_route_answers_the_models_metadata_and_readiness(app):
+    name, port, _ = app
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/{name}", timeout=30) as r:
+        metadata = json.loads(r.read())
+    assert metadata["name"] == name and metadata["inputs"][0]["shape"] == [-1, *SHAPE]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/{name}/ready", timeout=30) as r:
+        assert json.loads(r.read()) == {"name": name, "ready": True}
 
 
 def test_errors_map_to_the_protocols_statuses_and_to_the_engines_exceptions(app):
@@ -293,6 +311,22 @@ def test_a_killed_node_engine_answers_503_then_serves_again_while_the_other_serv
     assert seen["refused"] and seen["served_meanwhile"], seen
     assert supervisor_pid(dying) != old_pid and owner_status(dying)["restarts"] == 1
     assert engines_of(name) == sorted([dying, living])
+
+
+def test_a_killed_owner_is_replaced_and_its_nodes_replicas_serve_again(app):
+    name, port, (_, node_engine) = app
+    old_pid = supervisor_pid(node_engine)
+    ray.kill(ray.get_actor(actor_name(node_engine), namespace=NAMESPACE), no_restart=True)
+    # the replicas' health checks attach to a new owner, which starts a new engine
+    wait_for(lambda: serving_owner(node_engine) | {"supervisor_pid": 0} ==
+             {"engine": node_engine, "state": "running", "replicas": REPLICAS_PER_NODE,
+              "supervisor_pid": 0, "restarts": 0},
+             "a new owner serving both replicas", timeout_s=60, every_s=0.1)
+    assert supervisor_pid(node_engine) != old_pid and old_pid not in supervisors()
+    xs = [x[0] for x in requests(16, start=5000)]
+    for x, y in zip(xs, asyncio.run(through_handle(name, xs))):
+        np.testing.assert_array_equal(y, x * 2 + 1)
+    assert len(supervisors()) == 2 and len(engines_of(name)) == 2
 
 
 def test_nothing_is_left_after_serve_delete_or_serve_shutdown(app):

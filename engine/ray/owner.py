@@ -14,6 +14,7 @@ The actor is detached, so that it outlives the replica that created it; it
 ends itself once its engine has stopped with no replica left. A replica that
 finds it ending ("closing") asks again, and creates the next owner.
 """
+import contextlib
 import logging
 import threading
 import time
@@ -23,6 +24,7 @@ import ray
 
 from engine import launch
 import engine.ray.node_engine as node_engine
+from engine.errors import EngineAlreadyRunning
 from engine.segment import remove_if_dead
 from engine.shm import liveness
 
@@ -143,7 +145,7 @@ class NodeOwner:
         fails the replicas waiting for it; a restart is tried again later."""
         self._set(STARTING)
         try:
-            remove_if_dead(self.name)  # a killed supervisor's segment
+            self._remove_leftover()
             proc = node_engine.start(self.name, self.knobs, self.start_timeout_s)
         except Exception as e:
             if self.restarts == 0:
@@ -153,6 +155,19 @@ class NodeOwner:
             return False
         self._set(RUNNING, proc=proc)
         return True
+
+    def _remove_leftover(self) -> None:
+        """Removes a dead supervisor's segment; waits (bounded) for one that
+        still drains: a previous owner's, killed with its actor."""
+        deadline = time.monotonic() + self.stop_timeout_s
+        while True:
+            try:
+                remove_if_dead(self.name)
+                return
+            except EngineAlreadyRunning:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(POLL_S)
 
     def _stop(self) -> None:
         proc, self.proc = self.proc, None
@@ -186,16 +201,13 @@ class NodeOwner:
                 setattr(self, attr, value)
             self.cond.notify_all()
 
+    @contextlib.contextmanager
     def _call(self):
-        owner = self
-
-        class Call:
-            def __enter__(self):
-                owner.cond.acquire()
-                owner.calls += 1
-
-            def __exit__(self, *exc):
-                owner.calls -= 1
-                owner.cond.notify_all()
-                owner.cond.release()
-        return Call()
+        """Holds the lock for a replica's call (waits release it), counted."""
+        with self.cond:
+            self.calls += 1
+            try:
+                yield
+            finally:
+                self.calls -= 1
+                self.cond.notify_all()
