@@ -2,7 +2,7 @@
 
     python bench/http_worker_cpu.py [--tree DIR] [--streams 1,16,64] [--chunks 200]
                                     [--step-ms 2] [--seconds 5] [--infers 4000]
-                                    [--concurrency 1,16] [--repeat 3]
+                                    [--concurrency 1,16] [--repeat 3] [--floor]
 
 `shmbatch serve --config` with one HTTP worker and two engines: an iterative
 counting model (a request (start, n) answers start, start + 1, ... n chunks,
@@ -17,7 +17,10 @@ uvicorn's ticks, the client's threads), divided by the chunks or requests;
 the median of --repeat runs. How many streams share a wake of the worker
 (one per engine step) sets the cost of a chunk: each row says its rate.
 --tree: another source tree of shmbatch (its engine/_ringc built), e.g. a
-worktree of an earlier commit.
+worktree of an earlier commit. --floor: also the same infer rows against
+uvicorn (httptools, one worker) running a minimal ASGI app that answers an
+infer by echoing its input (json.loads, json.dumps; no engine): the cost of
+uvicorn and a JSON round trip alone, measured the same way.
 """
 import argparse
 import asyncio
@@ -25,6 +28,7 @@ import json
 import os
 import pathlib
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -63,6 +67,58 @@ class Counting:
     def leave(self, ids) -> None:
         for i in ids.tolist():
             self.state.pop(i, None)
+
+
+async def echo(scope, receive, send) -> None:
+    """The --floor app: an infer answered with its own input, as the engine's identity would."""
+    if scope["type"] != "http":
+        return
+    body, more = b"", True
+    while more:
+        message = await receive()
+        body, more = body + message.get("body", b""), message.get("more_body", False)
+    x = json.loads(body)["inputs"][0]
+    out = json.dumps({"model_name": "echo", "model_version": "1", "outputs": [
+        {"name": "OUTPUT", "datatype": x["datatype"], "shape": x["shape"], "data": x["data"]}]},
+        separators=(",", ":")).encode()
+    await send({"type": "http.response.start", "status": 200, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(out)).encode())]})
+    await send({"type": "http.response.body", "body": out})
+
+
+def floor_rows(args, env: dict) -> None:
+    """The infer rows against uvicorn serving echo()."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "uvicorn", "http_worker_cpu:echo",
+                               "--app-dir", str(HERE), "--port", str(port), "--http",
+                               "httptools", "--log-level", "warning", "--no-access-log"],
+                              env=env, cwd="/tmp")
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise RuntimeError("uvicorn (--floor) did not start")
+                time.sleep(0.05)
+        worker = psutil.Process(server.pid)
+        asyncio.run(infers(("127.0.0.1", port), "echo", 4, 400))
+        began = threads_cpu_s(worker.pid)
+        time.sleep(IDLE_S)
+        idle_per_s = (threads_cpu_s(worker.pid) - began) / IDLE_S
+        print(f"floor: uvicorn + a minimal JSON echo app, pid {worker.pid}, idle "
+              f"{idle_per_s * 1e6:,.0f} µs of CPU a second (subtracted):")
+        for count in (int(c) for c in args.concurrency.split(",")):
+            print(f"  infer, one row, {count:3d} connections, per request: " + rows(
+                worker, idle_per_s, args.repeat,
+                lambda: asyncio.run(infers(("127.0.0.1", port), "echo", count, args.infers))))
+    finally:
+        server.terminate()
+        server.wait(60)
 
 
 def counting(step_ms: float = 2.0) -> Counting:
@@ -201,6 +257,7 @@ def main() -> int:
     p.add_argument("--infers", type=int, default=4000, help="requests per infer row")
     p.add_argument("--concurrency", default="1,16", help="infer connections, per row")
     p.add_argument("--repeat", type=int, default=3, help="runs of each row (the median shown)")
+    p.add_argument("--floor", action="store_true", help="also uvicorn with a minimal echo app")
     args = p.parse_args()
     tree = args.tree.resolve()
     env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{HERE}"}
@@ -212,10 +269,13 @@ def main() -> int:
                                   "--http-port", "0", "--log-level", "WARNING"],
                                  stdout=subprocess.PIPE, text=True, env=env, cwd=folder)
         try:
-            return run(args, tree, serve, gen, one)
+            code = run(args, tree, serve, gen, one)
         finally:
             serve.terminate()
             serve.wait(60)
+    if args.floor:
+        floor_rows(args, env)
+    return code
 
 
 def run(args, tree, serve, gen: str, one: str) -> int:
