@@ -11,6 +11,8 @@ import traceback
 import numpy as np
 import pytest
 from conftest import wait_for
+from iterative_helpers import scripted
+from step_models import FAIL_STEP, chunks, request
 
 import engine
 from engine.client import tracing
@@ -131,15 +133,44 @@ def _client_infer(tracer, spans, name):
     return {"answer": answer, "spans": spans(1)}
 
 
-def _http_infer(tracer, spans, name, headers):
+def _stream_under_a_span(tracer, spans, name, x, leave_after):
+    got = []
+    with engine.Client(name) as c, tracer.start_as_current_span("caller"):
+        stream = c.stream(x, timeout=30)
+        try:
+            for chunk in stream:
+                got.append(int(chunk))
+                if len(got) == leave_after:
+                    break
+        except engine.EngineError as e:
+            got.append(type(e).__name__)
+        stream.close()
+    return {"chunks": got, "spans": spans(1)}
+
+
+def _async_stream_per_task(tracer, spans, name, tags):
+    async def one(c, tag):
+        with tracer.start_as_current_span(f"task{tag}"):
+            return [int(chunk) async for chunk in c.stream_async(request(tag, tag), timeout=30)]
+
+    async def main():
+        with engine.Client(name) as c:
+            return await asyncio.gather(*(one(c, tag) for tag in tags))
+    return {"chunks": asyncio.run(main()), "spans": spans(len(tags))}
+
+
+INFER_BODY = {"inputs": [{"name": "INPUT", "datatype": "FP32", "shape": [1, 4],
+                          "data": X.tolist()}]}
+
+
+def _http_post(tracer, spans, name, route, body, headers):
     from engine.http.openinference import App
     from engine.segment import Segment
     seg = Segment.attach(name)
     config = seg.config
     seg.close()
-    body = json.dumps({"inputs": [{"name": "INPUT", "datatype": "FP32", "shape": [1, 4],
-                                   "data": X.tolist()}]}).encode()
-    scope = {"type": "http", "method": "POST", "path": f"/v2/models/{name}/infer",
+    body = json.dumps(body).encode()
+    scope = {"type": "http", "method": "POST", "path": f"/v2/models/{name}/{route}",
              "headers": [(b"content-length", str(len(body)).encode()),
                          (b"content-type", b"application/json"), *headers]}
     app = App({name: config}, 30.0)
@@ -240,7 +271,7 @@ def test_a_blocking_infer_records_under_the_callers_span(make_engine, fork_ctx):
 
 def test_an_http_infer_continues_the_callers_traceparent(make_engine, fork_ctx):
     eng = make_engine("http", input_shape=(4,), output_shape=(4,))
-    facts = traced(fork_ctx, _http_infer, eng.name, [(b"traceparent", TRACEPARENT.encode())])
+    facts = traced(fork_ctx, _http_post, eng.name, "infer", INFER_BODY, [(b"traceparent", TRACEPARENT.encode())])
     assert facts["status"] == 200
     assert facts["body"]["outputs"][0]["data"] == (X * 2 + 1).tolist()
     span = only_request(facts["spans"])
@@ -251,7 +282,7 @@ def test_an_http_infer_continues_the_callers_traceparent(make_engine, fork_ctx):
 
 def test_an_http_infer_without_traceparent_starts_its_own_trace(make_engine, fork_ctx):
     eng = make_engine("http-root", input_shape=(4,), output_shape=(4,))
-    facts = traced(fork_ctx, _http_infer, eng.name, [])
+    facts = traced(fork_ctx, _http_post, eng.name, "infer", INFER_BODY, [])
     assert facts["status"] == 200
     span = only_request(facts["spans"])
     assert span["parent"] is None and span["trace_id"] != 0
@@ -274,3 +305,49 @@ def test_without_a_provider_requests_record_nothing(make_engine):
         assert asyncio.run(c.infer_async(X + 2, timeout=30)).tolist() == \
             ((X + 2) * 2 + 1).tolist()
     assert [s.name for s in exporter.get_finished_spans()] == ["caller"]
+
+
+def test_a_stream_records_one_span_from_its_start_to_its_last_chunk(make_engine, fork_ctx, log):
+    eng = scripted(make_engine, "stream", log)
+    facts = traced(fork_ctx, _stream_under_a_span, eng.name, request(7, 5), 0)
+    assert facts["chunks"] == chunks(7, 5)
+    span = only_request(facts["spans"])
+    assert span["parent"] == by_name(facts["spans"], "caller")["span_id"]
+    assert span["attributes"]["shmbatch.outcome"] == "ok" and span["status"] == "UNSET"
+    assert span["start_ns"] <= span["end_ns"]
+
+
+def test_a_stream_left_early_records_a_cancelled_span(make_engine, fork_ctx, log):
+    eng = scripted(make_engine, "stream-left", log)
+    facts = traced(fork_ctx, _stream_under_a_span, eng.name, request(3, 20), 2)
+    assert facts["chunks"] == chunks(3, 20)[:2]
+    span = only_request(facts["spans"])
+    assert span["attributes"]["shmbatch.outcome"] == "CancelledError"
+
+
+def test_a_failed_stream_records_an_error_span(make_engine, fork_ctx, log):
+    eng = scripted(make_engine, "stream-fail", log)
+    facts = traced(fork_ctx, _stream_under_a_span, eng.name, request(4, 9, FAIL_STEP, 3), 0)
+    assert facts["chunks"] == chunks(4, 9)[:3] + ["BackendError"]
+    span = only_request(facts["spans"])
+    assert span["status"] == "ERROR" and span["attributes"]["shmbatch.outcome"] == "BackendError"
+
+
+def test_async_streams_record_under_their_own_tasks_spans(make_engine, fork_ctx, log):
+    eng = scripted(make_engine, "stream-async", log)
+    facts = traced(fork_ctx, _async_stream_per_task, eng.name, [2, 3, 4])
+    assert facts["chunks"] == [chunks(tag, tag) for tag in (2, 3, 4)]
+    spans = facts["spans"]
+    requests = [s for s in spans if s["name"] == SPAN]
+    tasks = {by_name(spans, f"task{tag}")["span_id"] for tag in (2, 3, 4)}
+    assert sorted(s["parent"] for s in requests) == sorted(tasks)
+
+
+def test_an_http_generate_continues_the_callers_traceparent(make_engine, fork_ctx, log):
+    eng = scripted(make_engine, "generate", log)
+    facts = traced(fork_ctx, _http_post, eng.name, "generate", {"INPUT": request(5, 3).tolist()},
+                   [(b"traceparent", TRACEPARENT.encode())])
+    assert facts["status"] == 200 and facts["body"]["OUTPUT"] == chunks(5, 3)
+    span = only_request(facts["spans"])
+    _, trace_id, parent_id, _ = TRACEPARENT.split("-")
+    assert span["trace_id"] == int(trace_id, 16) and span["parent"] == int(parent_id, 16)

@@ -17,10 +17,11 @@ A stream sees its client as a handle.Handle; an AsyncStream is, to the
 client's completion thread, a handle.Item of kind CHUNKS.
 """
 import asyncio
+import concurrent.futures
 import os
 from typing import Any, Callable, Optional
 
-from engine.client import loops, waiting
+from engine.client import loops, tracing, waiting
 from engine.client.handle import CHUNKS, Handle
 from engine.errors import EngineError
 from engine.shm import codes, ring
@@ -44,6 +45,7 @@ class Stream:
         self._settled = False  # the slot is answered or failed: its count is final
         self._open = True     # the slot is still this stream's to release
         self._pid = os.getpid()
+        self._began = tracing.begin()  # the caller's context, for the request's span
 
     def __iter__(self) -> "Stream":
         return self
@@ -70,7 +72,7 @@ class Stream:
         """Withdraws the request unless its answer has ended (idempotent)."""
         if not self._open:
             return
-        self._open = False
+        self._ended(concurrent.futures.CancelledError())
         waiting.withdraw(self.seg, self.slot, self.gen)  # settled meanwhile: freed
 
     def __enter__(self) -> "Stream":
@@ -105,8 +107,17 @@ class Stream:
         self._open = False
         if code == codes.OK:
             self.seg.ring.release_slot(self.slot, self.gen)
+            self._ended(None)
             raise StopIteration
-        raise waiting.failed(self.seg, self.slot, self.gen, code)
+        raise self._ended(waiting.failed(self.seg, self.slot, self.gen, code))
+
+    def _ended(self, error: Optional[BaseException]) -> Any:
+        """The stream is over (answered, failed, or withdrawn: error), no
+        longer open; its span recorded. Returns error."""
+        self._open = False
+        if self._began is not None:
+            tracing.record(self._began, self.seg.name, None, error)
+        return error
 
     def _chunk(self, k: int) -> Any:
         return self.seg.config.answer(tuple(region[self.slot, k, ...].copy()
@@ -130,14 +141,13 @@ class Stream:
                 self._word = word
             return
         self._open = False
-        raise waiting.failed(self.seg, self.slot, self.gen, code)
+        raise self._ended(waiting.failed(self.seg, self.slot, self.gen, code))
 
     def _give_up(self, error) -> None:
         """Withdraws the request and raises error, unless it was answered that
         instant (then the rest of its chunks are read as usual)."""
         if waiting.give_up(self.seg, self.slot, self.gen, error) is not None:
-            self._open = False
-            raise error
+            raise self._ended(error)
         self._settled = True
         code, word = self.seg.ring.wait_chunks(self.slot, self.gen, self._word, 0)
         self._read_word(code, word)
