@@ -1,7 +1,11 @@
 """KServe's own Python client (`kserve.InferenceRESTClient`, protocol v2) against
 `shmbatch serve --http-port`: live, ready, the model's metadata (in KServe's own
 data model: its REST client has no call for it), and infers in JSON and in
-binary tensor data, each answer checked against its own request."""
+binary tensor data, each answer checked against its own request.
+
+kserve is not in the test extra: kserve 0.21 declares protobuf < 7 and psutil < 6, and
+ray[serve]'s grpcio-reflection needs protobuf >= 7.35, so pip cannot resolve both into
+one environment; these tests run where kserve is installed (`pip install kserve`)."""
 import asyncio
 
 import httpx
