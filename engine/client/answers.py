@@ -6,11 +6,13 @@ waits for the answer, copies each output's row, then frees the slot. Inside
 the engine an answer is its outputs in spec order; the caller gets the
 engine's form (config.answer): one array, or a dict of named arrays.
 """
+import sys
 from typing import Optional
 
 import numpy as np
 
 from engine.client import tracing, waiting
+from engine.client.tracing import TRACE_MODULE
 from engine.errors import EngineCorrupt, EngineError
 from engine.shm import codes
 
@@ -60,7 +62,7 @@ def settle_now(seg, slot: int, gen: int, outs: Optional[tuple],
     made it in (infer_async()'s answer that came at once): a settled one's
     span is recorded here (engine.client.tracing)."""
     settled, value, failure, stamps = settle(seg, slot, gen, outs, error)
-    if settled:
+    if settled and TRACE_MODULE in sys.modules:
         began = tracing.begin()
         if began is not None:
             tracing.record(began, seg.name, stamps, failure)

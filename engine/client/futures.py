@@ -21,6 +21,7 @@ import concurrent.futures
 import itertools
 import logging
 import os
+import sys
 import threading
 import weakref
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
@@ -29,6 +30,7 @@ import numpy as np
 
 from engine.client import answers, loops, tracing, waiting
 from engine.client.handle import ANSWER, CHUNKS, Handle, Item
+from engine.client.tracing import TRACE_MODULE
 from engine.errors import EngineError
 from engine.shm import codes, ring
 
@@ -70,7 +72,8 @@ class Request(concurrent.futures.Future):
         # once answered: the engine's (arrival_ns, claim_ns, done_ns) of the request
         # (CLOCK_MONOTONIC): its queue wait is claim - arrival, its batch done - claim
         self.stamps_ns: Optional[Tuple[int, int, int]] = None
-        self._began = tracing.begin()  # the caller's context, for the request's span
+        # the caller's context, for the request's span (engine.client.tracing)
+        self._began = tracing.begin() if TRACE_MODULE in sys.modules else None
 
     def result(self, timeout: Optional[float] = None) -> Any:
         if self._state == _PENDING:
@@ -189,7 +192,8 @@ class Ticket:
         self.seg, self.slot, self.gen = seg, slot, gen
         self.deadline, self.timeout = deadline, timeout
         self.future, self.inbox = future, inbox
-        self.began = tracing.begin()  # made in the caller's task: its context
+        # made in the caller's task: its context
+        self.began = tracing.begin() if TRACE_MODULE in sys.modules else None
 
     def try_settle(self, error: Optional[EngineError] = None) -> bool:
         settled, value, failure, stamps = answers.settle(self.seg, self.slot, self.gen, None,

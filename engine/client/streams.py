@@ -19,10 +19,12 @@ client's completion thread, a handle.Item of kind CHUNKS.
 import asyncio
 import concurrent.futures
 import os
+import sys
 from typing import Any, Callable, Optional
 
 from engine.client import loops, tracing, waiting
 from engine.client.handle import CHUNKS, Handle
+from engine.client.tracing import TRACE_MODULE
 from engine.errors import EngineError
 from engine.shm import codes, ring
 
@@ -45,7 +47,8 @@ class Stream:
         self._settled = False  # the slot is answered or failed: its count is final
         self._open = True     # the slot is still this stream's to release
         self._pid = os.getpid()
-        self._began = tracing.begin()  # the caller's context, for the request's span
+        # the caller's context, for the request's span (engine.client.tracing)
+        self._began = tracing.begin() if TRACE_MODULE in sys.modules else None
 
     def __iter__(self) -> "Stream":
         return self

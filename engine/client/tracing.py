@@ -19,9 +19,11 @@ handed the request over and has no queue wait or service time.
 shmbatch.batch_size is not recorded: a request's slot does not keep how
 many requests its batch held.
 
-Without a provider a request pays one check (context()): a lookup of
-opentelemetry.trace in sys.modules, never imported here (a process that set
-a provider has imported it), and a read of its provider global.
+Without a provider a request pays one check: `TRACE_MODULE in sys.modules`,
+made where the request is (no call): opentelemetry.trace is never imported
+here, and a process that set a provider has imported it. Only once it is
+imported does a request call begin() (or context()), which reads its
+provider global.
 """
 import logging
 import sys
@@ -33,7 +35,7 @@ from engine.shm import ring
 log = logging.getLogger("shmbatch")
 
 SPAN_NAME = "shmbatch.request"
-_TRACE_MODULE = "opentelemetry.trace"
+TRACE_MODULE = "opentelemetry.trace"
 _modules = sys.modules
 
 # (the provider, its tracer and the API's names), made at the first span
@@ -46,8 +48,8 @@ Began = Tuple[Any, int]
 
 def context() -> Any:
     """The caller's current OpenTelemetry context if a tracer provider is
-    set, else None: the one check each request pays."""
-    ot = _modules.get(_TRACE_MODULE)
+    set, else None."""
+    ot = _modules.get(TRACE_MODULE)
     if ot is None or getattr(ot, "_TRACER_PROVIDER", None) is None:
         return None
     return _modules["opentelemetry.context"].get_current()
@@ -56,8 +58,10 @@ def context() -> Any:
 def begin() -> Optional[Began]:
     """(the caller's context, now) for a request handed over now; None
     without a provider."""
-    parent = context()
-    return None if parent is None else (parent, ring.now_ns())
+    ot = _modules.get(TRACE_MODULE)  # context()'s body: one call, not two
+    if ot is None or getattr(ot, "_TRACER_PROVIDER", None) is None:
+        return None
+    return _modules["opentelemetry.context"].get_current(), ring.now_ns()
 
 
 def record(began: Began, engine: str, stamps: Optional[tuple] = None,
