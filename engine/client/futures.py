@@ -51,6 +51,7 @@ class Request(concurrent.futures.Future):
     docstring). A Future dropped while its request is pending gives its slot
     back. To the completer, an item of kind ANSWER."""
     kind = ANSWER
+    _began: Optional[tracing.Began] = None  # the caller's context, for the request's span
     _waiter_list: Optional["_WatchOnAppend"]
     _done_callbacks: List[Callable[..., object]]
 
@@ -72,8 +73,8 @@ class Request(concurrent.futures.Future):
         # once answered: the engine's (arrival_ns, claim_ns, done_ns) of the request
         # (CLOCK_MONOTONIC): its queue wait is claim - arrival, its batch done - claim
         self.stamps_ns: Optional[Tuple[int, int, int]] = None
-        # the caller's context, for the request's span (engine.client.tracing)
-        self._began = tracing.begin() if TRACE_MODULE in sys.modules else None
+        if TRACE_MODULE in sys.modules:  # a tracer provider may be set (engine.client.tracing)
+            self._began = tracing.begin()
 
     def result(self, timeout: Optional[float] = None) -> Any:
         if self._state == _PENDING:

@@ -49,8 +49,10 @@ Began = Tuple[Any, int]
 def context() -> Any:
     """The caller's current OpenTelemetry context if a tracer provider is
     set, else None."""
-    ot = _modules.get(TRACE_MODULE)
-    if ot is None or getattr(ot, "_TRACER_PROVIDER", None) is None:
+    try:  # the provider global set_tracer_provider() writes; no builtin call
+        if _modules[TRACE_MODULE]._TRACER_PROVIDER is None:
+            return None
+    except (KeyError, AttributeError):  # not imported, or an API without that global
         return None
     return _modules["opentelemetry.context"].get_current()
 
@@ -58,8 +60,10 @@ def context() -> Any:
 def begin() -> Optional[Began]:
     """(the caller's context, now) for a request handed over now; None
     without a provider."""
-    ot = _modules.get(TRACE_MODULE)  # context()'s body: one call, not two
-    if ot is None or getattr(ot, "_TRACER_PROVIDER", None) is None:
+    try:  # context()'s body: one call, not two
+        if _modules[TRACE_MODULE]._TRACER_PROVIDER is None:
+            return None
+    except (KeyError, AttributeError):
         return None
     return _modules["opentelemetry.context"].get_current(), ring.now_ns()
 
