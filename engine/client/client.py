@@ -32,13 +32,15 @@ import asyncio
 import concurrent.futures
 import functools
 import os
+import sys
 import threading
 import weakref
 from typing import Any, AsyncIterator, Dict, Iterator, Optional, Tuple, TypeVar
 
 import numpy as np
 
-from engine.client import answers, bulk, futures, loops, retrying, room, rows, streams, waiting
+from engine.client import (answers, bulk, futures, retrying, room, rows, streams, traced, tracing,
+                           waiting)
 from engine.client.attach import attach
 from engine.client.lent import SlotRequest
 from engine.errors import EngineError, EngineUnavailable, InvalidInput, Overloaded, QueueFull
@@ -114,6 +116,8 @@ class Client:
         timeout is also the request's deadline inside the engine; priority 0
         is the most urgent. An iterative engine's answer is its chunks
         stacked, (steps, *chunk_shape), at most max_steps of them."""
+        if tracing.TRACE_MODULE in sys.modules and (parent := tracing.context()) is not None:
+            return traced.infer(self, parent, x, timeout, priority, max_steps, out)  # its span
         if self._retry is not None:
             return self._retry.infer(self, x, timeout, priority, max_steps, out)
         deadline = waiting.deadline_ns(timeout)
@@ -141,22 +145,8 @@ class Client:
         if self._retry is not None:
             return await self._retry.infer_async(self, x, timeout, priority, max_steps)
         deadline = waiting.deadline_ns(timeout)
-        loop = asyncio.get_running_loop()
         seg, slot, gen, _ = self._enqueue(x, deadline, priority, max_steps)
-        # a fast engine may have answered already (publishing woke its batcher)
-        settled, value, error, _ = answers.settle_now(seg, slot, gen, None)
-        if settled:
-            if error is not None:
-                raise error
-            return value
-        future: "asyncio.Future[Tensors]" = loop.create_future()
-        self.completer().add(futures.Ticket(seg, slot, gen, deadline, timeout, future,
-                                            loops.inbox(loop)))
-        try:
-            return await future
-        except asyncio.CancelledError:
-            waiting.withdraw(seg, slot, gen)  # answered meanwhile: its slot freed
-            raise
+        return await futures.answer_of(self.completer(), seg, slot, gen, deadline, timeout)
 
     def stream(self, x: Tensors, timeout: Optional[float] = 1.0, *, priority: int = 0,
                max_steps: Optional[int] = None) -> Iterator[Tensors]:

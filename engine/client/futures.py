@@ -16,6 +16,7 @@ Each class here sees its client as a handle.Handle, and the completer
 sees its requests as handle.Item (this module does not import client.py,
 which imports it).
 """
+import asyncio
 import collections
 import concurrent.futures
 import itertools
@@ -206,6 +207,26 @@ class Ticket:
                 why = concurrent.futures.CancelledError() if self.future.cancelled() else failure
                 tracing.record(self.began, self.seg.name, stamps, why)
         return settled
+
+
+async def answer_of(completer: "Completer", seg, slot: int, gen: int, deadline: Optional[int],
+                    timeout: Optional[float]) -> Any:
+    """The answer of an enqueued request, awaited: at once if its engine
+    answered already (publishing woke its batcher), else through a Ticket the
+    completion thread settles. Cancelled, the request is withdrawn."""
+    settled, value, error, _ = answers.settle_now(seg, slot, gen, None)
+    if settled:
+        if error is not None:
+            raise error
+        return value
+    loop = asyncio.get_running_loop()
+    future: "asyncio.Future[Any]" = loop.create_future()
+    completer.add(Ticket(seg, slot, gen, deadline, timeout, future, loops.inbox(loop)))
+    try:
+        return await future
+    except asyncio.CancelledError:
+        waiting.withdraw(seg, slot, gen)  # answered meanwhile: its slot freed
+        raise
 
 
 class Completer(threading.Thread):

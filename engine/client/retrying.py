@@ -31,7 +31,7 @@ import time
 import weakref
 from typing import Any, Optional, Protocol
 
-from engine.client import answers, futures, loops, waiting
+from engine.client import futures, waiting
 from engine.client.handle import Handle
 from engine.errors import QueueFull, RequestTimeout
 from engine.shm import ring
@@ -162,22 +162,9 @@ class Retrying:
 
 async def _answer_async(client: Sender, x, deadline: Optional[int], timeout: Optional[float],
                         priority: int, max_steps: Optional[int]) -> Any:
-    """One attempt of infer_async(): Client.infer_async's body, after its deadline."""
-    loop = asyncio.get_running_loop()
+    """One attempt of infer_async(), after its deadline."""
     seg, slot, gen, _ = client._enqueue(x, deadline, priority, max_steps)
-    settled, value, error, _ = answers.settle_now(seg, slot, gen, None)
-    if settled:
-        if error is not None:
-            raise error
-        return value
-    future: "asyncio.Future[Any]" = loop.create_future()
-    client.completer().add(futures.Ticket(seg, slot, gen, deadline, timeout, future,
-                                          loops.inbox(loop)))
-    try:
-        return await future
-    except asyncio.CancelledError:
-        waiting.withdraw(seg, slot, gen)  # answered meanwhile: its slot freed
-        raise
+    return await futures.answer_of(client.completer(), seg, slot, gen, deadline, timeout)
 
 
 def _after_fork_in_child() -> None:
