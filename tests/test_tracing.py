@@ -257,9 +257,6 @@ def test_traced_infer_takes_the_answer_with_the_engines_stamps(make_engine, fork
     assert span["attributes"]["shmbatch.queue_wait_ms"] >= 0
 
 
-@pytest.mark.skipif(not hasattr(__import__("engine.client.client").client.client, "tracing"),
-                    reason="Client.infer's tracing hook (issue 31 item 3's report) is not in "
-                           "engine/client/client.py yet")
 def test_a_blocking_infer_records_under_the_callers_span(make_engine, fork_ctx):
     eng = make_engine("blocking", input_shape=(4,), output_shape=(4,))
     facts = traced(fork_ctx, _client_infer, eng.name)
