@@ -8,12 +8,12 @@ ray[serve]'s grpcio-reflection needs protobuf >= 7.35, so pip cannot resolve bot
 one environment; these tests run where kserve is installed (`pip install kserve`)."""
 import asyncio
 
-import httpx
 import numpy as np
 import pytest
 
 pytest.importorskip("uvicorn")
 kserve = pytest.importorskip("kserve")
+import httpx  # noqa: E402  (kserve's client is built on it)
 from kserve.protocol.rest.v2_datamodels import ModelMetadataResponse  # noqa: E402
 
 from conftest import unique_name  # noqa: E402
