@@ -176,13 +176,17 @@ def _http_post(tracer, spans, name, route, body, headers):
     app = App({name: config}, 30.0)
     sent = []
 
-    async def receive():
-        return {"type": "http.request", "body": body, "more_body": False}
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive():  # as a server's: the body, then nothing until the caller leaves
+        if messages:
+            return messages.pop()
+        await asyncio.Event().wait()
 
     async def send(message):
         sent.append(message)
     try:
-        asyncio.run(app(scope, receive, send))
+        asyncio.run(asyncio.wait_for(app(scope, receive, send), 60))
     finally:
         app.close()
     from opentelemetry import trace
