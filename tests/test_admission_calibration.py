@@ -124,6 +124,7 @@ def test_a_correction_read_from_the_segment_is_bounded():
 
 
 def test_the_log_says_what_admission_refused_at_most_once_a_period(caplog):
+    from engine import logfmt
     from engine.serving import admission_log
     with raw_segment("log", queue_capacity=8, max_batch_size=8) as seg:
         r = seg.ring
@@ -134,6 +135,7 @@ def test_the_log_says_what_admission_refused_at_most_once_a_period(caplog):
         with caplog.at_level("WARNING", logger="shmbatch"):
             line = said.tick(admission_log.PERIOD_NS)
         assert "admission refused 7 of 100 requests" in line and line in caplog.text
+        assert logfmt.engine_of(caplog.records[-1]) == "log"  # a JSON log's engine field
         assert said.tick(3 * admission_log.PERIOD_NS) is None  # nothing refused since
 
 

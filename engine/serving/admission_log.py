@@ -46,5 +46,5 @@ class AdmissionLog:
                      f"{predicted_ns / compared / 1e6:.1f} ms and seen {seen_ns / compared / 1e6:.1f}"
                      f" ms on average, {100 * late / compared:.0f} % longer than predicted")
         line += f"; predictions are corrected x{scale:.2f} by the waits seen"
-        log.warning(line)
+        log.warning("%s", line, extra={"engine": self.name})  # a JSON log's engine field
         return line
