@@ -107,9 +107,7 @@ def floor_rows(args, env: dict) -> None:
                 time.sleep(0.05)
         worker = psutil.Process(server.pid)
         asyncio.run(infers(("127.0.0.1", port), "echo", 4, 400))
-        began = threads_cpu_s(worker.pid)
-        time.sleep(IDLE_S)
-        idle_per_s = (threads_cpu_s(worker.pid) - began) / IDLE_S
+        idle_per_s = idle_rate(worker.pid)
         print(f"floor: uvicorn + a minimal JSON echo app, pid {worker.pid}, idle "
               f"{idle_per_s * 1e6:,.0f} µs of CPU a second (subtracted):")
         for count in (int(c) for c in args.concurrency.split(",")):
@@ -226,6 +224,13 @@ def threads_cpu_s(pid: int) -> float:
     return total / 1e9
 
 
+def idle_rate(pid: int) -> float:
+    """CPU seconds a second the process spends with nothing asked of it (over IDLE_S)."""
+    began = threads_cpu_s(pid)
+    time.sleep(IDLE_S)
+    return (threads_cpu_s(pid) - began) / IDLE_S
+
+
 def measure(worker, idle_per_s: float, run) -> tuple:
     """(µs of the worker's CPU per unit net of idle, of it in user and system
     mode, units, seconds) of run()."""
@@ -291,9 +296,7 @@ def run(args, tree, serve, gen: str, one: str) -> int:
     # warm: both paths once, then the idle rate (uvicorn's ticks, the client's threads)
     asyncio.run(streams(address, gen, 2, 20, time.monotonic() + 0.5))
     asyncio.run(infers(address, one, 4, 400))
-    began = threads_cpu_s(worker.pid)
-    time.sleep(IDLE_S)
-    idle_per_s = (threads_cpu_s(worker.pid) - began) / IDLE_S
+    idle_per_s = idle_rate(worker.pid)
     print(f"{tree}: HTTP worker pid {worker.pid}, idle {idle_per_s * 1e6:,.0f} µs of CPU a "
           f"second (subtracted); µs of its CPU per unit, median of {args.repeat}:")
     for count in (int(c) for c in args.streams.split(",")):
