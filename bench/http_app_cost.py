@@ -29,8 +29,11 @@ WARM = 200
 def calls(name: str, n: int) -> None:
     """In the measured process: WARM, then n requests through the app."""
     try:
-        from engine.http.openinference import App
         from engine.segment import Segment
+        try:
+            from engine.http.front import Front as App
+        except ImportError:  # a tree from before the HTTP front's families
+            from engine.http.openinference import App
     except ImportError:  # a tree from before the package's sub-packages
         from engine.layout import Segment
         from engine.openinference import App

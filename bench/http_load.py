@@ -57,7 +57,7 @@ def serve(name: str, workers: int, tree: pathlib.Path):
         if "ready" in line:
             url = re.search(r"http://(\S+)$", line.strip()).group(1)
             workers_now = [p for p in psutil.Process(proc.pid).children()
-                           if "engine.http.workers" in " ".join(p.cmdline())]
+                           if "engine.http.worker" in " ".join(p.cmdline())]
             return proc, url, workers_now
     raise TimeoutError("serve not ready within 120 s")
 

@@ -292,7 +292,7 @@ def run(args, tree, serve, gen: str, one: str) -> int:
     host, port = re.search(r"http://(\S+)$", line.strip()).group(1).rsplit(":", 1)
     address = (host, int(port))
     worker = next(c for c in psutil.Process(serve.pid).children(recursive=True)
-                  if "engine.http.workers" in " ".join(c.cmdline()))
+                  if "engine.http.worker" in " ".join(c.cmdline()))
     # warm: both paths once, then the idle rate (uvicorn's ticks, the client's threads)
     asyncio.run(streams(address, gen, 2, 20, time.monotonic() + 0.5))
     asyncio.run(infers(address, one, 4, 400))

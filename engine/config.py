@@ -9,7 +9,7 @@ the engine's own process needs (the backend, CPUs and GPUs, timeouts).
 import dataclasses
 import json
 import re
-from typing import Optional, Tuple
+from typing import TYPE_CHECKING, ClassVar, Optional, Tuple
 
 import numpy as np
 
@@ -69,6 +69,9 @@ class EngineConfig:
                           "holds")
     warmup: bool = knob(False, "bool", "before ready (and a reload's switch), each batcher calls "
                         "its model on zeros at every batch size and length bucket")
+    if TYPE_CHECKING:  # derived by __post_init__, per instance: no fields
+        input_specs: ClassVar[Tuple[TensorSpec, ...]]
+        output_specs: ClassVar[Tuple[TensorSpec, ...]]
 
     def __post_init__(self):
         put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen)

@@ -20,6 +20,8 @@ from typing import Any, Optional, Sequence, Tuple
 from engine import logfmt
 
 READY = ("ready",)
+# how long a helper child (an HTTP worker, a parser process) may take to say it is ready
+START_TIMEOUT_S = 60.0
 
 
 class ChildFailed(Exception):

@@ -66,7 +66,7 @@ class Serve:
 
     def workers(self) -> list:
         return [p for p in psutil.Process(self.proc.pid).children()
-                if "engine.http.workers" in " ".join(p.cmdline())]
+                if "engine.http.worker" in " ".join(p.cmdline())]
 
     def connect(self) -> socket.socket:
         return socket.create_connection(("127.0.0.1", self.port), timeout=CLOSED_WITHIN_S)

@@ -1,6 +1,6 @@
 """The HTTP worker at the engine's pace: many streams at once each get their own
 chunks, in order, through the writer that takes every chunk come in one wake of the
-loop; a protocol's event writer (streaming.EventStream) under any ASGI server writes
+loop; a protocol's event writer (engine.http.events.EventStream) under any ASGI server writes
 them through send and may end an answer early, which withdraws its request; an async
 request whose awaiter is cancelled is withdrawn; and a keep-alive connection's later
 request has a read timeout of its own, from its first byte."""
@@ -22,7 +22,7 @@ from step_models import chunks, request  # noqa: E402
 from test_multi_engine import Served, table, top  # noqa: E402
 
 import engine  # noqa: E402
-from engine.http import streaming  # noqa: E402
+from engine.http.events import EventStream, Finished, event  # noqa: E402
 
 STEPS = dict(input_shape=[2], input_dtype="int64", output_shape=[], output_dtype="int64")
 X = np.arange(16, dtype=np.float32)
@@ -65,7 +65,7 @@ def test_streams_at_once_each_get_their_own_chunks_in_order(tmp_path):
         served.stop()
 
 
-class Numbers(streaming.EventStream):
+class Numbers(EventStream):
     """Each chunk as `data: N`; the answer ends at `last`, however long it runs."""
 
     def __init__(self, chunks, last, *args) -> None:
@@ -75,13 +75,13 @@ class Numbers(streaming.EventStream):
     def events(self, block, finish_reason) -> bytes:
         body = b""
         for value in block.tolist():
-            body += streaming.event(str(value).encode())
+            body += event(str(value).encode())
             if value == self.last:
-                raise streaming.Finished(body, "stop")
+                raise Finished(body, "stop")
         return body
 
     def end(self, finish_reason: str) -> bytes:
-        return streaming.event(f"[{finish_reason}]".encode())
+        return event(f"[{finish_reason}]".encode())
 
 
 def test_an_event_writer_through_send_may_end_an_answer_early_which_withdraws_it(

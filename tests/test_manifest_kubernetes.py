@@ -126,7 +126,7 @@ def test_the_grace_period_outlasts_prestop_and_the_longest_drain(config, no_http
         serve = serve_container(deployment)
         sleep_s = serve["lifecycle"]["preStop"]["sleep"]["seconds"]
         drain_s = max(t["drain_timeout_s"] for t in ENGINES.values())
-        # HTTP workers get drain_timeout_s + 10 s before the engines drain (engine.http.workers)
+        # HTTP workers get drain_timeout_s + 10 s before the engines drain (engine.http.server.workers)
         stop_s = drain_s + (math.ceil(drain_s) + 10 if http else 0)
         assert pod["terminationGracePeriodSeconds"] > sleep_s + stop_s
         assert sleep_s > 0

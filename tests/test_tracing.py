@@ -164,7 +164,7 @@ INFER_BODY = {"inputs": [{"name": "INPUT", "datatype": "FP32", "shape": [1, 4],
 
 
 def _http_post(tracer, spans, name, route, body, headers):
-    from engine.http.openinference import App
+    from engine.http.front import Front
     from engine.segment import Segment
     seg = Segment.attach(name)
     config = seg.config
@@ -173,7 +173,7 @@ def _http_post(tracer, spans, name, route, body, headers):
     scope = {"type": "http", "method": "POST", "path": f"/v2/models/{name}/{route}",
              "headers": [(b"content-length", str(len(body)).encode()),
                          (b"content-type", b"application/json"), *headers]}
-    app = App({name: config}, 30.0)
+    app = Front({name: config}, 30.0)
     sent = []
 
     messages = [{"type": "http.request", "body": body, "more_body": False}]

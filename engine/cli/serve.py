@@ -69,12 +69,12 @@ class Serving:
                 importlib.util.find_spec("httptools") is None:
             raise ValueError("--http-port needs uvicorn and httptools: "
                              "pip install 'shmbatch[http]'")
-        from engine.http import openinference
-        from engine.http.oip_tensors import datatype_of
+        from engine.http.engines import DEFAULT_TIMEOUT_S
+        from engine.http.values import datatype_of
         self.http_workers = 1 if workers is None else int(workers)
-        self.http_timeout_s = float(openinference.DEFAULT_TIMEOUT_S if timeout_s is None
+        self.http_timeout_s = float(DEFAULT_TIMEOUT_S if timeout_s is None
                                     else timeout_s)
-        # None: each model's limit derived from its engine (engine.http.oip_request)
+        # None: each model's limit derived from its engine (engine.http.oip.request)
         self.http_max_body_bytes = None if max_body_bytes is None else int(max_body_bytes)
         if (self.http_workers < 1 or not self.http_timeout_s > 0
                 or (self.http_max_body_bytes is not None and self.http_max_body_bytes < 1)):
@@ -88,22 +88,22 @@ class Serving:
 
     def _check_openai(self, tables: Dict[str, dict]) -> Dict[str, dict]:
         """{engine: its OpenAI settings}, each [engines.NAME.openai] table
-        checked against its engine's tensors (engine.http.openai_config)."""
+        checked against its engine's tensors (engine.http.openai.settings)."""
         if not tables:
             return {}
         if self.http_port is None:
             raise ValueError(f"[engines.{next(iter(tables))}.openai]: the OpenAI API is served on "
                              f"the HTTP port: expected --http-port (or http_port in --config), "
                              f"got none")
-        from engine.http import openai_config
+        from engine.http.openai import settings as openai_settings
         configs = {eng.name: eng.config for eng in self.engines}
-        settings = [openai_config.parse(name, table, configs[name])
+        settings = [openai_settings.parse(name, table, configs[name])
                     for name, table in tables.items()]
-        openai_config.check_all(settings)
+        openai_settings.check_all(settings)
         return {s.engine: s.to_dict() for s in settings}
 
     def _check_connections(self, read_timeout_s, max_connections) -> None:
-        from engine.http import connections
+        from engine.http.server import connections
         self.http_read_timeout_s = float(connections.DEFAULT_READ_TIMEOUT_S
                                          if read_timeout_s is None else read_timeout_s)
         self.http_max_connections = None if max_connections is None else int(max_connections)
@@ -123,7 +123,7 @@ class Serving:
         stops what started and raises."""
         try:
             if self.http_port is not None:
-                from engine.http import workers
+                from engine.http.server import workers
                 self._sock = workers.bind(self.http_host, self.http_port)
             for eng in self.engines:
                 try:
@@ -149,7 +149,7 @@ class Serving:
             raise
 
     def _start_http(self) -> None:
-        from engine.http import workers
+        from engine.http.server import workers
         self._workers = workers.Workers(
             self._sock, self.http_workers, {e.name: e.config.to_json() for e in self.engines},
             timeout_s=self.http_timeout_s, max_body_bytes=self.http_max_body_bytes,

@@ -1,10 +1,20 @@
-"""The HTTP front: the Open Inference Protocol over the engine's clients.
+"""The HTTP front: one ASGI app over the engines' Clients, mounting each protocol.
 
-`openinference` is the ASGI app, `oip_tensors` the tensor coding (JSON and
-binary), `oip_request` an infer read against its engine (and the body limits
-derived from it), `oip_body` bodies under their limit and the 413, `parsing`
-large bodies parsed off the event loop (the parser process), `oip_generate`
-the generate extension for iterative engines, `connections` what a connection
-may cost (read timeout, cap, drain refusals, a bounded log), and `workers`
-the uvicorn worker processes that `shmbatch serve --http-port` runs.
+Its rooms, top down; a module imports only from its own room or those below
+(tests/test_architecture.py reads this table); oip and openai never import
+each other:
+
+    worker   one HTTP worker process of `serve --http-port`: uvicorn running the front
+    front    the ASGI app: the engines' Clients, the lifespan, each protocol mounted
+    oip      the Open Inference Protocol (KServe v2, Triton's extensions)
+    openai   the OpenAI API (/v1/)
+    server   the processes and connections around the app, knowing no protocol
+    (shared) what every protocol speaks, directly in engine/http:
+
+`asgi` the ASGI types, named once, and a whole response; `errors` what is
+refused and each engine error's status; `body` a body under its limit and
+the 413; `values` JSON values as an engine's arrays, and as a refusal
+shows them; `watch` a caller's disconnect and deadline, watched; `events`
+a stream followed at the engine's pace and written as server-sent events;
+`engines` the engines a worker serves, a Client each.
 """

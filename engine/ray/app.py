@@ -3,11 +3,10 @@ from typing import Any, Optional
 
 from ray import serve
 
-from engine.http.oip_request import spec_of
+from engine.http.engines import DEFAULT_TIMEOUT_S
+from engine.http.oip.request import spec_of
 from engine.ray.replica import Replica
 from engine.serving.supervisor import Engine
-
-DEFAULT_TIMEOUT_S = 30.0
 
 
 def deployment(name: str, engine: dict, num_replicas: Optional[Any] = None, *,

@@ -7,8 +7,8 @@ engine. Its Client is lazy: while the engine restarts, requests are refused
 with EngineUnavailable (HTTP 503) at once, and it re-attaches by itself.
 
 HTTP: the route's POST takes an Open Inference Protocol infer body and is
-answered as /v2/models/NAME/infer is, by engine.http.openinference's own
-application (the same parsing, limits, errors and statuses); GET answers the
+answered as /v2/models/NAME/infer is, by the HTTP front's own application
+(engine.http.front: the same parsing, limits, errors and statuses); GET answers the
 model's metadata, GET .../ready and .../config as the protocol's routes do.
 Each answer names the engine that served it (header shmbatch-engine).
 The handle: infer(x) takes one request's array (or dict of named arrays)
@@ -27,7 +27,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from engine.client.client import Client
 from engine.errors import BackendError, EngineError
-from engine.http import openinference
+from engine.http.front import Front
 import engine.ray.owner as owner
 from engine.ray.scaling import PREDICTED_WAIT, QUEUE_WAIT, RecentQueueWait
 from engine.serving.supervisor import Engine
@@ -69,8 +69,7 @@ class Replica:
         self._closed = False
         self.client = Client(self.engine, lazy=True)
         config = Engine(self.engine, **knobs).config  # (no engine is started by this)
-        self.app = openinference.App({}, timeout_s=timeout_s)
-        self.app.models = {model: openinference.Model(model, config, self.client)}
+        self.app = Front({model: config}, timeout_s=timeout_s, clients={model: self.client})
         self.model = model
         self.queue_wait = RecentQueueWait()
 

@@ -191,7 +191,7 @@ def start_serve(settings: dict, setup, openai: bool, folder: str) -> Server:
     server = Server([sys.executable, "-m", "engine", "serve", "--config", path,
                      "--http-port", "0"], server_cpus(setup.pin), folder)
     workers = [c.pid for c in psutil.Process(server.proc.pid).children(recursive=True)
-               if "engine.http.workers" in " ".join(_cmdline(c))]
+               if "engine.http.worker" in " ".join(_cmdline(c))]
     if len(workers) != setup.http_workers:
         server.stop()
         raise RuntimeError(f"expected {setup.http_workers} HTTP worker(s) under serve, found "

@@ -11,7 +11,7 @@ an iterative engine's whole answer, its chunks stacked, and "finish_reason":
 POST /v2/models/NAME/generate_stream answers the same request as
 server-sent events, one `data: {...}` event per chunk as the engine writes
 it (the events of chunks that came together in one HTTP chunk:
-engine.http.streaming); the last chunk's event of a complete answer carries
+engine.http.events); the last chunk's event of a complete answer carries
 "finish_reason". A stream that ends otherwise (an error, the server
 stopping, its timeout) ends with a last `data: {"error": ...}` event (an
 error before the first chunk is an ordinary error response). A caller that
@@ -26,29 +26,31 @@ import json
 import numpy as np
 
 from engine.errors import RequestTimeout
-from engine.http import oip_tensors, streaming
-from engine.http.oip_tensors import BadRequest, datatype_of, json_text
+from engine.http import events
+from engine.http.errors import BadRequest
+from engine.http.oip import tensors
+from engine.http.values import datatype_of, json_text, value_array
 
 PARAMETERS = ("timeout", "priority", "max_steps")
 
 
 def read_request(model, body: bytes, default_timeout_s: float):
     """(the request in the client's form, timeout_s, priority, max_steps, id)."""
-    request, _ = oip_tensors.split(body, None)
+    request, _ = tensors.split(body, None)
     names = [name for name, _ in model.inputs]
     unknown = sorted(set(request) - set(names) - {"id", "parameters"})
     missing = [name for name in names if name not in request]
     if unknown or missing:
         raise BadRequest(f"model {model.name!r}: expected keys {names} (and \"id\", "
                          f"\"parameters\"), got {sorted(request)}")
-    arrays = {spec.name: oip_tensors.value_array(request[name], datatype_of(spec.dtype), name)
+    arrays = {spec.name: value_array(request[name], datatype_of(spec.dtype), name)
               for name, spec in model.inputs}
-    params = oip_tensors.parameters(request, "request", PARAMETERS)
+    params = tensors.parameters(request, "request", PARAMETERS)
     max_steps = params.get("max_steps")
     if max_steps is not None and (type(max_steps) is not int or max_steps < 1):
         raise BadRequest(f"max_steps: expected an integer >= 1, got {json_text(max_steps)}")
     x = model.config.request_of(arrays)
-    return (x, oip_tensors.timeout_s(params.get("timeout", 0), default_timeout_s),
+    return (x, tensors.timeout_s(params.get("timeout", 0), default_timeout_s),
             model.engine_priority(params.get("priority", 0)), max_steps, request.get("id"))
 
 
@@ -69,12 +71,12 @@ async def generate(model, body: bytes, default_timeout_s: float, receive):
     x, timeout_s, priority, max_steps, request_id = read_request(model, body, default_timeout_s)
     chunks = model.client.open_stream_async(x, timeout_s, priority=priority, max_steps=max_steps)
     try:
-        blocks = await streaming.collect(chunks, receive)
+        blocks = await events.collect(chunks, receive)
     except RequestTimeout as e:
         raise RequestTimeout(f"{e} ({chunks.chunks_read} chunk(s) came; a longer answer asks a "
                              f"longer timeout: parameters.timeout, in microseconds)") from None
     except asyncio.CancelledError:  # the server stops: its drain ran out
-        return 503, json.dumps({"error": f"EngineUnavailable: {streaming.SHUTDOWN}"}).encode(), []
+        return 503, json.dumps({"error": f"EngineUnavailable: {events.SHUTDOWN}"}).encode(), []
     if blocks is None:
         return None
     answer = _joined(model, blocks)
@@ -89,13 +91,13 @@ async def generate_stream(model, body: bytes, default_timeout_s: float, scope, r
                           send) -> None:
     """Streams the answer through send (the response is this function's to
     write once its first chunk came; an error before that is raised). The
-    request's timeout bounds the caller's reading too (engine.http.streaming)."""
+    request's timeout bounds the caller's reading too (engine.http.events)."""
     x, timeout_s, priority, max_steps, request_id = read_request(model, body, default_timeout_s)
     chunks = model.client.open_stream_async(x, timeout_s, priority=priority, max_steps=max_steps)
     await GenerateEvents(model, request_id, chunks, scope, receive, send, timeout_s).run()
 
 
-class GenerateEvents(streaming.EventStream):
+class GenerateEvents(events.EventStream):
     """The extension's events: each chunk as answer_json writes it, the last
     one of a complete answer with its finish_reason; the constant part of an
     event encoded once per request."""
@@ -110,7 +112,7 @@ class GenerateEvents(streaming.EventStream):
         self.keys = [json.dumps(name) + ": " for name, _ in model.outputs]
         # an integer's text is its JSON (a token id's, say)
         self.texts = [str if not spec.shape and np.dtype(spec.dtype).kind in "iu"
-                      else streaming.dumps for _, spec in model.outputs]
+                      else events.dumps for _, spec in model.outputs]
 
     def events(self, chunks, finish_reason) -> bytes:
         head = self.head

@@ -1,6 +1,6 @@
 """An OpenAI request's fields read against the engine that serves its model.
 
-Served is one engine on the API: its settings (engine.http.openai_config),
+Served is one engine on the API: its settings (engine.http.openai.settings),
 tokenizer and tensors; it makes the engine's request of some token ids and
 the request's other fields (each other input of a named-tensor engine from
 the field of its name, else from its default). The functions read one field
@@ -14,10 +14,10 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from engine.config import EngineConfig
-from engine.http import openai_text
-from engine.http.oip_tensors import json_text
-from engine.http.openai_config import OpenAISettings, input_array
-from engine.http.openai_reply import OpenAIError, bad
+from engine.http.openai.text import eos_of, id_list
+from engine.http.openai.replies import OpenAIError, bad
+from engine.http.openai.settings import OpenAISettings, input_array
+from engine.http.values import json_text
 
 MAX_STOPS = 16
 
@@ -37,7 +37,7 @@ class Served:
     def __init__(self, settings: OpenAISettings, config: EngineConfig, tokenizer) -> None:
         self.settings, self.config, self.tokenizer = settings, config, tokenizer
         self.model, self.engine = settings.model, settings.engine
-        self.eos = openai_text.eos_of(tokenizer)
+        self.eos = eos_of(tokenizer)
         specs = {s.name: s for s in config.input_specs}
         self.ids_spec = specs[settings.input]
         self.bound = self.ids_spec.max_shape[0]  # the most tokens a request's input holds
@@ -82,7 +82,7 @@ class Served:
 
     def encode(self, text: str, field: str) -> List[int]:
         try:
-            return openai_text.id_list(self.tokenizer.encode(text), "encode")
+            return id_list(self.tokenizer.encode(text), "encode")
         except ValueError as e:
             raise OpenAIError(500, f"model {self.model!r}: {e}", field) from None
 
@@ -183,7 +183,7 @@ def chat_ids(served: Served, body: dict) -> List[int]:
         raise bad(f"messages: the model's chat template refused them: {type(e).__name__}: {e}",
                   "messages") from None
     try:
-        return openai_text.id_list(ids, "apply_chat_template")
+        return id_list(ids, "apply_chat_template")
     except ValueError as e:
         raise OpenAIError(500, f"model {served.model!r}: {e}") from None
 
@@ -201,7 +201,7 @@ def _message(i: int, message) -> dict:
         if not all(isinstance(t, str) for t in texts):
             raise bad(f"{where}.content: expected text parts ({{\"type\": \"text\", \"text\": "
                       f"str}}), got {json_text(content)}", "messages")
-        return {**message, "content": "".join(texts)}
+        return {**message, "content": "".join(t for t in texts if t is not None)}
     if content is not None and not isinstance(content, str):
         raise bad(f"{where}.content: expected a string or a list of text parts, got "
                   f"{json_text(content)}", "messages")

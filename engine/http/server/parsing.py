@@ -1,8 +1,10 @@
-"""Infer bodies parsed off the HTTP worker's event loop.
+"""Request bodies parsed off the HTTP worker's event loop.
 
 A body whose JSON is at most INLINE_BYTES is parsed on the loop (it takes
 well under a millisecond); up to PROCESS_BYTES, in a thread; a larger one in
-the worker's parser process. json.loads holds the GIL for as long as it
+the worker's parser process. What parses it is the protocol's: a function
+of the body (a module's own, so that it pickles by name) that returns the
+request read or raises BadRequest. json.loads holds the GIL for as long as it
 parses (about 0.1 s a MiB of numbers, seconds for the largest bodies), so a
 thread would not free the loop from it: the parser process parses and
 converts the body and sends back the arrays, while the worker's loop serves
@@ -14,15 +16,13 @@ fails its request with a 500 and is started again at the next.
 import asyncio
 import socket
 from multiprocessing.connection import Connection
-from typing import Optional
+from typing import Any, Callable, Optional, cast
 
 from engine import launch
-from engine.http import oip_request
-from engine.http.oip_tensors import BadRequest
+from engine.http.errors import BadRequest
 
 INLINE_BYTES = 8 << 10
 PROCESS_BYTES = 1 << 20
-START_TIMEOUT_S = 60.0
 
 
 class ParseFailed(Exception):
@@ -31,32 +31,27 @@ class ParseFailed(Exception):
 
 
 class Parser:
-    """parse(): an infer body read against its model's Spec, where its size says."""
+    """parse(): a body read by a protocol's function, where its size says."""
 
     def __init__(self) -> None:
         self._proc: Optional[launch.Child] = None
         self._conn: Optional[Connection] = None
         self._lock: Optional[asyncio.Lock] = None
 
-    async def parse(self, body: bytes, header_length: Optional[str], spec: oip_request.Spec,
-                    default_timeout_s: float) -> oip_request.Parsed:
-        try:
-            size = int(header_length) if header_length is not None else len(body)
-        except ValueError:
-            size = len(body)
+    async def parse(self, size: int, read: Callable[..., Any], body: bytes, *args: Any) -> Any:
+        """read(body, *args), wherever a body of `size` bytes to parse is parsed."""
         if size <= INLINE_BYTES:
-            return oip_request.parse_infer(body, header_length, spec, default_timeout_s)
+            return read(body, *args)
         if size <= PROCESS_BYTES:
-            return await asyncio.to_thread(oip_request.parse_infer, body, header_length, spec,
-                                           default_timeout_s)
+            return await asyncio.to_thread(read, body, *args)
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:  # one body at a time
             if self._proc is None or self._proc.poll() is not None:
                 await self._start()
             try:
-                reply = await asyncio.to_thread(_ask, self._conn, body,
-                                                (header_length, spec, default_timeout_s))
+                reply = await asyncio.to_thread(_ask, cast(Connection, self._conn), body,
+                                                (read, args))
             except (EOFError, OSError) as e:
                 self.close()
                 raise ParseFailed(f"the parser process exited while it parsed a body of "
@@ -75,12 +70,12 @@ class Parser:
         ours, theirs = socket.socketpair()
         try:
             # launched from the loop's thread: the child dies with it (parent-death signal)
-            proc, reader = launch.launch("engine.http.parsing", {"fd": theirs.fileno()},
+            proc, reader = launch.launch("engine.http.server.parsing", {"fd": theirs.fileno()},
                                          pass_fds=(theirs.fileno(),))
         finally:
             theirs.close()
         try:
-            await asyncio.to_thread(launch.await_ready, proc, reader, START_TIMEOUT_S,
+            await asyncio.to_thread(launch.await_ready, proc, reader, launch.START_TIMEOUT_S,
                                     "the parser process", "ParserDied")
         except launch.ChildFailed as e:
             launch.kill(proc)
@@ -128,12 +123,12 @@ def _entry() -> None:
     while True:
         try:
             body = conn.recv_bytes()
-            header_length, spec, default_timeout_s = conn.recv()
+            read, args = conn.recv()
         except (EOFError, OSError):
             return
+        reply: tuple
         try:
-            reply = ("ok", oip_request.parse_infer(body, header_length, spec,
-                                                   default_timeout_s))
+            reply = ("ok", read(body, *args))
         except BadRequest as e:
             reply = ("bad", str(e), e.status)
         except Exception as e:  # MemoryError included: ParseFailed, a 500
@@ -146,4 +141,4 @@ def _entry() -> None:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit("engine.http.parsing runs as the HTTP worker's child (engine.launch)")
+    raise SystemExit("engine.http.server.parsing runs as the HTTP worker's child (engine.launch)")

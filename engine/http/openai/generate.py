@@ -4,7 +4,7 @@ A request is one engine stream: its prompt's token ids (a completion's
 prompt, or a chat's messages through the tokenizer's chat template) and the
 engine's other inputs from its fields, max_tokens (chat: also
 max_completion_tokens) as its max_steps. Each step's token id is decoded
-incrementally (engine.http.openai_text); the answer ends at the engine's end
+incrementally (engine.http.openai.text); the answer ends at the engine's end
 (finish_reason "stop" when the model said done, "length" at max_steps), at
 the tokenizer's eos_token_id or at a stop string ("stop"): the stream is then
 closed, which withdraws the request. Its text never holds a stop string nor
@@ -19,7 +19,7 @@ of `usage` and no choice, then `data: [DONE]`. A stream that ends any other
 way (an engine error, its timeout, the server stopping) ends with a last
 `data: {"error": {...}}` event and no [DONE]. A caller that disconnects
 withdraws its request; one that stops reading is cut at its deadline
-(engine.http.streaming, which writes a wake's tokens as one HTTP chunk).
+(engine.http.events, which writes a wake's tokens as one HTTP chunk).
 """
 import asyncio
 import json
@@ -28,12 +28,10 @@ import uuid
 from typing import Optional
 
 from engine.errors import EngineError, EngineUnavailable
-from engine.http import openai_fields as fields
-from engine.http import streaming
-from engine.http.openai_reply import DONE, of_engine, send_json
-from engine.http.openai_text import Detokenizer, Stops
-
-CUT = "the answer ended before it completed"
+from engine.http import events
+from engine.http.openai import fields
+from engine.http.openai.replies import DONE, of_engine, send_json
+from engine.http.openai.text import Detokenizer, Stops
 
 
 class Request:
@@ -81,7 +79,7 @@ class Text:
         """The text held back, once the answer ended (at eos, or the engine's
         end) for `reason`."""
         if reason is None:  # never a clean end short of the answer
-            raise EngineUnavailable(CUT)
+            raise EngineUnavailable(events.CUT)
         piece, stopped = self.stops.feed(self.detokenizer.flush())
         if not stopped:
             piece += self.stops.flush()
@@ -89,13 +87,13 @@ class Text:
         return piece
 
 
-async def answer(model, request: Request, timeout_s: float, scope, receive, send) -> None:
+async def answer(client, request: Request, timeout_s: float, scope, receive, send) -> None:
     """Answers the request through send (EngineError and OpenAIError before
     anything was sent are raised, for the caller to answer)."""
-    chunks = model.client.open_stream_async(request.x, timeout_s, max_steps=request.max_steps)
+    chunks = client.open_stream_async(request.x, timeout_s, max_steps=request.max_steps)
     if request.stream:
         return await ChunkEvents(request, chunks, scope, receive, send, timeout_s).run()
-    follower = streaming.Follower(chunks, receive)
+    follower = events.Follower(chunks, receive)
     text, pieces = Text(request), []
     try:
         while not text.finish:
@@ -109,7 +107,7 @@ async def answer(model, request: Request, timeout_s: float, scope, receive, send
     except StopAsyncIteration:
         pieces.append(text.end(chunks.finish_reason))
     except asyncio.CancelledError:  # the server stops: its drain ran out
-        return await send_json(send, 503, of_engine(EngineUnavailable(streaming.SHUTDOWN)).body())
+        return await send_json(send, 503, of_engine(EngineUnavailable(events.SHUTDOWN)).body())
     finally:
         await follower.close()  # withdraws the request unless it ended
     content = "".join(pieces)
@@ -122,7 +120,7 @@ async def answer(model, request: Request, timeout_s: float, scope, receive, send
                                 "usage": _usage(request, text)})
 
 
-class ChunkEvents(streaming.EventStream):
+class ChunkEvents(events.EventStream):
     """A streamed answer in OpenAI's chunk format: every token's text as it
     comes (a chat's first event names the role), the last choice chunk with
     finish_reason, the usage chunk if asked, then [DONE]; an error as OpenAI's
@@ -135,7 +133,7 @@ class ChunkEvents(streaming.EventStream):
         self.first = request.chat  # the role chunk is still to come
         sample = _event(_chunk(request, MARK))  # the event of a text chunk, its text MARK
         # the text is the event's last string (a model named MARK comes before it)
-        self.before, _, self.after = sample.rpartition(streaming.dumps(MARK))
+        self.before, _, self.after = sample.rpartition(events.dumps(MARK))
 
     def events(self, chunks, finish_reason) -> bytes:
         request, text, out = self.request, self.text, []
@@ -146,9 +144,9 @@ class ChunkEvents(streaming.EventStream):
             piece = text.add(token)
             if text.finish:
                 out.append(_event(_chunk(request, piece, text.finish)))
-                raise streaming.Finished("".join(out).encode(), text.finish)
+                raise events.Finished("".join(out).encode(), text.finish)
             if piece:
-                out.append(self.before + streaming.dumps(piece) + self.after)
+                out.append(self.before + events.dumps(piece) + self.after)
         return "".join(out).encode()
 
     def end(self, finish_reason: str) -> bytes:
@@ -168,7 +166,7 @@ MARK = "\u2603"  # a text that stands for a chunk's own in the event made once p
 
 
 def _event(obj) -> str:
-    return "data: " + streaming.dumps(obj) + "\n\n"
+    return "data: " + events.dumps(obj) + "\n\n"
 
 
 def _head(request: Request, chunk: bool) -> dict:

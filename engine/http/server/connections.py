@@ -17,7 +17,7 @@ uvicorn's httptools protocol, subclassed, with what it lacks:
 And each request's send (HeadWithBody) writes the head of a response that
 says its length with its body, in one write of the socket, and lends the
 app a writer of a streamed body's next bytes (scope["extensions"]
-[streaming.WRITE_BODY]) that writes at once, with no coroutine.
+[WRITE_BODY]) that writes at once, with no coroutine.
 
 A refused connection is half-closed after its answer and read (discarded)
 for at most LINGER_S before it closes, so a caller still sending its
@@ -26,6 +26,7 @@ bounded: asyncio logs every failed accept() (a worker out of descriptors)
 with its traceback, up to the backlog's 2048 times a second; RateLimit lets
 one line of a kind through per interval, saying how many it held back.
 """
+import asyncio
 import json
 import logging
 import os
@@ -36,7 +37,7 @@ from typing import Optional
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from engine.http import streaming
+from engine.http.asgi import WRITE_BODY
 
 log = logging.getLogger("shmbatch")
 
@@ -70,8 +71,9 @@ class Tally:
             self.count = 0
 
 
-class Front:
-    """What the connections of one worker share."""
+class Guard:
+    """What the connections of one worker share: their limits, the drain, the
+    refusals' tallies."""
 
     def __init__(self, read_timeout_s: float, max_connections: int) -> None:
         self.read_timeout_s, self.max_connections = read_timeout_s, max_connections
@@ -83,9 +85,9 @@ class Front:
                                f"{read_timeout_s:g} s (--http-read-timeout-s)", logging.INFO)
 
 
-def protocol(front: Front) -> type:
-    """The protocol class for uvicorn.Config(http=...), its connections sharing front."""
-    return type("GuardedProtocol", (GuardedProtocol,), {"front": front})
+def protocol(guard: Guard) -> type:
+    """The protocol class for uvicorn.Config(http=...), its connections sharing guard."""
+    return type("GuardedProtocol", (GuardedProtocol,), {"guard": guard})
 
 
 def answer(status: int, message: str) -> bytes:
@@ -99,45 +101,45 @@ class GuardedProtocol(HttpToolsProtocol):
     """One connection: refused at once when the worker drains or is at its
     cap, else served by uvicorn under the read timeout."""
 
-    front: Front
+    guard: Guard
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         # the read timeout's one timer, armed while the connection lives: a
         # request only notes when its reading began, so a keep-alive
         # connection costs no timer per request
-        self._deadline = None
+        self._deadline: Optional[asyncio.TimerHandle] = None
         self._fresh = True  # no request has begun: its reading began with the connection
         self._since = 0.0  # when the reading of the request (or connection) began
         self._partial = False  # a request has begun and is not whole yet
         self._head_done = False  # ... and its head has come
         self._body_bytes = 0  # ... and this much of its body
         self._refused = False
-        self._linger = None  # a refused connection's closing timer
+        self._linger: Optional[asyncio.TimerHandle] = None  # a refused connection's closing timer
         self._discarded = 0
 
     # -- a connection refused at once ------------------------------------------
-    def connection_made(self, transport) -> None:  # type: ignore[override]
-        front = self.front
-        if front.draining:
+    def connection_made(self, transport) -> None:
+        guard = self.guard
+        if guard.draining:
             return self._refuse(transport, "the server is shutting down (draining its "
                                            "requests in progress): expected no new request")
-        if len(self.connections) >= front.max_connections:
-            front.refused.add()
-            return self._refuse(transport, f"expected at most {front.max_connections} open "
+        if len(self.connections) >= guard.max_connections:
+            guard.refused.add()
+            return self._refuse(transport, f"expected at most {guard.max_connections} open "
                                            f"connections to this worker, got one more: try "
                                            f"again, or reuse a connection")
         super().connection_made(transport)
         self._since = self.loop.time()
-        self._arm(self._since + front.read_timeout_s)
+        self._arm(self._since + guard.read_timeout_s)
 
     def _refuse(self, transport, message: str) -> None:
         self._refused, self.transport = True, transport
         transport.write(answer(503, message))
-        if self.front.lingering >= MAX_LINGERING:
+        if self.guard.lingering >= MAX_LINGERING:
             transport.close()
             return
-        self.front.lingering += 1
+        self.guard.lingering += 1
         transport.write_eof()  # then read what the caller still sends, for a while
         self._linger = self.loop.call_later(LINGER_S, transport.close)
 
@@ -153,7 +155,7 @@ class GuardedProtocol(HttpToolsProtocol):
         if self._linger is not None:
             self._linger.cancel()
             self._linger = None
-            self.front.lingering -= 1
+            self.guard.lingering -= 1
         if self._refused:
             return
         super().connection_lost(exc)
@@ -171,8 +173,10 @@ class GuardedProtocol(HttpToolsProtocol):
         existing = self.cycle
         super().on_headers_complete()
         if self.cycle is not existing:
-            send = self.cycle.send = HeadWithBody(self.cycle)  # run_asgi looks it up later
-            self.scope.setdefault("extensions", {})[streaming.WRITE_BODY] = send.write_body
+            send = HeadWithBody(self.cycle)
+            self.cycle.send = send  # type: ignore[method-assign]  # run_asgi looks it up later
+            extensions: dict = self.scope.setdefault("extensions", {})
+            extensions[WRITE_BODY] = send.write_body
 
     def on_body(self, body: bytes) -> None:
         self._body_bytes += len(body)
@@ -195,14 +199,14 @@ class GuardedProtocol(HttpToolsProtocol):
         transport = self.transport
         if transport.is_closing():
             return
-        now, timeout_s = self.loop.time(), self.front.read_timeout_s
+        now, timeout_s = self.loop.time(), self.guard.read_timeout_s
         if not (self._partial or self._fresh):  # between requests, or the app's: not read
             return self._arm(now + timeout_s)
         if now < self._since + timeout_s:  # a later request's reading: its own time left
             return self._arm(self._since + timeout_s)
         if self.flow.read_paused:  # this server stopped reading (a pipelined request waits,
             return self._arm(now + timeout_s)  # or the app has not read the body yet)
-        self.front.timed_out.add()
+        self.guard.timed_out.add()
         if not self._partial:  # not a byte of a request: closed quietly
             transport.close()
             return
@@ -216,7 +220,7 @@ class GuardedProtocol(HttpToolsProtocol):
             got = (f"{self._body_bytes} bytes of its body" if cycle is not None
                    else "part of its head")
             transport.write(answer(408, f"expected a request's head and body within "
-                                        f"{self.front.read_timeout_s:g} s, got {got}"))
+                                        f"{self.guard.read_timeout_s:g} s, got {got}"))
         transport.close()
 
 
@@ -272,7 +276,7 @@ class HeadWithBody:
                 real.write(held.data)
 
     def write_body(self, body: bytes) -> bool:
-        """streaming.WRITE_BODY: a streamed (chunked) response's next body
+        """WRITE_BODY: a streamed (chunked) response's next body
         bytes written now, as uvicorn's send writes them; False while its
         writing is paused or the response is not a stream in progress."""
         cycle = self.cycle
@@ -313,12 +317,12 @@ class _Held:
 class Server(uvicorn.Server):
     """uvicorn's server, whose graceful stop keeps accepting to refuse (503)."""
 
-    def __init__(self, config: uvicorn.Config, front: Front) -> None:
+    def __init__(self, config: uvicorn.Config, guard: Guard) -> None:
         super().__init__(config)
-        self.front = front
+        self.guard = guard
 
     async def shutdown(self, sockets=None) -> None:
-        self.front.draining = True
+        self.guard.draining = True
         log.info("HTTP worker pid %d draining: new connections are refused (503)", os.getpid())
         servers, self.servers = self.servers, []
         try:

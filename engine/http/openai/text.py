@@ -48,7 +48,7 @@ def load(spec: str, engine: str):
 
 def eos_of(tokenizer) -> Optional[int]:
     eos = getattr(tokenizer, "eos_token_id", None)
-    return eos if isinstance(eos, (int, np.integer)) and not isinstance(eos, bool) else None
+    return int(eos) if isinstance(eos, (int, np.integer)) and not isinstance(eos, bool) else None
 
 
 def id_list(ids, what: str) -> List[int]:

@@ -11,11 +11,15 @@ connection closes. A caller that sent `Expect: 100-continue` and no byte yet
 is answered and closed at once: it sends nothing more.
 """
 import asyncio
-import json
-from typing import Optional
 
-from engine.http.oip_tensors import BadRequest
+from engine.http.asgi import JSON, Receive, Scope, Send, header
+from engine.http.errors import BadRequest, Disconnected
 
+# what a body holds beside its tensors' data or its tokens' text (names, shapes,
+# parameters), in the limit each route derives from its engines
+HEADER_BYTES = 64 << 10
+# the most JSON a derived limit allows; a larger tensor travels as binary data
+MAX_JSON_BYTES = 64 << 20
 DRAIN_BYTES = 64 << 20
 DRAIN_S = 10.0
 
@@ -28,25 +32,15 @@ class TooLarge(BadRequest):
         self.started = started
 
 
-class Disconnected(Exception):
-    """The caller went away before its body came: nobody to answer."""
-
-
-def header(scope, name: bytes) -> Optional[str]:
-    for key, value in scope["headers"]:
-        if key == name:
-            return value.decode("latin-1")
-    return None
-
-
-async def read(scope, receive, limit: int, why: str) -> bytes:
+async def read(scope: Scope, receive: Receive, limit: int, why: str) -> bytes:
     """The request's body; TooLarge if it is over `limit` bytes (`why` says
     what the limit is made of)."""
     declared = header(scope, b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise TooLarge(f"expected a body of at most {limit} bytes ({why}), got "
                        f"Content-Length {declared}", started=False)
-    chunks, size = [], 0
+    chunks: list = []
+    size = 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
@@ -61,13 +55,13 @@ async def read(scope, receive, limit: int, why: str) -> bytes:
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-async def refuse(scope, receive, send, error: TooLarge) -> None:
-    """Answers the 413 of `error`, then reads what the caller still sends
-    (bounded) before the connection closes."""
-    body = json.dumps({"error": str(error)}).encode()
+async def refuse(scope: Scope, receive: Receive, send: Send, body: bytes,
+                 error: TooLarge) -> None:
+    """Answers the 413 of `error` (body: its JSON, in the protocol's shape),
+    then reads what the caller still sends (bounded) before the connection
+    closes."""
     await send({"type": "http.response.start", "status": 413,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode()),
+                "headers": [JSON, (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close")]})
     expects = (header(scope, b"expect") or "").lower() == "100-continue"
     if expects and not error.started:  # it waits for a 100 Continue that never comes
@@ -78,7 +72,7 @@ async def refuse(scope, receive, send, error: TooLarge) -> None:
     await send({"type": "http.response.body", "body": b""})
 
 
-async def drain(receive, max_bytes: int, max_s: float) -> None:
+async def drain(receive: Receive, max_bytes: int, max_s: float) -> None:
     """Reads and discards the body until its end, the caller's disconnect,
     max_bytes or max_s, whichever comes first."""
     loop = asyncio.get_running_loop()

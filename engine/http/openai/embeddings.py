@@ -14,16 +14,19 @@ import json
 
 import numpy as np
 
-from engine.http import openai_fields as fields
-from engine.http.openai_reply import Watch, bad, send_bytes
-from engine.http.oip_tensors import json_text
+from engine.http.asgi import Receive, Send, send_whole
+from engine.http.engines import answers_of
+from engine.http.openai import fields
+from engine.http.openai.replies import bad
+from engine.http.values import json_text
+from engine.http.watch import Watch
 
 FORMATS = ("float", "base64")
 INLINE_VALUES = 4096  # an answer of more values is encoded in a thread
 
 
-async def answer(model, served: fields.Served, body: dict, timeout_s: float, receive,
-                 send) -> None:
+async def answer(client, served: fields.Served, body: dict, timeout_s: float,
+                 receive: Receive, send: Send) -> None:
     """Answers the request through send (an error before that is raised)."""
     fmt = body.get("encoding_format") or "float"
     if fmt not in FORMATS:
@@ -35,35 +38,22 @@ async def answer(model, served: fields.Served, body: dict, timeout_s: float, rec
         raise bad(f"input: expected at most {capacity} inputs (the engine's queue_capacity), "
                   f"got {len(inputs)}", "input")
     requests = [served.request(ids, body, "input") for ids in inputs]
-    sent = []
     watch = Watch(receive, timeout_s)
     try:
-        try:
-            for x in requests:
-                sent.append(model.client.submit(x, timeout_s))
-            answers = await asyncio.gather(*(asyncio.wrap_future(f) for f in sent))
-        finally:
-            watch.close()
+        answers = await answers_of(client, requests, timeout_s)  # withdrawn if cut
     except asyncio.CancelledError:
-        _withdraw(sent)
-        if watch.ours():  # withdrawn: their caller left
+        if watch.ours():  # their caller left
             return
         raise
-    except BaseException:
-        _withdraw(sent)
-        raise
+    finally:
+        watch.close()
     vectors = [served.vector(a) for a in answers]
     usage = sum(len(ids) for ids in inputs)
     if sum(v.size for v in vectors) > INLINE_VALUES:
         out = await asyncio.to_thread(_encode, served.model, vectors, fmt, usage)
     else:
         out = _encode(served.model, vectors, fmt, usage)
-    await send_bytes(send, 200, out)
-
-
-def _withdraw(sent) -> None:
-    for f in sent:
-        f.cancel()  # withdrawn, unless a batch answered it already
+    await send_whole(send, 200, out)
 
 
 def _encode(model: str, vectors, fmt: str, prompt_tokens: int) -> bytes:

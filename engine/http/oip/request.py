@@ -3,7 +3,7 @@
 Spec is one engine as a request is checked against it: its inputs'
 protocol names, datatypes and shapes with their bounds, its outputs, its
 queue_capacity and priority levels. It is plain data, so the parser process
-(engine.http.parsing) can take it along with a body. parse_infer reads a
+(engine.http.server.parsing) can take it along with a body. parse_infer reads a
 body against it: every input's declared name, datatype and shape are checked
 before any input's data is converted, so a request that can never fit (more
 requests than queue_capacity, a dim beyond its bound, a wrong rank or
@@ -31,12 +31,13 @@ from typing import Any, List, NamedTuple, Optional, Tuple
 import numpy as np
 
 from engine.config import EngineConfig
-from engine.http import oip_tensors
-from engine.http.oip_tensors import BadRequest, Declared, datatype_of, json_text
+from engine.http.body import HEADER_BYTES, MAX_JSON_BYTES
+from engine.http.errors import BadRequest
+from engine.http.oip import tensors
+from engine.http.oip.tensors import Declared
+from engine.http.values import datatype_of, json_text
 
 JSON_BYTES_PER_VALUE = 32
-HEADER_BYTES = 64 << 10
-MAX_JSON_BYTES = 64 << 20
 PARAMETERS = ("timeout", "priority", "binary_data_output")
 
 
@@ -110,20 +111,20 @@ def parse_infer(body: bytes, header_length: Optional[str], spec: Spec,
                 default_timeout_s: float) -> Parsed:
     """The infer request in body, read against spec; BadRequest for one
     the protocol or the engine does not take."""
-    request, binary = oip_tensors.split(body, header_length)
-    params = oip_tensors.parameters(request, "request", PARAMETERS)
-    timeout_s = oip_tensors.timeout_s(params.get("timeout", 0), default_timeout_s)
+    request, binary = tensors.split(body, header_length)
+    params = tensors.parameters(request, "request", PARAMETERS)
+    timeout_s = tensors.timeout_s(params.get("timeout", 0), default_timeout_s)
     priority = engine_priority(spec, params.get("priority", 0))
     binary_default = params.get("binary_data_output", False)
     if not isinstance(binary_default, bool):
         raise BadRequest(f"binary_data_output: expected true or false, got "
                          f"{json_text(binary_default)}")
     outputs = wanted(spec, request, binary_default)
-    tensors = oip_tensors.read_inputs(request, binary, functools.partial(check, spec))
-    if len(tensors) == 1:  # the common case: one input (check made it the engine's)
-        arrays = [tensors[0].array]
+    read = tensors.read_inputs(request, binary, functools.partial(check, spec))
+    if len(read) == 1:  # the common case: one input (check made it the engine's)
+        arrays = [read[0].array]
     else:
-        given = {t.name: t.array for t in tensors}
+        given = {t.name: t.array for t in read}
         arrays = [given[i.name] for i in spec.inputs]
     return Parsed(arrays[0].shape[0], arrays, outputs, timeout_s, priority, request.get("id"))
 
@@ -156,7 +157,7 @@ def check(spec: Spec, declared: List[Declared]) -> None:
             raise BadRequest(f"input {i.name!r}: expected {k} requests in its first dim, as "
                              f"input {names[0]!r} has, got {d.shape[0]}")
         k = d.shape[0]
-    if k > spec.capacity:
+    if k is None or k > spec.capacity:
         raise BadRequest(f"expected at most {spec.capacity} requests (the engine's "
                          f"queue_capacity) in one infer, got {k}")
 
@@ -176,7 +177,7 @@ def wanted(spec: Spec, request: dict, binary_default: bool) -> List[Tuple[int, s
         if not isinstance(name, str) or name not in index:
             raise BadRequest(f"model {spec.name!r}: expected outputs among "
                              f"{list(index)}, got {json_text(name or obj)}")
-        params = oip_tensors.parameters(obj, f"output {name!r}", ("binary_data",))
+        params = tensors.parameters(obj, f"output {name!r}", ("binary_data",))
         binary = params.get("binary_data", binary_default)
         if not isinstance(binary, bool):
             raise BadRequest(f"output {name!r}: binary_data: expected true or false, got "

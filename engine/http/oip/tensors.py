@@ -11,42 +11,23 @@ Everything here is a pure function of a body's bytes, and every size is
 checked against the bytes that came before anything is allocated for it:
 a declared size can refuse a body, never make one. A bad body is BadRequest,
 whose message names what was expected and what came; matching the tensors
-to an engine's is engine.http.oip_request's (read_inputs takes its check,
+to an engine's is engine.http.oip.request's (read_inputs takes its check,
 which sees every tensor's declared name, datatype and shape before any
 tensor's data is converted).
 """
-import itertools
 import json
 import math
 from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-# numpy dtype name -> the protocol's datatype, each way
-DATATYPES = {"bool": "BOOL", "uint8": "UINT8", "uint16": "UINT16", "uint32": "UINT32",
-             "uint64": "UINT64", "int8": "INT8", "int16": "INT16", "int32": "INT32",
-             "int64": "INT64", "float16": "FP16", "float32": "FP32", "float64": "FP64"}
-NUMPY = {datatype: np.dtype(name).newbyteorder("<") for name, datatype in DATATYPES.items()}
-_OF_DTYPE = {np.dtype(name): datatype for name, datatype in DATATYPES.items()}  # per request
+from engine.http.errors import BadRequest
+from engine.http.values import MAX_RANK, NUMPY, datatype_of, from_json, json_text
+
 # datatypes of the protocol that no engine tensor can hold (numbers of a fixed size only)
 UNHELD = ("BYTES", "BF16")
 # the longest `timeout` a request may ask: a week, in microseconds
 MAX_TIMEOUT_US = 7 * 24 * 3600 * 10**6
-MAX_RANK = 32  # lists nested deeper are no tensor's (numpy's own bound is 64)
-
-# the JSON values each kind of datatype takes: booleans for BOOL, integers for
-# the integer types, any number for the floating ones
-_JSON_TYPES = {"b": ({bool}, "booleans"), "u": ({int}, "integers"), "i": ({int}, "integers"),
-               "f": ({int, float}, "numbers")}
-
-
-class BadRequest(Exception):
-    """A body or tensor the protocol, or this server, does not take; the
-    status is 400, or 413 for a body over the size limit."""
-
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 class Tensor(NamedTuple):
@@ -54,18 +35,6 @@ class Tensor(NamedTuple):
     datatype: str
     shape: Tuple[int, ...]
     array: np.ndarray  # of that shape; a read-only view of the body for binary data
-
-
-def datatype_of(dtype) -> str:
-    """The protocol's datatype of a numpy dtype; ValueError for one it has none for."""
-    found = _OF_DTYPE.get(dtype) if isinstance(dtype, np.dtype) else None
-    if found is not None:
-        return found
-    name = np.dtype(dtype).name
-    if name not in DATATYPES:
-        raise ValueError(f"the Open Inference Protocol has no datatype for {name} (it has "
-                         f"{', '.join(DATATYPES)})")
-    return DATATYPES[name]
 
 
 def split(body: bytes, header_length: Optional[str]) -> Tuple[dict, memoryview]:
@@ -121,21 +90,6 @@ def timeout_s(micros, default_s: float) -> float:
     return micros / 1e6 if micros else default_s
 
 
-def value_array(value, datatype: str, name: str) -> np.ndarray:
-    """A tensor given as a bare JSON value (a number, or nested lists of the
-    tensor's shape) as an array of datatype."""
-    shape, inner = [], value
-    while isinstance(inner, list):
-        if len(shape) == MAX_RANK:
-            raise BadRequest(f"input {name!r}: expected a value or lists nested at most "
-                             f"{MAX_RANK} deep, got deeper ones")
-        shape.append(len(inner))
-        if not inner:
-            break
-        inner = inner[0]
-    return _from_json(value if shape else [value], datatype, tuple(shape), name)
-
-
 class Declared(NamedTuple):
     """An input tensor as the request declares it, before its data is read."""
     name: str
@@ -170,7 +124,7 @@ def read_inputs(request: dict, binary: memoryview,
     tensors, offset = [], 0
     for (name, datatype, shape), obj, size in zip(declared, inputs, sizes):
         if size is None:
-            array = _from_json(obj["data"], datatype, shape, name)
+            array = from_json(obj["data"], datatype, shape, name)
         else:
             array = _from_binary(binary, offset, size, datatype, shape, name)
             offset += size
@@ -213,55 +167,6 @@ def _from_binary(binary: memoryview, offset: int, size, datatype: str, shape, na
     return np.frombuffer(binary, dtype, math.prod(shape), offset).reshape(shape)
 
 
-def _from_json(data, datatype: str, shape, name: str) -> np.ndarray:
-    dtype, count = NUMPY[datatype], math.prod(shape)
-    types, what = _JSON_TYPES[dtype.kind]
-    values = _flat(data, shape)
-    if values is None:
-        raise BadRequest(f"input {name!r}: expected {count} {what} ({datatype}{list(shape)}) as "
-                         f"a flat list or as lists nested as its shape, got {json_text(data)}")
-    # the types are checked on the JSON's own values: numpy would read 2**64 - 1
-    # beside 0 as a float, and "1" or 1.5 as integers
-    found = set(map(type, values))
-    if not found <= types or len(values) != count:
-        got = (f"{len(values)} {_JSON_TYPES['f' if found <= {int, float} else 'b'][1]}"
-               if found <= {int, float} or found == {bool} else json_text(data))
-        raise BadRequest(f"input {name!r}: expected {count} {what} ({datatype}{list(shape)}), "
-                         f"got {got}")
-    if dtype.kind != "b" and values:
-        info = np.iinfo(dtype) if dtype.kind in "iu" else np.finfo(dtype)
-        low, high = min(values), max(values)
-        if low < info.min or high > info.max:
-            raise BadRequest(f"input {name!r}: expected {datatype} values in {info.min}.."
-                             f"{info.max}, got {low}..{high}")
-    return np.array(values, dtype).reshape(shape)
-
-
-def _flat(data, shape):
-    """The values of data in row-major order: data itself when it is a flat
-    list, or lists nested exactly as the shape, flattened; None if it is
-    neither. The work is bounded by the shape, never by data's size."""
-    if type(data) is not list:
-        return None
-    if list not in set(map(type, data)):
-        return data  # flat, as the protocol writes it
-    values, count = data, 1
-    for depth, dim in enumerate(shape):
-        count *= dim
-        if len(values) != count:
-            return None
-        if depth == len(shape) - 1:
-            break
-        # each a list, and all of them as long as the next dim
-        if set(map(type, values)) != {list} or \
-                sum(map(len, values)) != count * shape[depth + 1]:
-            return None
-        values = list(itertools.chain.from_iterable(values))
-    else:
-        return None  # nested lists, for a scalar
-    return values if list not in set(map(type, values)) else None
-
-
 def response(model: str, request_id, outputs, version: str = "1") -> Tuple[bytes, Optional[int]]:
     """(body, JSON length or None) of an infer response: outputs are
     (name, array, binary) in order, binary ones after the JSON."""
@@ -284,39 +189,7 @@ def response(model: str, request_id, outputs, version: str = "1") -> Tuple[bytes
     return b"".join([text, *buffers]), len(text)
 
 
-def json_text(value, limit: int = 60) -> str:
-    """A value as the message shows it: JSON, cut short. Only what shows is
-    written out, so a large or deeply nested value costs no more than a small one."""
-    parts, size, todo = [], 0, [value]  # todo: values and _Text to write, the next last
-    while todo and size <= limit:
-        v = todo.pop()
-        if isinstance(v, _Text):
-            piece = v
-        elif isinstance(v, (list, dict)):
-            items = list(itertools.islice(v.items() if isinstance(v, dict) else v, limit))
-            todo.append(_Text("}" if isinstance(v, dict) else "]"))
-            for i in reversed(range(len(items))):
-                if isinstance(v, dict):
-                    todo += [items[i][1], _Text(_dumps(str(items[i][0])) + ": ")]
-                else:
-                    todo.append(items[i])
-                if i:
-                    todo.append(_Text(", "))
-            piece = "{" if isinstance(v, dict) else "["
-        else:
-            piece = _dumps(v)
-        parts.append(piece)
-        size += len(piece)
-    text = "".join(parts)
-    return text if not todo and len(text) <= limit else text[:limit - 3] + "..."
 
 
-class _Text(str):
-    """What json_text writes as it is (punctuation), beside the values it writes as JSON."""
 
 
-def _dumps(value) -> str:
-    try:
-        return json.dumps(value)
-    except (TypeError, ValueError):
-        return repr(value)

@@ -26,18 +26,15 @@ import logging
 from typing import Optional
 
 from engine.errors import EngineError, EngineUnavailable
+from engine.http.asgi import WRITE_BODY, Receive, Scope, Send
+from engine.http.watch import CLOSING_S, disconnected
 
 log = logging.getLogger("shmbatch")
 
 SHUTDOWN = "the server is shutting down; this request was not completed"
 CUT = "the answer ended before it completed"
-CLOSING_S = 5.0
 SEND_MIN_S = 1.0
 EMPTY = object()  # an answer of no chunk
-# scope["extensions"][WRITE_BODY], where the server has it: write_body(body) ->
-# bool, the next bytes of a streamed response's body written at once, as ASGI's
-# send would, when the connection takes them now; False: send them instead
-WRITE_BODY = "shmbatch.write_body"
 
 
 class Finished(Exception):
@@ -53,9 +50,9 @@ class Finished(Exception):
 class Follower:
     """An opened stream and its caller's disconnect, followed together."""
 
-    def __init__(self, chunks, receive) -> None:
+    def __init__(self, chunks, receive: Receive) -> None:
         self.chunks = chunks
-        self.gone = asyncio.ensure_future(_disconnected(receive))
+        self.gone = asyncio.ensure_future(disconnected(receive))
         self.gone.add_done_callback(self._woken)
         self.read = False  # all that came was read: what comes next wakes the stream
 
@@ -84,7 +81,7 @@ class Follower:
         await self.chunks.aclose()
 
 
-async def collect(chunks, receive) -> Optional[list]:
+async def collect(chunks, receive: Receive) -> Optional[list]:
     """Every chunk of the stream, in blocks as they came (AsyncStream.ready);
     None (the request withdrawn) once its caller disconnected. The request's
     error is raised."""
@@ -119,7 +116,8 @@ class EventStream:
 
     headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
-    def __init__(self, chunks, scope, receive, send, timeout_s: float) -> None:
+    def __init__(self, chunks, scope: Scope, receive: Receive, send: Send,
+                 timeout_s: float) -> None:
         self.chunks, self.receive, self.send = chunks, receive, send
         # the server's writer of a streamed body, where it has one (the HTTP
         # worker's connections): the chunks are then written in the stream's
@@ -157,7 +155,9 @@ class EventStream:
 
     # -- the writing -------------------------------------------------------------------
     async def run(self) -> None:
-        self.task = asyncio.current_task()
+        task = asyncio.current_task()
+        assert task is not None  # a coroutine runs in a task
+        self.task = task
         follower = Follower(self.chunks, self.receive)
         started = False
         try:
@@ -200,7 +200,7 @@ class EventStream:
                                else self.error_event(EngineUnavailable(CUT)))
         except asyncio.CancelledError:
             if self.slow:  # the bound cut a send: the request ends here
-                self.task.uncancel()
+                task.uncancel()
                 log.warning("a stream's caller read nothing until its deadline; closed")
             elif not started:  # the server stops (its drain ran out)
                 await self.send({"type": "http.response.start", "status": 503,
@@ -241,11 +241,11 @@ class EventStream:
     def _pump(self) -> None:
         """The stream's waker while run() waits in _next: writes every block
         come, in this callback, while the connection takes it."""
-        handed, chunks = self.handed, self.chunks
-        if handed is None or handed.done():
+        handed, chunks, follower = self.handed, self.chunks, self.follower
+        if handed is None or handed.done() or follower is None:
             return
         try:
-            while not self.follower.gone.done():
+            while not follower.gone.done():
                 got = chunks.ready()
                 if got is None:
                     return
@@ -279,7 +279,8 @@ class EventStream:
         now = self.loop.time()
         if self.sending and now >= self.send_until:
             self.slow, self.timer = True, None
-            self.task.cancel()
+            if self.task is not None:
+                self.task.cancel()
             return
         self.timer = self.loop.call_at(self.send_until if self.sending else now + SEND_MIN_S,
                                        self._check)
@@ -311,8 +312,3 @@ def _json_maker():
 
 
 dumps = _json_maker()
-
-
-async def _disconnected(receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass

@@ -1,12 +1,10 @@
 """The Open Inference Protocol (KServe v2 REST, as Triton serves it) for the engines of a serve.
 
-An ASGI application, run by each HTTP worker process of `shmbatch serve
---http-port` (engine.http.workers) and usable under any ASGI server. Each
-engine is a model of its own name, reached through one Client per worker
-process, so the requests of every worker batch together in its queue. The
-routes: GET /v2/health/live, /v2/health/ready, /v2, /v2/models/NAME (also
+The routes the front (engine.http.front) hands every path but /v1/'s. Each
+engine is a model of its own name, reached through its worker's Client
+(engine.http.engines). The routes: GET /v2/health/live, /v2/health/ready, /v2, /v2/models/NAME (also
 under /versions/1), .../ready, .../config; POST .../infer, and Triton's
-generate extension, .../generate and .../generate_stream (engine.http.oip_generate);
+generate extension, .../generate and .../generate_stream (engine.http.oip.generate);
 POST /v2/repository/index.
 
 As Triton does for a model with max_batch_size > 0, a tensor's first dim
@@ -28,52 +26,41 @@ engine (that engine) runs and has a live batcher that has loaded its model
 
 Every refusal is {"error": "..."}, naming what was expected and what came:
 400 a bad body (tensors, datatypes, shapes, sizes, names) or InvalidInput,
-checked before its data is converted (engine.http.oip_request); 404 no such
+checked before its data is converted (engine.http.oip.request); 404 no such
 model or route; 413 a body over the limit, derived from the engine unless
 http_max_body_bytes sets one (refused from its Content-Length, before it is
-read; engine.http.oip_body); 503 QueueFull / Overloaded / EngineUnavailable,
+read; engine.http.body); 503 QueueFull / Overloaded / EngineUnavailable,
 or not ready, with Retry-After (whole seconds, at least 1: the engine's
 predicted wait); 504 RequestTimeout; 500 BackendError.
 """
 import asyncio
 import json
 import logging
-import math
 import time
-from typing import Dict, List, Optional
+from importlib import metadata
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from engine.client import tracing
 from engine.client.client import Client
 from engine.config import EngineConfig
-from engine.errors import (
-    BackendError,
-    EngineError,
-    EngineUnavailable,
-    InvalidInput,
-    Overloaded,
-    QueueFull,
-    RequestTimeout,
-)
-from engine.http import oip_body, oip_generate, oip_request, oip_tensors, openai_app, parsing
-from engine.http.oip_tensors import BadRequest, datatype_of
+from engine.errors import EngineError, EngineUnavailable, QueueFull, RequestTimeout
+from engine.http import asgi, body
+from engine.http.asgi import Receive, Scope, Send
+from engine.http.engines import Engines, answers_of
+from engine.http.errors import BadRequest, Disconnected, NotFound, allowed, retry_after, status_of
+from engine.http.oip import generate, request, tensors
+from engine.http.oip.tensors import datatype_of
+from engine.http.server import parsing
 
 log = logging.getLogger("shmbatch")
 
-DEFAULT_TIMEOUT_S = 30.0
 VERSION = "1"  # every engine is one model of one version
 RESPONSE_INLINE_VALUES = 4096  # a response of more values in JSON is written in a thread
 EXTENSIONS = ("binary_tensor_data", "model_configuration", "model_repository", "generate")
 
-# the first class an error is an instance of decides its status
-STATUS = ((InvalidInput, 400), (QueueFull, 503), (EngineUnavailable, 503),
-          (RequestTimeout, 504), (BackendError, 500), (EngineError, 500))
-
-
-class NotFound(BadRequest):
-    def __init__(self, message: str) -> None:
-        super().__init__(message, 404)
+# a route's answer: status, body, headers
+Answer = Tuple[int, bytes, List[Tuple[bytes, bytes]]]
 
 
 class Model:
@@ -84,7 +71,7 @@ class Model:
         self.name, self.config, self.client = name, config, client
         self.inputs = [(spec.name or "INPUT", spec) for spec in config.input_specs]
         self.outputs = [(spec.name or "OUTPUT", spec) for spec in config.output_specs]
-        self.spec = oip_request.spec_of(name, config)  # ValueError for a dtype the protocol lacks
+        self.spec = request.spec_of(name, config)  # ValueError for a dtype the protocol lacks
         self.json_limits: Dict[tuple, tuple] = {}  # (rows, explicit) -> a JSON body's limit
 
     def metadata(self) -> dict:
@@ -113,9 +100,7 @@ class Model:
 
     async def infer(self, arrays, k: int, timeout_s: float, priority: int) -> List[np.ndarray]:
         """The k requests' answers, each output stacked [k, *shape], in spec
-        order. Each request is enqueued here, on the event loop, as a single
-        one is (priority shares, admission); if one is refused, those
-        enqueued before it are withdrawn."""
+        order (engine.http.engines.answers_of: refused one, withdrawn all)."""
         c = self.client
         if k == 1 and not self.config.named:  # the common case, without a stack
             return [(await c.infer_async(arrays[0][0], timeout_s, priority=priority))[None]]
@@ -125,143 +110,69 @@ class Model:
         else:
             rows = list(arrays[0])
         if k == 1:
-            answers = [await c.infer_async(rows[0], timeout_s, priority=priority)]
+            answers: list = [await c.infer_async(rows[0], timeout_s, priority=priority)]
         else:
-            sent = []
-            try:
-                for row in rows:
-                    sent.append(c.submit(row, timeout_s, priority=priority))
-                answers = await asyncio.gather(*(asyncio.wrap_future(f) for f in sent))
-            except BaseException:
-                for f in sent:
-                    f.cancel()  # withdrawn, unless a batch answered it already
-                raise
+            answers = await answers_of(c, rows, timeout_s, priority)
         if not self.config.named:
             return [np.stack(answers)]
         return [np.stack([a[spec.name] for a in answers]) for _, spec in self.outputs]
 
     def engine_priority(self, triton_priority) -> int:
-        return oip_request.engine_priority(self.spec, triton_priority)
+        return request.engine_priority(self.spec, triton_priority)
 
     def body_limit(self, header_length: Optional[str], rows: int, explicit: Optional[int]):
         """(the most bytes a body may have, what the limit is made of); a JSON
         body's worked out once."""
         if header_length is not None:
-            return oip_request.body_limit(self.spec, header_length, rows, explicit)
+            return request.body_limit(self.spec, header_length, rows, explicit)
         limit = self.json_limits.get((rows, explicit))
         if limit is None:
-            limit = self.json_limits[(rows, explicit)] = oip_request.body_limit(
+            limit = self.json_limits[(rows, explicit)] = request.body_limit(
                 self.spec, None, rows, explicit)
         return limit
 
-    def retry_after_s(self, error: EngineError, priority: int = 0) -> int:
-        """A 503's Retry-After: the engine's predicted wait, whole seconds, >= 1."""
-        wait_s = 1.0
-        if isinstance(error, Overloaded) and error.predicted_wait_ms:
-            wait_s = error.predicted_wait_ms / 1000
-        elif isinstance(error, QueueFull):
-            try:
-                wait_s = self.client.predicted_wait_s(priority)
-            except EngineError:
-                pass
-        return max(1, math.ceil(wait_s))
-
 
 class App:
-    """The ASGI application of one HTTP worker: the protocol's routes for
-    the engines `configs` names. Its Clients attach at the lifespan's startup
-    (or at the first request, under a server without lifespan events)."""
+    """The protocol's routes over `engines`, as an ASGI app (the front
+    handles the lifespan)."""
 
-    def __init__(self, configs: Dict[str, EngineConfig], timeout_s: float = DEFAULT_TIMEOUT_S,
-                 max_body_bytes: Optional[int] = None, on_ready=None,
-                 openai: Optional[Dict[str, dict]] = None) -> None:
-        self.configs, self.timeout_s = configs, timeout_s
-        # None: each model's limit derived from its engine (engine.http.oip_request)
-        self.max_body_bytes = max_body_bytes
-        # /v1/...: the OpenAI API, for the engines that have an openai table
-        self.openai = openai_app.OpenAIApp(self, openai) if openai else None
-        self.on_ready = on_ready
+    def __init__(self, engines: Engines) -> None:
+        self.engines = engines
         self.parser = parsing.Parser()
         self.models: Dict[str, Model] = {}
-        self.startup_error: Optional[str] = None  # why the lifespan's startup failed
-
-    def open(self) -> None:
-        """A Client of each engine (EngineUnavailable if one is not running)."""
-        if not self.models:
-            self.models = {name: Model(name, config, Client(name))
-                           for name, config in self.configs.items()}
 
     def close(self) -> None:
-        models, self.models = self.models, {}
-        for model in models.values():
-            model.client.close()
         self.parser.close()
 
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "lifespan":
-            return await self._lifespan(receive, send)
-        if scope["type"] != "http":
-            return  # websockets are not served
-        token = tracing.continued(scope["headers"])  # the caller's traceparent, when tracing
-        try:
-            return await self._http(scope, receive, send)
-        finally:
-            if token is not None:
-                tracing.detach(token)
-
-    async def _http(self, scope, receive, send) -> None:
-        if self.openai is not None and scope["path"].startswith("/v1/"):
-            return await self.openai(scope, receive, send)
-        headers = []
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers: List[Tuple[bytes, bytes]] = []
         try:
             answered = await self._route(scope, receive, send)
             if answered is None:  # a stream, written as it came
                 return
-            status, body, headers = answered
-        except oip_body.Disconnected:
+            status, out, headers = answered
+        except Disconnected:
             return
-        except oip_body.TooLarge as e:  # answered, then the rest of its body read and dropped
-            return await oip_body.refuse(scope, receive, send, e)
+        except body.TooLarge as e:  # answered, then the rest of its body read and dropped
+            return await body.refuse(scope, receive, send, _error(str(e)), e)
         except BadRequest as e:
-            status, body = e.status, _error(str(e))
+            status, out, headers = e.status, _error(str(e)), list(e.headers)
         except EngineError as e:
-            status = next(code for kind, code in STATUS if isinstance(e, kind))
-            body = _error(f"{type(e).__name__}: {e}")
+            status = status_of(e)
+            out = _error(f"{type(e).__name__}: {e}")
             if status == 503:
-                seconds = getattr(e, "retry_after_s", 1)
-                headers = [(b"retry-after", str(seconds).encode())]
+                headers = retry_after(getattr(e, "retry_after_s", 1))
         except parsing.ParseFailed as e:
             log.warning("%s %s: %s", scope["method"], scope["path"], e)
-            status, body = 500, _error(f"ParseFailed: {e}")
+            status, out = 500, _error(f"ParseFailed: {e}")
         except Exception as e:
             log.exception("%s %s failed", scope["method"], scope["path"])
-            status, body = 500, _error(f"{type(e).__name__}: {e}")
+            status, out = 500, _error(f"{type(e).__name__}: {e}")
         if not any(name == b"content-type" for name, _ in headers):
-            headers.append((b"content-type", b"application/json"))
-        headers.append((b"content-length", str(len(body)).encode()))
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+            headers.append(asgi.JSON)
+        await asgi.send_whole(send, status, out, headers)
 
-    async def _lifespan(self, receive, send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                try:
-                    self.open()
-                except Exception as e:
-                    self.startup_error = f"{type(e).__name__}: {e}"
-                    await send({"type": "lifespan.startup.failed",
-                                "message": self.startup_error})
-                    return
-                await send({"type": "lifespan.startup.complete"})
-                if self.on_ready is not None:
-                    self.on_ready()
-            elif message["type"] == "lifespan.shutdown":
-                self.close()
-                await send({"type": "lifespan.shutdown.complete"})
-                return
-
-    async def _route(self, scope, receive, send):
+    async def _route(self, scope: Scope, receive: Receive, send: Send) -> Optional[Answer]:
         """(status, body, headers) of the request; None once a route has
         written its answer itself."""
         method, path = scope["method"], scope["path"]
@@ -276,7 +187,8 @@ class App:
         if parts == ["health", "ready"]:
             return _get(method, self._server_ready)
         if parts == ["repository", "index"]:
-            return _allowed(method, "POST") or _json(self._index())
+            allowed(method, "POST")
+            return _json(self._index())
         if len(parts) < 2 or parts[0] != "models":
             raise NotFound(f"no route {path}")
         model, rest = self._model(parts[1]), parts[2:]
@@ -284,11 +196,11 @@ class App:
             return await self._model_route(model, rest, method, scope, receive, send)
         except (QueueFull, EngineUnavailable) as e:  # 503: when to try again
             if not hasattr(e, "retry_after_s"):
-                e.retry_after_s = model.retry_after_s(e)
+                e.retry_after_s = self.engines.retry_after_s(model.name, e)  # type: ignore
             raise
 
-    async def _model_route(self, model: Model, rest: List[str], method: str, scope, receive,
-                           send):
+    async def _model_route(self, model: Model, rest: List[str], method: str, scope: Scope,
+                           receive: Receive, send: Send) -> Optional[Answer]:
         path = scope["path"]
         if rest[:1] == ["versions"]:
             if rest[1:2] != [VERSION]:
@@ -302,28 +214,30 @@ class App:
         if rest == ["config"]:
             return _get(method, model.triton_config)
         if rest == ["infer"]:
-            return _allowed(method, "POST") or await self._infer(model, scope, receive)
+            allowed(method, "POST")
+            return await self._infer(model, scope, receive)
         if rest in (["generate"], ["generate_stream"]):
-            refused = _allowed(method, "POST")
-            if refused:
-                return refused
-            body = await oip_body.read(scope, receive,
-                                       *model.body_limit(None, 1, self.max_body_bytes))
+            allowed(method, "POST")
+            engines = self.engines
+            raw = await body.read(scope, receive,
+                                  *model.body_limit(None, 1, engines.max_body_bytes))
             if rest == ["generate"]:
-                return await oip_generate.generate(model, body, self.timeout_s, receive)
-            return await oip_generate.generate_stream(model, body, self.timeout_s, scope, receive,
-                                                      send)
+                return await generate.generate(model, raw, engines.timeout_s, receive)
+            await generate.generate_stream(model, raw, engines.timeout_s, scope, receive, send)
+            return None
         raise NotFound(f"no route {path}")
 
     def _model(self, name: str) -> Model:
-        self.open()
         model = self.models.get(name)
         if model is None:
-            raise NotFound(f"unknown model {name!r}; this server has {sorted(self.models)}")
+            config = self.engines.configs.get(name)
+            if config is None:
+                raise NotFound(f"unknown model {name!r}; this server has "
+                               f"{sorted(self.engines.configs)}")
+            model = self.models[name] = Model(name, config, self.engines.client(name))
         return model
 
     def _server_metadata(self) -> dict:
-        from importlib import metadata
         try:
             version = metadata.version("shmbatch")
         except metadata.PackageNotFoundError:
@@ -331,45 +245,37 @@ class App:
         return {"name": "shmbatch", "version": version, "extensions": list(EXTENSIONS)}
 
     def _server_ready(self) -> dict:
-        self.open()
-        for model in self.models.values():
-            self._model_ready(model)
+        for name in self.engines.configs:
+            self.engines.ready(name)
         return {"ready": True}
 
-    @staticmethod
-    def _model_ready(model: Model) -> dict:
-        """EngineUnavailable (503) unless the engine runs and a live batcher
-        that has loaded its model serves it."""
-        model.client.predicted_wait_s()  # attached (again, after a restart) and running
-        seg = model.client.attached
-        if seg is None or not seg.serves():
-            raise EngineUnavailable(f"model {model.name!r} is not ready: expected a live "
-                                    f"batcher that has loaded its model, got none (the engine "
-                                    f"starts, or replaces a batcher)")
+    def _model_ready(self, model: Model) -> dict:
+        self.engines.ready(model.name)
         return {"name": model.name, "ready": True}
 
     def _index(self) -> list:
-        self.open()
         states = []
-        for name, model in sorted(self.models.items()):
+        for name in sorted(self.engines.configs):
             try:
-                self._model_ready(model)
+                self.engines.ready(name)
                 states.append({"name": name, "version": VERSION, "state": "READY"})
             except EngineUnavailable as e:
                 states.append({"name": name, "version": VERSION, "state": "UNAVAILABLE",
                                "reason": str(e)})
         return states
 
-    async def _infer(self, model: Model, scope, receive):
+    async def _infer(self, model: Model, scope: Scope, receive: Receive) -> Answer:
         arrived = time.monotonic()  # the request's timeout counts from here
         if model.config.iterative:  # answers of any length: no [k, ...] tensor holds them
             raise BadRequest(f"model {model.name!r} is iterative: expected POST "
                              f"/v2/models/{model.name}/generate or generate_stream, got infer")
-        header_length = oip_body.header(scope, b"inference-header-content-length")
-        limit, why = model.body_limit(header_length, model.spec.capacity, self.max_body_bytes)
-        body = await oip_body.read(scope, receive, limit, why)
-        parsed = await self.parser.parse(body, header_length, model.spec, self.timeout_s)
-        del body
+        engines = self.engines
+        header_length = asgi.header(scope, b"inference-header-content-length")
+        limit, why = model.body_limit(header_length, model.spec.capacity, engines.max_body_bytes)
+        raw = await body.read(scope, receive, limit, why)
+        parsed = await self.parser.parse(_size(raw, header_length), request.parse_infer, raw,
+                                         header_length, model.spec, engines.timeout_s)
+        del raw
         left_s = parsed.timeout_s - (time.monotonic() - arrived)
         if left_s <= 0:
             raise RequestTimeout(f"expected an answer within {parsed.timeout_s:g} s of the "
@@ -378,32 +284,34 @@ class App:
         try:
             answers = await model.infer(parsed.arrays, parsed.k, left_s, parsed.priority)
         except QueueFull as e:
-            e.retry_after_s = model.retry_after_s(e, parsed.priority)
+            e.retry_after_s = engines.retry_after_s(model.name, e, parsed.priority)  # type: ignore
             raise
         outputs = [(name, answers[i], b) for i, name, b in parsed.wanted]
         if sum(a.size for _, a, b in outputs if not b) > RESPONSE_INLINE_VALUES:
             out, json_length = await asyncio.to_thread(
-                oip_tensors.response, model.name, parsed.request_id, outputs)
+                tensors.response, model.name, parsed.request_id, outputs)
         else:
-            out, json_length = oip_tensors.response(model.name, parsed.request_id, outputs)
+            out, json_length = tensors.response(model.name, parsed.request_id, outputs)
         if json_length is None:
             return 200, out, []
         return 200, out, [(b"content-type", b"application/octet-stream"),
                           (b"inference-header-content-length", str(json_length).encode())]
 
 
-def _get(method: str, make):
-    return _allowed(method, "GET") or _json(make())
+def _size(raw: bytes, header_length: Optional[str]) -> int:
+    """What a body costs to parse: its JSON's bytes (binary data is not parsed)."""
+    try:
+        return int(header_length) if header_length is not None else len(raw)
+    except ValueError:
+        return len(raw)
 
 
-def _allowed(method: str, allowed: str):
-    """None when method is the route's, else the 405 answer."""
-    if method == allowed:
-        return None
-    return 405, _error(f"expected {allowed}, got {method}"), [(b"allow", allowed.encode())]
+def _get(method: str, make) -> Answer:
+    allowed(method, "GET")
+    return _json(make())
 
 
-def _json(value):
+def _json(value) -> Answer:
     return 200, json.dumps(value).encode(), []
 
 

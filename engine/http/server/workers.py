@@ -3,9 +3,10 @@
 serve binds the listening socket before any engine starts (a port in use
 fails the start with nothing created) and starts the workers once its
 engines serve. A worker is a fresh interpreter, as a batcher is, running
-uvicorn on that socket with engine.http.openinference's app and one Client per
-engine: the kernel hands each connection to one worker, and the requests of
-every worker batch together in the engines' queues. A worker is ready once
+uvicorn on that socket with the front and one Client per engine
+(engine.http.worker, each worker's entry): the kernel hands each
+connection to one worker, and the requests of every worker batch together
+in the engines' queues. A worker is ready once
 its Clients attached; it dies with serve (parent-death signal). serve's
 loop calls watch() every second, which never waits: a worker that died is
 replaced at once, and one that fails to start (or dies within STABLE_S of
@@ -14,23 +15,21 @@ uvicorn's graceful shutdown: new connections refused (503), the requests in
 progress answered (for at most the engines' drain timeout), then the worker
 exits. A worker raises its open-file limit to the hard limit and its
 oom_score_adj by 500, and holds its connections to a read timeout and a
-cap (engine.http.connections).
+cap (engine.http.server.connections).
 """
 import logging
 import math
 import signal
 import socket
 import subprocess
-import sys
 import time
 from multiprocessing.connection import Connection
 from typing import Dict, List, Optional, Tuple
 
-from engine import launch, logfmt
+from engine import launch
 
 log = logging.getLogger("shmbatch")
 
-START_TIMEOUT_S = 60.0
 BACKLOG = 2048
 FIRST_RETRY_S = 1.0  # a failed start's delay, doubled at each failure in a row
 MAX_RETRY_S = 10.0
@@ -85,7 +84,7 @@ class Workers:
     def pids(self) -> List[int]:
         return [p.pid for p in self.procs if p is not None]
 
-    def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
+    def start(self, timeout_s: float = launch.START_TIMEOUT_S) -> None:
         """Starts every worker; returns once all are ready. RuntimeError (every
         worker stopped) if one is not."""
         launched = []
@@ -106,8 +105,9 @@ class Workers:
         once its delay is past."""
         now = time.monotonic()
         for i in range(self.count):
-            if self._starting[i] is not None:
-                self._check_start(i, now)
+            starting = self._starting[i]
+            if starting is not None:
+                self._check_start(i, now, starting)
                 continue
             proc = self.procs[i]
             if proc is not None and proc.poll() is not None:
@@ -124,11 +124,12 @@ class Workers:
                 self.procs[i] = None
             if self.procs[i] is None and now >= self._retry_at[i]:
                 proc, reader = self._launch()
-                self.procs[i], self._starting[i] = proc, (reader, now + START_TIMEOUT_S)
+                self.procs[i], self._starting[i] = proc, (reader, now + launch.START_TIMEOUT_S)
 
-    def _check_start(self, i: int, now: float) -> None:
-        reader, deadline = self._starting[i]
+    def _check_start(self, i: int, now: float, starting: Tuple[Connection, float]) -> None:
+        reader, deadline = starting
         proc = self.procs[i]
+        assert proc is not None  # a start in progress has its process
         if reader.poll(0):
             try:
                 msg = reader.recv()
@@ -143,7 +144,7 @@ class Workers:
         elif proc.poll() is not None:
             why = f"it exited during start (code {proc.returncode})"
         elif now >= deadline:
-            why = f"not ready within {START_TIMEOUT_S:g} s"
+            why = f"not ready within {launch.START_TIMEOUT_S:g} s"
         else:
             return
         reader.close()
@@ -179,7 +180,8 @@ class Workers:
         self.procs = [None] * self.count
 
     def _launch(self):
-        return launch.launch("engine.http.workers", self._args, pass_fds=(self.sock.fileno(),))
+        return launch.launch("engine.http.worker", self._args,
+                             pass_fds=(self.sock.fileno(),))
 
 
 def _await_ready(i: int, proc: launch.Child, reader, timeout_s: float) -> None:
@@ -188,53 +190,3 @@ def _await_ready(i: int, proc: launch.Child, reader, timeout_s: float) -> None:
     except launch.ChildFailed as e:
         launch.kill(proc)
         raise RuntimeError(f"HTTP worker {i} did not start: {e.kind}: {e.message}") from None
-
-
-def _entry() -> None:
-    """A worker process (engine.launch): uvicorn with the protocol's app on the
-    socket serve passed."""
-    from engine.shm import liveness
-    liveness.die_with_parent()
-    args, ready = launch.child_args()
-    logging.basicConfig(level=args["log_level"].upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = None
-    try:
-        import uvicorn
-
-        from engine.config import EngineConfig
-        from engine.http import connections, openinference
-        connections.raise_oom_score()
-        nofile = connections.raise_nofile()
-        # rebuilt from the fd, the socket's protocol is read from it: asyncio sets
-        # TCP_NODELAY on accepted connections only when it is IPPROTO_TCP (a
-        # socket rebuilt with proto 0 leaves Nagle's algorithm on, and a
-        # keep-alive request then waits ~40 ms for the client's delayed ACK)
-        sock = socket.socket(fileno=args["fd"])
-        configs = {name: EngineConfig.from_json(blob) for name, blob in args["configs"].items()}
-        app = openinference.App(configs, args["timeout_s"], args["max_body_bytes"],
-                                on_ready=lambda: launch.tell_ready(ready),
-                                openai=args.get("openai"))
-        front = connections.Front(args["read_timeout_s"],
-                                  connections.max_connections(args["max_connections"], nofile))
-        # uvicorn's own lines at INFO (four per worker start and stop) say what
-        # serve's one line says already
-        level = max(logging.getLevelName(args["log_level"].upper()), logging.WARNING)
-        # JSON (engine.logfmt): uvicorn's loggers go to the root's handler, not its own text
-        logs = {"log_config": None} if logfmt.json_chosen() else {}
-        config = uvicorn.Config(app, lifespan="on", log_level=level, access_log=False, **logs,
-                                timeout_graceful_shutdown=args["graceful_s"],
-                                http=connections.protocol(front), backlog=BACKLOG)
-        connections.quiet_floods()
-        connections.Server(config, front).run(sockets=[sock])
-    except BaseException as e:
-        if app is not None and app.startup_error is not None:  # uvicorn exits (SystemExit 3)
-            launch.tell_failed(ready, launch.ChildFailed("StartFailed", app.startup_error))
-        else:
-            launch.tell_failed(ready, e)
-        if app is None:  # failed to start: told, and serve says it in one line
-            raise SystemExit(1) from None
-        raise
-    if app is not None and app.startup_error is not None:  # an older uvicorn returns
-        launch.tell_failed(ready, launch.ChildFailed("StartFailed", app.startup_error))
-        sys.exit(1)

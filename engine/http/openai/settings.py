@@ -24,9 +24,9 @@ import numpy as np
 
 from engine.config import EngineConfig
 from engine.errors import InvalidInput
-from engine.http import oip_tensors
-from engine.http.oip_tensors import BadRequest, datatype_of
-from engine.http.openai_reply import OpenAIError, bad
+from engine.http.errors import BadRequest
+from engine.http.openai.replies import OpenAIError, bad
+from engine.http.values import datatype_of, value_array
 from engine.tensors import TensorSpec
 
 KEYS = ("tokenizer", "model", "input", "output", "defaults")
@@ -154,7 +154,7 @@ def input_array(spec: TensorSpec, value, field: str) -> np.ndarray:
     """A field's JSON value as the engine's input `spec` (a single number fills
     a fixed shape); OpenAIError(400) otherwise."""
     try:
-        array = oip_tensors.value_array(value, datatype_of(spec.dtype), field)
+        array = value_array(value, datatype_of(spec.dtype), field)
     except BadRequest as e:
         raise bad(str(e), field) from None
     if array.ndim == 0 and spec.shape and None not in spec.shape:

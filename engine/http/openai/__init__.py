@@ -1,0 +1,9 @@
+"""The OpenAI API (/v1/) for the engines that have an [engines.NAME.openai] table.
+
+`routes` the /v1/ routes over the front's engines; `settings` an engine's
+openai table, checked against its tensors; `fields` a request's fields read
+against the engine that serves its model; `text` the tokenizer hook,
+incremental decoding, stop strings; `replies` answers and errors in
+OpenAI's shape; `generate` completions and chat completions on iterative
+engines; `embeddings` embeddings on one-shot engines.
+"""
