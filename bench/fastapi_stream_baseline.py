@@ -1,7 +1,7 @@
 """A simple Python streaming server doing the decoder bench's model work: FastAPI + StreamingResponse.
 
 The baseline row of `shmbatch bench --model decoder --baseline`. It runs the
-same model as the bench's iterative engine (engine.decoder's step model,
+same model as the bench's iterative engine (engine.tools.decoder's step model,
 DecoderSteps: the same weights, the same join and step calls) in its own
 process, with the simplest continuous batching one would write in an
 afternoon: one model thread; before each step every waiting request joins
@@ -40,7 +40,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from engine import decoder
+from engine.tools import decoder
 
 
 class Stream:
@@ -172,7 +172,7 @@ def main(argv=None) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--name", default="decoder", help="the model's name in the route")
-    p.add_argument("--model", default="{}", help="engine.decoder.Decoder's arguments, as JSON")
+    p.add_argument("--model", default="{}", help="engine.tools.decoder.Decoder's arguments, as JSON")
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--max-steps", type=int, default=128)
     p.add_argument("--max-prompt", type=int, default=128)

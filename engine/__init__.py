@@ -12,17 +12,17 @@ those below it, never up; on one floor, only within its own sub-package
     floor 6  engine.cli       the `shmbatch` command (also `python -m engine`)
     floor 5  engine.tools     bench, tune, manifests, dashboard: the runtime never imports them
     floor 5  engine.ray       Ray Serve replicas sharing one engine per node
-    floor 4  engine.http      the HTTP front (Open Inference Protocol) and its workers
+    floor 4  engine.http      the HTTP front (Open Inference Protocol, OpenAI API) and its workers
     floor 3  engine.serving   the supervisor: batcher processes, restarts, reload, metrics
     floor 2  engine.client    a process attached to an engine: requests and answers
     floor 2  engine.batching  the batcher process: one-shot and iterative loops
     floor 1  engine.shm       the C ring's binding, its constants, slot owners
 
-and on floor 1 beside engine.shm, the modules directly in engine/: errors,
-tensors, config, segment (a segment made from a config), spec (what a
-backend is), backends and decoder (the built-in models), launch (child
-processes), logfmt (the log's format). This module, the package's face, is
-above them all.
+and on floor 1 beside engine.shm, the modules directly in engine/: `errors`,
+`tensors`, `config`, `segment` (a segment made from a config), `spec` (what a
+backend is), `backends` (the built-in models), `launch` (child processes),
+`logfmt` (the log's format). This module, the package's face, is above them
+all; `__main__` runs the command.
 """
 from engine.client.client import Client as Client
 from engine.errors import BackendError as BackendError

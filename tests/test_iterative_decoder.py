@@ -1,4 +1,4 @@
-"""The built-in decoder (engine.decoder): its iterative `steps` backend
+"""The built-in decoder (engine.tools.decoder): its iterative `steps` backend
 streams each prompt as if decoded alone and ends a request at eos or its
 context while its batch mates go on; its one-shot `generate` backend
 answers the same tokens, each row ending at its own budget or context.
@@ -7,14 +7,14 @@ import numpy as np
 from iterative_helpers import ints
 
 import engine
-from engine.decoder import Decoder
+from engine.tools.decoder import Decoder
 
 TINY = dict(vocab=64, d_model=16, layers=1, heads=2, context=64, seed=3)
 PROMPTS = [np.array(p, np.int64) for p in ([5], [1, 2, 3], [60, 7, 7, 9, 30, 2], [12, 40])]
 
 
 def test_a_decoder_stream_equals_the_prompt_decoded_alone(make_engine):
-    eng = make_engine("decoder", backend="engine.decoder:steps", backend_args=TINY,
+    eng = make_engine("decoder", backend="engine.tools.decoder:steps", backend_args=TINY,
                       input_shape=(None,), max_input_shape=(12,), input_dtype="int64",
                       output_shape=(), output_dtype="int64", iterative=True, max_steps=10)
     model = Decoder(**TINY)
@@ -27,7 +27,7 @@ def test_a_decoder_stream_equals_the_prompt_decoded_alone(make_engine):
 
 
 def test_the_one_shot_generate_backend_answers_as_the_decoder_alone(make_engine):
-    eng = make_engine("generate", backend="engine.decoder:generate",
+    eng = make_engine("generate", backend="engine.tools.decoder:generate",
                       backend_args={**TINY, "steps": 10},
                       inputs={"prompt": ("int64", (None,)), "max_new_tokens": ("int64", (1,))},
                       max_input_shapes={"prompt": (12,)}, outputs={"tokens": ("int64", (10,))},
@@ -52,7 +52,7 @@ def test_a_decoder_request_ends_at_eos_or_its_context_and_its_batch_mates_go_on(
     cut = alone_short.tolist().index(eos) + 1
     assert 5 < cut < 10 and eos not in alone_long.tolist()
     # max_delay_ms: the flush rule starts the two together (the batch fills at 2)
-    eng = make_engine("decoder-ends", backend="engine.decoder:steps",
+    eng = make_engine("decoder-ends", backend="engine.tools.decoder:steps",
                       backend_args={**tiny, "eos": eos}, input_shape=(None,),
                       max_input_shape=(12,), input_dtype="int64", output_shape=(),
                       output_dtype="int64", iterative=True, max_steps=10, max_batch_size=2,
@@ -69,7 +69,7 @@ def test_the_one_shot_generate_backend_ends_each_row_at_its_own_budget_or_contex
     model = Decoder(**tiny)
     long, short = np.arange(20, 32, dtype=np.int64), np.array([3], np.int64)
     # one batch: long's budget fits its context, and short runs on past it
-    eng = make_engine("generate-ends", backend="engine.decoder:generate",
+    eng = make_engine("generate-ends", backend="engine.tools.decoder:generate",
                       backend_args={**tiny, "steps": 10},
                       inputs={"prompt": ("int64", (None,)), "max_new_tokens": ("int64", (1,))},
                       max_input_shapes={"prompt": (12,)}, outputs={"tokens": ("int64", (10,))},

@@ -62,7 +62,7 @@ def test_tune_of_an_iterative_engine_says_what_stops_the_running_batch():
 
 
 def test_tune_of_the_built_in_decoder_joins_prompts_of_a_variable_length(tmp_path):
-    code = commands.main(["tune", "--backend", "engine.decoder:steps", "--iterative", "true",
+    code = commands.main(["tune", "--backend", "engine.tools.decoder:steps", "--iterative", "true",
                           "--backend-arg", "vocab=64", "--backend-arg", "d_model=16",
                           "--backend-arg", "layers=1", "--backend-arg", "heads=2",
                           "--backend-arg", "context=64", "--input-shape", "none",

@@ -2,10 +2,11 @@
 
 `batcher` runs a one-shot engine (one call answers each request) and
 `iterative` an iterative one (one step per call, a chunk per running request).
-Both share `loop` (the wait for work and the loop's constants) and `results`
-(what a model's result must be, and the conversion between one array and
-named tensors). `policy` says when to flush and whom to take, `admission`
-fits the service time that clients predict waits from, `aimd` adapts the
-batch limit to a latency objective, `warmup` calls the model at every batch
-shape before the batcher says it is ready.
+Both share `loop` (the wait for work and the loop's constants) and
+`model_call` (one call of the model, and what its result must be). `joining`
+admits new requests into an iterative engine's running batch, `threads`
+bounds the model's own thread pools. `policy` says when to flush and whom to
+take, `admission` fits the service time that clients predict waits from,
+`aimd` adapts the batch limit to a latency objective, `warmup` calls the
+model at every batch shape before the batcher says it is ready.
 """

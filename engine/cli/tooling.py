@@ -48,7 +48,7 @@ def bench_parser(sub):
                    help="onnx: a transformer encoder built at run time, through ONNX Runtime "
                         "on the CPU, with and without length_buckets (needs .[onnx]); decoder: "
                         "a transformer decoder served the one-shot and the iterative way "
-                        "(--backend-arg d_model=256: its engine.decoder.Decoder arguments)")
+                        "(--backend-arg d_model=256: its engine.tools.decoder.Decoder arguments)")
     p.add_argument("--rates", type=numbers(float),
                    help="--model decoder: offered requests/s of the rows (default: 0.25x, 1x "
                         "and 3x the one-shot way's capacity)")

@@ -11,6 +11,8 @@ batches mix their requests. The node's owner actor (engine.ray.owner)
 starts it with the node's first replica, restarts it if it dies, and stops
 it with the node's last. Each replica (engine.ray.replica) is a Client of
 it, and reports its queue wait to Serve's autoscaler (engine.ray.scaling).
+`engine.ray.node_engine` runs a node's engine as a process of its own; `engine.ray.app`
+makes the application (deployment()).
 """
 from typing import Any
 

@@ -32,6 +32,14 @@ spin_ns = lib.sb_spin_ns  # busy-waits in C, without the GIL
 NO_FIT = ffi.NULL  # a batch that feeds no fit
 
 
+def pingpong(shared, side: int, rounds: int, spin_ns: int, out=None) -> int:
+    """A raw futex ping-pong on the first word of `shared` (a buffer both
+    processes map): side 0 starts each round and writes each round trip's ns
+    into `out` (uint64), side 1 answers. The rounds done."""
+    into = ffi.NULL if out is None else ffi.from_buffer("uint64_t[]", out)
+    return lib.sb_pingpong(ffi.from_buffer(shared), side, rounds, spin_ns, into)
+
+
 def new_fit(warmup: int = 0):
     """A service-time fit (sb_fit), zeroed, skipping its first `warmup` batches."""
     fit = ffi.new("sb_fit *")

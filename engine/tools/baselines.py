@@ -18,7 +18,6 @@ import threading
 import numpy as np
 
 from engine import spec
-from engine._ringc import ffi, lib
 from engine.shm import ring
 
 STOP = None
@@ -114,12 +113,11 @@ def pingpong_floor_ns(rounds: int = 5000, spin_ns: int = 0) -> np.ndarray:
     child on one shared word: the floor of any cross-process request. With
     spin_ns, each side spins that long before it sleeps (as the ring does)."""
     shared = mmap.mmap(-1, 64)
-    word = ffi.from_buffer(shared)
     out = np.zeros(rounds, dtype=np.uint64)
     pid = os.fork()
     if pid == 0:
-        lib.sb_pingpong(word, 1, rounds, spin_ns, ffi.NULL)
+        ring.pingpong(shared, 1, rounds, spin_ns)
         os._exit(0)
-    done = lib.sb_pingpong(word, 0, rounds, spin_ns, ffi.from_buffer("uint64_t[]", out))
+    done = ring.pingpong(shared, 0, rounds, spin_ns, out)
     os.waitpid(pid, 0)
     return out[:done]

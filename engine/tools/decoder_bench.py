@@ -1,7 +1,7 @@
 """`shmbatch bench --model decoder`: a transformer decoder served the one-shot way
 and the iterative way, on the same open-loop arrivals in the same run.
 
-The model is engine.decoder's transformer (random weights from a seed).
+The model is engine.tools.decoder's transformer (random weights from a seed).
 Prompt and output lengths are drawn from geometric distributions (long
 tails: mean 32, capped), seeded, and each request asks for its own number
 of tokens (max_steps). The one-shot way is a one-shot engine whose backend
@@ -33,7 +33,7 @@ from typing import List, Optional
 
 import numpy as np
 
-from engine import decoder
+from engine.tools import decoder
 from engine.client.client import Client
 from engine.serving import processes
 from engine.serving.supervisor import Engine
@@ -56,7 +56,7 @@ class Setup:
     clients: int = 2
     timeout_s: float = 300.0
     seed: int = 1
-    model: dict = dataclasses.field(default_factory=dict)  # engine.decoder.Decoder's arguments
+    model: dict = dataclasses.field(default_factory=dict)  # engine.tools.decoder.Decoder's arguments
     min_requests: int = 32         # a row's requests at least (enough for a p99 at a low rate)
     cost_actives: tuple = (1, 8, 32)  # the engine's own cost per step at these running batches
     cost_seconds: float = 3.0
@@ -81,12 +81,12 @@ def engine_settings(mode: str, setup: Setup, name: str) -> dict:
     common = dict(max_batch_size=setup.max_batch_size, queue_capacity=1024,
                   backend_args=dict(setup.model), drain_timeout_s=setup.timeout_s)
     if mode == ITERATIVE:
-        return dict(name=name, backend="engine.decoder:steps", iterative=True,
+        return dict(name=name, backend="engine.tools.decoder:steps", iterative=True,
                     max_steps=setup.max_steps, input_shape=(None,), input_dtype="int64",
                     max_input_shape=(setup.max_prompt,), output_shape=(), output_dtype="int64",
                     **common)
     common["backend_args"]["steps"] = setup.max_steps
-    return dict(name=name, backend="engine.decoder:generate",
+    return dict(name=name, backend="engine.tools.decoder:generate",
                 inputs={"prompt": ["int64", [None]], "max_new_tokens": ["int64", [1]]},
                 max_input_shapes={"prompt": [setup.max_prompt]},
                 outputs={"tokens": ["int64", [setup.max_steps]]}, **common)
@@ -264,7 +264,7 @@ def _pin_clients() -> None:
 
 
 def timed_steps(path: str, **model_args):
-    """engine.decoder's step model, timing its own join and step calls into
+    """engine.tools.decoder's step model, timing its own join and step calls into
     the file at path: [model ns, steps] (int64)."""
     inner = decoder.steps(**model_args)
     acc = np.memmap(path, np.int64, mode="r+", shape=(2,))

@@ -151,14 +151,14 @@ class DecoderSteps:
 
 def steps(vocab: int = 2048, d_model: int = 128, layers: int = 4, heads: int = 4,
           context: int = 512, seed: int = 0, eos: Optional[int] = None) -> DecoderSteps:
-    """The built-in step model (a factory: engine.decoder:steps)."""
+    """The built-in step model (a factory: engine.tools.decoder:steps)."""
     return DecoderSteps(Decoder(int(vocab), int(d_model), int(layers), int(heads), int(context),
                                 int(seed)), None if eos is None else int(eos))
 
 
 def generate(vocab: int = 2048, d_model: int = 128, layers: int = 4, heads: int = 4,
              context: int = 512, seed: int = 0, steps: int = 256):
-    """The same model as a one-shot backend (engine.decoder:generate): the
+    """The same model as a one-shot backend (engine.tools.decoder:generate): the
     whole generate loop of a batch in one call, the static way; `steps` is
     the width S of its output "tokens"."""
     width = int(steps)
