@@ -5,7 +5,7 @@
 Starts an engine (identity backend, float32[16]), sets a tracer provider with
 an in-memory span exporter, and under a span `caller` sends one request each
 way: submit().result(), infer_async(), and infer() (traced only once
-Client.infer has its hook, engine.client.traced). Prints every span: name,
+Client.infer has its hook, Client._traced_infer). Prints every span: name,
 ids, parent, attributes, start and end (epoch ns, UTC) and duration.
 """
 import asyncio

@@ -28,8 +28,6 @@ SHORT = {
                                 "the supervisor speaks it",
     "engine/batching/aimd.py": "the additive-increase, multiplicative-decrease rule, one "
                                "policy the batch limit can follow, apart from the loop",
-    "engine/client/traced.py": "the span of a blocking infer, kept off the hot path's module "
-                               "so that a process without tracing never imports it",
     "engine/ray/app.py": "the Ray Serve application a user binds: the package's one public "
                          "call, apart from the replica it deploys",
 }

@@ -90,11 +90,11 @@ def test_a_leave_that_raises_changes_no_answer(make_engine, log):
 def test_a_chunk_count_the_ring_refuses_is_engine_corrupt_and_frees_the_slot():
     import types
 
-    from engine.client import answers
+    from engine.client import ticket
     freed = []
     fake = types.SimpleNamespace(wait_chunks=lambda *a: (codes.ECORRUPT, 0),
                                  release_slot=lambda slot, gen: freed.append((slot, gen)))
     seg = types.SimpleNamespace(ring=fake, name="x", steps=8)
     with pytest.raises(engine.EngineCorrupt):
-        answers.chunk_count(seg, 3, 7)
+        ticket.chunk_count(seg, 3, 7)
     assert freed == [(3, 7)]

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import unique_name
 
-from engine.client import waiting
+from engine.client import ticket
 from engine.config import EngineConfig
 from engine.errors import EngineCorrupt
 from engine.segment import Segment
@@ -147,7 +147,7 @@ def test_a_priority_out_of_range_is_failed_by_the_batcher_and_the_others_served(
         b, n = claim(seg)
         assert (n, b.slots[0]) == (1, good[0])
         assert seg.ring.wait_slot(bad, bad_gen, 0) == codes.EFAILED
-        error = waiting.failed(seg, bad, bad_gen, codes.EFAILED)
+        error = ticket.failed(seg, bad, bad_gen, codes.EFAILED)
         assert isinstance(error, EngineCorrupt), error
         assert seg.ring.corrupt_total() >= 1
     assert in_child(batcher) == 0
@@ -245,7 +245,7 @@ def test_a_status_no_batcher_writes_is_engine_corrupt(seg):
     b, n = claim(seg)
     seg.ring.complete(0, b, n, codes.STATUS_BACKEND, b"E: x")
     poke(seg, M_STATUS, 300, meta(seg, slot))
-    error = waiting.failed(seg, slot, gen, codes.EFAILED)
+    error = ticket.failed(seg, slot, gen, codes.EFAILED)
     assert isinstance(error, EngineCorrupt) and "got 300" in str(error)
 
 
@@ -256,7 +256,7 @@ def test_a_control_word_of_no_state_is_engine_corrupt_for_its_waiter(seg):
     word = int.from_bytes(ctl[off:off + 8], "little")
     ctl[off:off + 8] = ((word & ~0xF) | 0xD).to_bytes(8, "little")  # state 13
     assert seg.ring.wait_slot(slot, gen, 0) == codes.ECORRUPT
-    assert isinstance(waiting.failed(seg, slot, gen, codes.ECORRUPT), EngineCorrupt)
+    assert isinstance(ticket.failed(seg, slot, gen, codes.ECORRUPT), EngineCorrupt)
 
 
 def test_an_expiry_fails_only_the_generation_the_pass_saw(seg):

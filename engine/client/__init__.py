@@ -1,9 +1,22 @@
-"""The client side: a process attached to an engine's segment.
+"""The client side: a process attached to an engine's segment, around a slot's life.
 
-`client.Client` writes requests into slots and waits for their answers. Its
-helpers (`futures` and the completer thread, `streams`, `bulk`, `lent`,
-`room`) reach it only through `handle.Handle`, the typed interface it lends
-them, and the completer settles its requests and async streams as
-`handle.Item`s; `attach` maps the segment, `room` frees slots when the ring
-is full, `waiting` and `answers` wait for and read one slot.
+    client         Client: validate, write a request into a slot, hand out its answer
+    attach         finding the engine's segment: at once, after a wait, lazily, after a restart
+    handle         the typed interfaces inside: Handle (a Client to its helpers), Item
+    ticket         a ticket's answer: wait for it, take it, or give it up
+    future         submit()'s Future, its answer taken in the asking thread
+    stdfuture      what that Future relies on of concurrent.futures beyond its API
+    completion     the completion thread: settles what is awaited without asking
+    loops          answers handed to asyncio event loops, one wake a loop per pass
+    streams        a request's chunks, read as its batcher writes them
+    async_streams  those chunks followed by an event loop
+    room           making room in a full ring, and the evictor thread that gives it
+    bulk           infer_many(): n requests enqueued, waited for and released in bulk
+    lent           request(): a slot lent, its rows written and read in place
+    retrying       Client(retries=N): refusals sent again within a budget
+    deaths         why a timed-out request went unanswered, when its batcher died
+    tracing        OpenTelemetry spans of requests, for a caller that traces
+
+The Client's helpers reach it only through handle.Handle, and the completion
+thread settles its requests and async streams as handle.Items.
 """

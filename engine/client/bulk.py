@@ -8,7 +8,7 @@ from typing import Optional
 
 import numpy as np
 
-from engine.client import room, waiting
+from engine.client import room, ticket
 from engine.client.handle import Handle
 from engine.errors import EngineUnavailable, InvalidInput
 from engine.shm import codes
@@ -16,7 +16,7 @@ from engine.shm import codes
 
 def infer_many(client: Handle, xs, timeout: Optional[float], priority: int) -> np.ndarray:
     """The answers to xs[0], xs[1], ... stacked (see Client.infer_many)."""
-    deadline = waiting.deadline_ns(timeout)
+    deadline = ticket.deadline_ns(timeout)
     seg, (xs,), (length,), _ = client.validated(xs, many=True, priority=priority)
     if seg.iterative:
         raise InvalidInput("infer_many: an iterative engine's answers have as many chunks as "
@@ -49,7 +49,7 @@ def infer_many(client: Handle, xs, timeout: Optional[float], priority: int) -> n
         r.poll(s, g, outcomes[:k])
         failed = np.nonzero(outcomes[:k] == codes.EFAILED)[0]
         if len(failed):
-            error = waiting.failed(seg, int(s[failed[0]]), int(g[failed[0]]), codes.EFAILED)
+            error = ticket.failed(seg, int(s[failed[0]]), int(g[failed[0]]), codes.EFAILED)
             r.release_many(s, g, k)
             raise error
         out[done:done + k] = seg.out_regions[0][s]
@@ -62,10 +62,10 @@ def _await_all(client: Handle, seg, slots, gens, k, deadline, timeout) -> None:
     """Waits for k tickets; on a timeout or a dead engine abandons them all
     (answered ones released) and raises."""
     r = seg.ring
-    why, code = waiting.wait(
+    why, code = ticket.wait(
         lambda slice_ns: r.wait_all(slots, gens, k, slice_ns, client.spin_ns),
-        lambda: waiting.engine_lives(seg), deadline)
-    if why == waiting.ANSWERED and code == codes.OK:
+        lambda: ticket.engine_lives(seg), deadline)
+    if why == ticket.ANSWERED and code == codes.OK:
         return
     abandoned = 0
     for slot, gen in zip(slots.tolist(), gens.tolist()):
@@ -73,7 +73,7 @@ def _await_all(client: Handle, seg, slots, gens, k, deadline, timeout) -> None:
         abandoned += code_k == codes.OK
         if code_k == codes.EBUSY:
             r.release_slot(slot, gen)
-    if why == waiting.EXPIRED:
+    if why == ticket.EXPIRED:
         r.add_word(codes.W_TIMEOUTS, abandoned)
-        raise waiting.timed_out(timeout, k)
-    raise waiting.engine_gone(client.name)
+        raise ticket.timed_out(timeout, k)
+    raise ticket.engine_gone(client.name)

@@ -7,10 +7,11 @@ shared input region and publishes it. Then:
 
 - infer() waits in the calling thread (the GIL is released in C): it spins
   briefly if the last answer came that fast, else sleeps on the slot's futex,
-  in slices, to notice an engine that died meanwhile (waiting.wait); one C
-  call copies the answer out and frees the slot;
+  in slices, to notice an engine that died meanwhile; one C call copies the
+  answer out and frees the slot (engine.client.ticket: a ticket's answer);
 - submit() returns a Future whose answer waits in its slot until asked
-  (futures.py); infer_async() hands its ticket to the completion thread;
+  (engine.client.future); infer_async() awaits its ticket through the
+  completion thread (engine.client.completion);
 - request() lends a slot: its row is written and its answer read in place
   (lent.py).
 
@@ -30,7 +31,6 @@ parent's.
 """
 import asyncio
 import concurrent.futures
-import functools
 import os
 import sys
 import threading
@@ -39,9 +39,9 @@ from typing import Any, AsyncIterator, Dict, Iterator, Optional, Tuple, TypeVar
 
 import numpy as np
 
-from engine.client import (answers, bulk, futures, retrying, room, rows, streams, traced, tracing,
-                           waiting)
+from engine.client import async_streams, bulk, completion, retrying, room, streams, ticket, tracing
 from engine.client.attach import attach
+from engine.client.future import Request
 from engine.client.lent import SlotRequest
 from engine.errors import EngineError, EngineUnavailable, InvalidInput, Overloaded, QueueFull
 from engine.segment import Segment
@@ -75,9 +75,9 @@ class Client:
     max_steps=None, out=None)``, or those of them it has, in that order.
 
     The attributes name, pid, start_ticks, spin_ns, attached, held,
-    futures_lock and futures_cond, and the methods completer(), validated()
-    and await_answer(), are handle.Handle: what the client's helpers use of
-    it. Callers need none of them."""
+    futures_lock and futures_cond, and the methods completer() and
+    validated(), are handle.Handle: what the client's helpers use of it.
+    Callers need none of them."""
 
     def __init__(self, name: str, *, wait_s: float = 0.0, lazy: bool = False,
                  retries: int = 0) -> None:
@@ -104,8 +104,8 @@ class Client:
         self.futures_cond = threading.Condition(self.futures_lock)
         self.held: Dict[int, "weakref.ref[Any]"] = {}
         self._lock = threading.Lock()
-        self._completer: Optional[futures.Completer] = None
-        self._evictor: Optional[futures.Evictor] = None
+        self._completer: Optional[completion.Completer] = None
+        self._evictor: Optional[room.Evictor] = None
 
     # -- public API ---------------------------------------------------------
     def infer(self, x: Tensors, timeout: Optional[float] = 1.0, *, priority: int = 0,
@@ -117,12 +117,12 @@ class Client:
         is the most urgent. An iterative engine's answer is its chunks
         stacked, (steps, *chunk_shape), at most max_steps of them."""
         if tracing.TRACE_MODULE in sys.modules and (parent := tracing.context()) is not None:
-            return traced.infer(self, parent, x, timeout, priority, max_steps, out)  # its span
+            return self._traced_infer(parent, x, timeout, priority, max_steps, out)
         if self._retry is not None:
             return self._retry.infer(self, x, timeout, priority, max_steps, out)
-        deadline = waiting.deadline_ns(timeout)
+        deadline = ticket.deadline_ns(timeout)
         seg, slot, gen, outs = self._enqueue(x, deadline, priority, max_steps, out)
-        return self.await_answer(seg, slot, gen, deadline, timeout, outs)
+        return ticket.await_answer(self, seg, slot, gen, deadline, timeout, outs)
 
     def submit(self, x: Tensors, timeout: Optional[float] = 1.0, *, priority: int = 0,
                max_steps: Optional[int] = None, out: Optional[Tensors] = None
@@ -130,13 +130,13 @@ class Client:
         """Enqueues x now; the Future resolves to its answer (or error), in
         out if given (as for infer). cancel() withdraws the request while no
         batch has answered it."""
-        deadline = waiting.deadline_ns(timeout)
+        deadline = ticket.deadline_ns(timeout)
         seg, slot, gen, outs = (self._enqueue(x, deadline, priority, max_steps, out)
                                 if self._retry is None else
                                 self._retry.enqueue(self, x, deadline, priority, max_steps, out))
         if self._evictor is None:
             self._start_evictor()
-        return futures.Request(self, seg, slot, gen, deadline, timeout, outs)
+        return Request(self, seg, slot, gen, deadline, timeout, outs)
 
     async def infer_async(self, x: Tensors, timeout: Optional[float] = 1.0, *,
                           priority: int = 0, max_steps: Optional[int] = None) -> Tensors:
@@ -144,9 +144,9 @@ class Client:
         Cancelled, it withdraws the request."""
         if self._retry is not None:
             return await self._retry.infer_async(self, x, timeout, priority, max_steps)
-        deadline = waiting.deadline_ns(timeout)
+        deadline = ticket.deadline_ns(timeout)
         seg, slot, gen, _ = self._enqueue(x, deadline, priority, max_steps)
-        return await futures.answer_of(self.completer(), seg, slot, gen, deadline, timeout)
+        return await ticket.answer_of(self.completer(), seg, slot, gen, deadline, timeout)
 
     def stream(self, x: Tensors, timeout: Optional[float] = 1.0, *, priority: int = 0,
                max_steps: Optional[int] = None) -> Iterator[Tensors]:
@@ -154,7 +154,7 @@ class Client:
         array (iterative engines: one per step, at most max_steps; a one-shot
         engine's answer comes once). timeout bounds the whole answer. Leaving
         the loop early (break, close(), or dropping it) withdraws the request."""
-        deadline = waiting.deadline_ns(timeout)
+        deadline = ticket.deadline_ns(timeout)
         seg = self._segment()
         if not seg.iterative:
             return streams.Answered(self.submit(x, timeout, priority=priority))
@@ -175,17 +175,17 @@ class Client:
 
     def open_stream_async(self, x: Tensors, timeout: Optional[float] = 1.0, *,
                           priority: int = 0, max_steps: Optional[int] = None
-                          ) -> "streams.AsyncStream | streams.AsyncAnswered":
+                          ) -> "async_streams.AsyncStream | async_streams.AsyncAnswered":
         """stream_async()'s stream as an object, enqueued now (in a running
         event loop): iterate it, read its finish_reason after its last chunk,
         and aclose() it when done with it (that withdraws it if unfinished)."""
-        deadline = waiting.deadline_ns(timeout)
+        deadline = ticket.deadline_ns(timeout)
         seg = self._segment()
         if not seg.iterative:
-            return streams.AsyncAnswered(self.infer_async(x, timeout, priority=priority))
+            return async_streams.AsyncAnswered(self.infer_async(x, timeout, priority=priority))
         seg, slot, gen, _ = self._enqueue(x, deadline, priority, max_steps)
-        chunks = streams.AsyncStream(streams.Stream(self, seg, slot, gen, deadline, timeout),
-                                     asyncio.get_running_loop())
+        chunks = async_streams.AsyncStream(streams.Stream(self, seg, slot, gen, deadline, timeout),
+                                           asyncio.get_running_loop())
         self.completer().add(chunks)
         return chunks
 
@@ -296,7 +296,7 @@ class Client:
             fused = False
         if code == codes.OK and not fused:
             try:
-                rows.write_rows(seg, slot, arrays, lengths)
+                _write_rows(seg, slot, arrays, lengths)
                 if seg.iterative:
                     r.stream_open(slot, gen, max_steps or 0)
             except BaseException:
@@ -329,10 +329,35 @@ class Client:
         cheap: it is what an overloaded engine answers most."""
         return Overloaded.predicted(wait_ms, (deadline - ring.now_ns()) / 1e6)
 
+    def _traced_infer(self, parent: Any, x: Any, timeout: Optional[float], priority: int,
+                      max_steps: Optional[int], out: Any) -> Any:
+        """infer(x, ...) recorded under parent (tracing.context()'s), when a
+        tracer provider is set: the wait leaves the answer in its slot, and one
+        take then copies it out with the engine's stamps. With retries=N the
+        span covers every attempt, without stamps."""
+        began = (parent, ring.now_ns())
+        stamps, error = None, None
+        try:
+            if self._retry is not None:
+                return self._retry.infer(self, x, timeout, priority, max_steps, out)
+            deadline = ticket.deadline_ns(timeout)
+            seg, slot, gen, outs = self._enqueue(x, deadline, priority, max_steps, out)
+            ticket.await_answer(self, seg, slot, gen, deadline, timeout, outs, take=False)
+            code, stamps, outputs = ticket.take(seg, slot, gen, outs)
+            if code != codes.OK:  # answered and ours: only a corrupt slot gets here
+                stamps = None
+                raise ticket.failed(seg, slot, gen, code)
+            return seg.config.answer(outputs)
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            tracing.record(began, self.name, stamps, error)
+
     def _start_evictor(self) -> None:
         with self._lock:
             if self._evictor is None:
-                self._evictor = futures.Evictor(self)
+                self._evictor = room.Evictor(self)
                 self._evictor.start()
 
     def _segment(self) -> Segment:
@@ -341,7 +366,7 @@ class Client:
         seg = self.attached
         if seg is not None and seg.engine_state() == codes.ENGINE_RUNNING:
             now = ring.now_ns()
-            if now - self._checked_ns < waiting.LIVENESS_SLICE_NS:
+            if now - self._checked_ns < ticket.LIVENESS_SLICE_NS:
                 return seg
             if seg.holder_alive():
                 self._checked_ns = now
@@ -354,65 +379,28 @@ class Client:
                 self._checked_ns = ring.now_ns()
             return self.attached
 
-    def await_answer(self, seg: Segment, slot: int, gen: int, deadline: Optional[int],
-                     timeout: Optional[float], outs: Optional[tuple] = None,
-                     take: bool = True) -> Any:
-        """Waits for the ticket's answer and, with take, copies it out (into
-        outs' arrays or new ones), frees the slot and returns it in the
-        caller's form; without, leaves it in the slot and returns None. Errors
-        free the slot and raise."""
-        r = seg.ring
-        into = None  # an array: the fused take copies the answer there and frees the slot
-        if take and seg.fused_out:
-            into = np.empty(seg.out_shape, seg.out_dtype) if outs is None else outs[0]
-        # the common case, answered within the first slice, without the wait loop
-        # (and without a closure made per request: partials on the slow path only)
-        slice_ns = waiting.LIVENESS_SLICE_NS
-        if deadline is not None:
-            left_ns = deadline - ring.now_ns()
-            if left_ns < slice_ns:
-                slice_ns = left_ns
-        code = self._wait_slice(r, slot, gen, into, slice_ns) if slice_ns > 0 else codes.ETIMEOUT
-        if code == codes.ETIMEOUT:
-            wait_slice = functools.partial(self._wait_slice, r, slot, gen, into)
-            why, code = waiting.wait(wait_slice, functools.partial(waiting.engine_lives, seg),
-                                     deadline)
-            if why != waiting.ANSWERED:
-                error = waiting.ticket_timed_out(seg, slot, gen, timeout, deadline) \
-                    if why == waiting.EXPIRED else waiting.engine_gone(self.name)
-                if waiting.give_up(seg, slot, gen, error) is not None:
-                    raise error
-                code = wait_slice(0)  # answered at the last instant: take it
-        if code != codes.OK:
-            raise waiting.failed(seg, slot, gen, code)
-        if not take:
-            return None
-        # answered: the wait above saw it (several outputs: copied one by one)
-        return seg.config.answer((into,) if into is not None else
-                                 answers.read(seg, slot, gen, outs))
-
-    def _wait_slice(self, r, slot, gen, into, slice_ns: int) -> int:
-        """One C wait of at most slice_ns for the ticket; with into (an array),
-        on OK its answer is copied there and the slot freed in the same call.
-        Spins first only if the last wait ended within ring.SPIN_NS: a fast
-        backend's answer then costs no kernel wake-up, and after a longer wait
-        the next one sleeps at once, so a slow backend's clients burn no CPU."""
-        started_ns = ring.now_ns()
-        if into is not None:
-            code = r.take(slot, gen, slice_ns, self.spin_ns, into)
-        else:
-            code = r.wait_slot(slot, gen, slice_ns, self.spin_ns)
-        spin_ns = ring.SPIN_NS
-        self.spin_ns = spin_ns if ring.now_ns() - started_ns <= spin_ns else 0
-        return code
-
-    def completer(self) -> futures.Completer:
+    def completer(self) -> completion.Completer:
         """The completion thread, started on first use."""
         with self._lock:
             if self._completer is None:
-                self._completer = futures.Completer(self)
+                self._completer = completion.Completer(self)
                 self._completer.start()
             return self._completer
+
+
+def _write_rows(seg, slot: int, arrays: tuple, lengths: tuple) -> None:
+    """A request's tensors into its slot's rows (the enqueue's copy when the
+    one-call fused submit does not apply), with their real lengths; with a
+    variable dim, the padding zeroed (so a batch needs no per-request fill)."""
+    for t, (spec, region) in enumerate(zip(seg.config.input_specs, seg.in_regions)):
+        row, array, var_axis = region[slot], arrays[t], spec.var_axis
+        if var_axis is None:
+            row[...] = array
+        else:
+            head = (slice(None),) * var_axis
+            row[head + (slice(0, lengths[t]),)] = array
+            row[head + (slice(lengths[t], None),)] = 0
+            seg.lengths[slot, t] = lengths[t]
 
 
 def _check_steps(cfg, outs, max_steps) -> None:

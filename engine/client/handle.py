@@ -1,16 +1,16 @@
 """The typed interfaces inside the client side.
 
-`Handle` is what a Client lends its helpers (futures, streams, bulk, lent,
-room): the few fields and calls they use, and nothing else of it. The
-Client is its own Handle: the fields are its plain attributes, so the
-request path reads them without an extra hop.
+`Handle` is what a Client lends its helpers (ticket, future, streams,
+bulk, lent, room, completion): the few fields and calls they use, and
+nothing else of it. The Client is its own Handle: the fields are its plain
+attributes, so the request path reads them without an extra hop.
 
-`Item` is what the completion thread (futures.Completer) settles for an
+`Item` is what the completion thread (completion.Completer) settles for an
 owner that waits without asking. Its `kind` says how:
 
-- ANSWER (futures.Request, futures.Ticket): over once its slot is answered
+- ANSWER (future.Request, ticket.Awaited): over once its slot is answered
   or failed; the completer fails it at its deadline, or when the engine dies;
-- CHUNKS (streams.AsyncStream): follows a stream's chunk word; the completer
+- CHUNKS (async_streams.AsyncStream): follows a stream's chunk word; the completer
   calls try_settle() on every pass to tell its event loop whether the word
   moved, and fails it at its deadline, or when the engine dies.
 
@@ -41,16 +41,16 @@ class Handle(Protocol):
     # wait ended within it, else 0. A hint, written by every waiter, unlocked.
     spin_ns: int
     attached: Optional["Segment"]  # the segment attached last; None once closed
-    # slot -> weakref of its pending submit() Future, for futures.sweep() when
+    # slot -> weakref of its pending submit() Future, for room.sweep() when
     # the ring is full; guarded by futures_lock
     held: Dict[int, "weakref.ref[Any]"]
-    # one lock for all of the client's Futures (futures.Request says why),
-    # and the Condition over it that they share
+    # one lock for all of the client's Futures (engine.client.stdfuture says
+    # why), and the Condition over it that they share
     futures_lock: "threading.RLock"
     futures_cond: threading.Condition
 
     def completer(self) -> "Completion":
-        """The client's completion thread (futures.Completer), started on first use."""
+        """The client's completion thread (completion.Completer), started on first use."""
         ...
 
     def validated(self, x: Any, many: bool = False, priority: int = 0,
@@ -58,13 +58,6 @@ class Handle(Protocol):
                   ) -> Tuple["Segment", tuple, tuple, Optional[tuple]]:
         """(segment, arrays, lengths, outs) of a request checked against the
         running engine's spec, before anything is enqueued."""
-        ...
-
-    def await_answer(self, seg: "Segment", slot: int, gen: int, deadline: Optional[int],
-                     timeout: Optional[float], outs: Optional[tuple] = None,
-                     take: bool = True) -> Any:
-        """Waits for a ticket's answer; with take, copies it out and frees
-        the slot, without leaves it there. Errors free the slot and raise."""
         ...
 
 

@@ -5,7 +5,7 @@ from typing import Optional
 
 import numpy as np
 
-from engine.client import waiting
+from engine.client import ticket
 from engine.client.handle import Handle
 from engine.errors import EngineUnavailable, InvalidInput
 from engine.shm import codes
@@ -30,12 +30,13 @@ class SlotRequest:
         levels = self.seg.config.priority_levels
         if priority and not (type(priority) is int and 0 <= priority < levels):
             raise InvalidInput(f"priority: expected an int in [0, {levels}), got {priority!r}")
-        deadline = waiting.deadline_ns(timeout)
+        deadline = ticket.deadline_ns(timeout)
         self._sent = True
         if self.seg.ring.publish(self.slot, self.gen, 0, deadline or 0, priority) != codes.OK:
             raise EngineUnavailable(f"engine {self.client.name!r} reclaimed the request "
                                     f"before it was queued")
-        self.client.await_answer(self.seg, self.slot, self.gen, deadline, timeout, take=False)
+        ticket.await_answer(self.client, self.seg, self.slot, self.gen, deadline, timeout,
+                            take=False)
         answer = self.seg.out_regions[0][self.slot, ...].view()  # 0-d for a scalar answer
         answer.flags.writeable = False
         return answer
@@ -50,7 +51,7 @@ class SlotRequest:
         if not self._sent:
             r.cancel(self.slot, self.gen)
         else:
-            waiting.withdraw(self.seg, self.slot, self.gen)
+            ticket.withdraw(self.seg, self.slot, self.gen)
 
     def __enter__(self) -> "SlotRequest":
         return self

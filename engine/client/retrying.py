@@ -31,7 +31,7 @@ import time
 import weakref
 from typing import Any, Optional, Protocol
 
-from engine.client import futures, waiting
+from engine.client import ticket
 from engine.client.handle import Handle
 from engine.errors import QueueFull, RequestTimeout
 from engine.shm import ring
@@ -115,13 +115,13 @@ class Retrying:
     # -- the calls that retry ---------------------------------------------------
     def infer(self, client: Sender, x, timeout: Optional[float], priority: int,
               max_steps: Optional[int], out) -> Any:
-        deadline = waiting.deadline_ns(timeout)
+        deadline = ticket.deadline_ns(timeout)
         self.sent()
         attempt = 0
         while True:
             try:
                 seg, slot, gen, outs = client._enqueue(x, deadline, priority, max_steps, out)
-                return client.await_answer(seg, slot, gen, deadline, timeout, outs)
+                return ticket.await_answer(client, seg, slot, gen, deadline, timeout, outs)
             except (QueueFull, RequestTimeout) as error:
                 wait_s = self.delay_s(error, attempt, deadline)
                 if wait_s is None:
@@ -146,7 +146,7 @@ class Retrying:
 
     async def infer_async(self, client: Sender, x, timeout: Optional[float], priority: int,
                           max_steps: Optional[int]) -> Any:
-        deadline = waiting.deadline_ns(timeout)
+        deadline = ticket.deadline_ns(timeout)
         self.sent()
         attempt = 0
         while True:
@@ -164,7 +164,7 @@ async def _answer_async(client: Sender, x, deadline: Optional[int], timeout: Opt
                         priority: int, max_steps: Optional[int]) -> Any:
     """One attempt of infer_async(), after its deadline."""
     seg, slot, gen, _ = client._enqueue(x, deadline, priority, max_steps)
-    return await futures.answer_of(client.completer(), seg, slot, gen, deadline, timeout)
+    return await ticket.answer_of(client.completer(), seg, slot, gen, deadline, timeout)
 
 
 def _after_fork_in_child() -> None:

@@ -6,11 +6,15 @@ slot first settles its own process's answered Futures, then reclaims the
 slots of dead owners, then asks every other client process (through its
 evictor thread) to let its answers go, waiting up to EVICT_WAIT_NS. Only then
 is the request refused, with what holds the slots.
+
+The Evictor is the other side of that ask: a thread per client that has
+used submit(), asleep on the ring's evict_seq word, that settles the
+client's answered Futures when a client of any process bumps it.
 """
 import os
+import threading
 import weakref
 
-from engine.client import futures
 from engine.client.handle import Handle
 from engine.errors import QueueFull
 from engine.shm import codes, reaper, ring
@@ -20,6 +24,9 @@ from engine.shm import codes, reaper, ring
 # only when they hold more than a batch's worth (and 1/8 of the ring): fewer
 # are the last batches' answers on their way to their readers.
 EVICT_WAIT_NS = 100_000_000
+
+# How often an idle evictor checks that its client still exists.
+EVICTOR_SLICE_NS = 1_000_000_000
 
 # Every Client of this process (their answered Futures are settled together).
 clients: "weakref.WeakSet[Handle]" = weakref.WeakSet()
@@ -46,7 +53,7 @@ def sweep_process(seg) -> int:
         other = client.attached
         if (other is not None and client.pid == os.getpid() and other.name == seg.name
                 and other.incarnation == seg.incarnation):
-            freed += futures.sweep(client.held)
+            freed += sweep(client.held)
     return freed
 
 
@@ -80,3 +87,40 @@ def make_room(seg, pid: int, start_ticks: int, deadline):
         census = reaper.Census(r, seg.capacity)
     raise queue_full(seg, census)
 
+
+class Evictor(threading.Thread):
+    """Moves its client's answered Futures out of the ring when a client of
+    any process finds it full (it bumps evict_seq): one sleeping thread per
+    client that has used submit(), woken only then."""
+
+    def __init__(self, client: Handle) -> None:
+        super().__init__(name=f"shmbatch-evictor-{client.name}", daemon=True)
+        self.client = weakref.ref(client)  # the thread must not keep its client alive
+
+    def run(self) -> None:
+        while True:
+            client = self.client()
+            if client is None or client.attached is None or client.pid != os.getpid():
+                return
+            seg, client = client.attached, None
+            seen = seg.ring.evict_seq()
+            seg.ring.wait_evict(seen, EVICTOR_SLICE_NS)
+            if seg.ring.evict_seq() != seen:
+                client = self.client()
+                if client is not None:
+                    sweep(client.held)
+                    client = None
+
+
+def sweep(held: dict) -> int:
+    """Settles the answered Futures among held (slot -> weakref of a pending
+    Future), dropping the entries of Futures gone; returns how many it settled."""
+    settled = 0
+    for slot, ref in list(held.items()):
+        future = ref()
+        if future is None:
+            if held.get(slot) is ref:
+                del held[slot]
+        elif future.pending() and future.try_settle():
+            settled += 1
+    return settled
