@@ -21,11 +21,22 @@ prompt as Echo does: the answer says which values came.
 
 embedder (one-shot: int64[None] -> float32[4]) answers each request's
 (length, sum, first, last) of its token ids.
+
+Counted is Bytes that says its vocabulary's size (257: EOS the last id);
+Gated's encode() of a text that begins "GATE:path:" makes path.entered, then
+waits until the file path exists (a tokenizer as slow as a test needs); Broken's decode() raises at
+the byte BROKEN. Beyond answers its prompt, then the id OUTSIDE (past
+Counted's vocabulary), then EOS.
 """
+import os
+import time
+
 import numpy as np
 
 EOS = 256
 DONE, FAIL = 0x04, 0x15
+BROKEN, OUTSIDE = 0x7F, 1000
+GATE_S = 60.0
 DOT = ord(".")
 
 
@@ -58,6 +69,40 @@ class Plain:
 
     eos_token_id = EOS
     encode, decode = Bytes.encode, Bytes.decode
+
+
+class Counted(Bytes):
+    vocab_size = EOS + 1
+
+
+class Gated(Counted):
+    def encode(self, text: str) -> list:
+        if text.startswith("GATE:"):
+            path = text.split(":", 2)[1]
+            open(path + ".entered", "w").close()
+            deadline = time.monotonic() + GATE_S
+            while not os.path.exists(path) and time.monotonic() < deadline:
+                time.sleep(0.01)  # a tokenizer at work for as long as the test holds the gate
+        return super().encode(text)
+
+
+class Broken(Counted):
+    def decode(self, ids) -> str:
+        if BROKEN in ids:
+            raise ValueError("Broken cannot decode its BROKEN byte")
+        return super().decode(ids)
+
+
+def counted_tokenizer():
+    return Counted()
+
+
+def gated_tokenizer():
+    return Gated()
+
+
+def broken_tokenizer():
+    return Broken()
 
 
 def bytes_tokenizer():
@@ -131,6 +176,16 @@ class Echo:
 
 def echo(step_ms: float = 0.0, eos: int = EOS, marks: bool = True):
     return Echo(step_ms, eos, marks)
+
+
+class Beyond(Echo):
+    def join(self, ids, batch, lengths=None):
+        for rid, row, n in zip(ids.tolist(), batch, lengths.tolist()):
+            self.state[rid] = [row[:n].tolist() + [OUTSIDE, self.eos], 0]
+
+
+def beyond():
+    return Beyond()
 
 
 class Tagged(Echo):

@@ -47,6 +47,16 @@ class Finished(Exception):
         self.body, self.finish_reason = body, finish_reason
 
 
+class Failed(Exception):
+    """Raised by EventStream.events() when a chunk cannot be written (its
+    token cannot be decoded, say): body, the events of the chunks before it,
+    is written, then the error_event of error."""
+
+    def __init__(self, body: bytes, error: Exception) -> None:
+        super().__init__(str(error))
+        self.body, self.error = body, error
+
+
 class Follower:
     """An opened stream and its caller's disconnect, followed together."""
 
@@ -108,7 +118,9 @@ class EventStream:
     Without the server's writer (WRITE_BODY) each block is sent through send.
 
     An error before the first chunk is raised (answer it as any error); one
-    after ends the stream with error_event(). events() may end the answer
+    after, the engine's or the protocol's own (events() raising, or raising
+    Failed with the events of the chunks before the one it cannot write),
+    ends the stream with error_event(). events() may end the answer
     early (Finished): its request is then withdrawn. A stream cut short
     ends with the error_event of EngineUnavailable(CUT); one cut by the
     server's shutdown with that of EngineUnavailable(SHUTDOWN), or a 503 of
@@ -210,10 +222,26 @@ class EventStream:
             else:
                 await self.send({"type": "http.response.body",
                                  "body": self.error_event(EngineUnavailable(SHUTDOWN))})
+        except Exception as e:
+            if not started:
+                raise  # answered as any error of the route is
+            await self._failed(e)
         finally:
             if self.timer is not None:
                 self.timer.cancel()
             await follower.close()  # withdraws the request unless it ended
+
+    async def _failed(self, error: Exception) -> None:
+        """A stream that began, ended by an error of the server's own (its
+        tokenizer's, say) or the engine's: its last event says so, after
+        those of the chunks before it (Failed)."""
+        body = b""
+        if isinstance(error, Failed):
+            body, error = error.body, error.error
+        if not isinstance(error, EngineError):
+            log.error("a stream failed after it began", exc_info=error)
+            error = EngineError(f"{type(error).__name__}: {error}")
+        await self._finish(body + self.error_event(error))
 
     async def _next(self, follower: Follower):
         """What run() writes next: the next block (follower.next). With the

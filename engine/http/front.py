@@ -46,6 +46,8 @@ class Front:
     def close(self) -> None:
         self.engines.close()
         self.oip.close()
+        if self.openai is not None:
+            self.openai.close()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":

@@ -2,8 +2,8 @@
 
 POST /v2/models/NAME/generate takes {"INPUT": value, ...}: each input by
 name (INPUT for a single-array engine), its value a number or nested lists
-of the tensor's shape, in the engine's datatype; and optionally "id" and
-"parameters" (timeout in microseconds and priority as infer takes them, and
+of the tensor's shape, in the engine's datatype; and optionally "id" (a
+string of at most 256 characters, echoed in the answer) and "parameters" (timeout in microseconds and priority as infer takes them, and
 max_steps). It answers {"model_name", "model_version", "OUTPUT": value, ...}:
 an iterative engine's whole answer, its chunks stacked, and "finish_reason":
 "stop" (the model said done) or "length" (max_steps).
@@ -51,7 +51,7 @@ def read_request(model, body: bytes, default_timeout_s: float):
         raise BadRequest(f"max_steps: expected an integer >= 1, got {json_text(max_steps)}")
     x = model.config.request_of(arrays)
     return (x, tensors.timeout_s(params.get("timeout", 0), default_timeout_s),
-            model.engine_priority(params.get("priority", 0)), max_steps, request.get("id"))
+            model.engine_priority(params.get("priority", 0)), max_steps, tensors.request_id(request))
 
 
 def answer_json(model, answer, request_id) -> dict:

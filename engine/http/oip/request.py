@@ -26,7 +26,7 @@ The generate extension takes one request: its limit is that of one.
 import collections
 import functools
 import math
-from typing import Any, List, NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -73,7 +73,7 @@ class Parsed(NamedTuple):
     wanted: List[Tuple[int, str, bool]]  # (output index, name, binary) of each output asked
     timeout_s: float
     priority: int  # the engine's level
-    request_id: Any
+    request_id: Optional[str]
 
 
 def spec_of(name: str, config: EngineConfig) -> Spec:
@@ -126,7 +126,7 @@ def parse_infer(body: bytes, header_length: Optional[str], spec: Spec,
     else:
         given = {t.name: t.array for t in read}
         arrays = [given[i.name] for i in spec.inputs]
-    return Parsed(arrays[0].shape[0], arrays, outputs, timeout_s, priority, request.get("id"))
+    return Parsed(arrays[0].shape[0], arrays, outputs, timeout_s, priority, tensors.request_id(request))
 
 
 def check(spec: Spec, declared: List[Declared]) -> None:

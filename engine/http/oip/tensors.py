@@ -28,6 +28,9 @@ from engine.http.values import MAX_RANK, NUMPY, datatype_of, from_json, json_tex
 UNHELD = ("BYTES", "BF16")
 # the longest `timeout` a request may ask: a week, in microseconds
 MAX_TIMEOUT_US = 7 * 24 * 3600 * 10**6
+# a request's `id`, echoed in its answer (in each event of a stream): bounded, so
+# that an answer never costs more than its own data
+MAX_ID_CHARS = 256
 
 
 class Tensor(NamedTuple):
@@ -78,6 +81,19 @@ def parameters(obj: dict, where: str, known: Tuple[str, ...]) -> dict:
         raise BadRequest(f"{where} parameters: unsupported {', '.join(map(repr, unknown))}; "
                          f"this server takes {', '.join(known) or 'none'}")
     return params
+
+
+def request_id(obj: dict) -> Optional[str]:
+    """The request's "id": absent, or a string of at most MAX_ID_CHARS, as the
+    protocol's id is a string."""
+    value = obj.get("id")
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) > MAX_ID_CHARS:
+        got = f"{len(value)} characters" if isinstance(value, str) else json_text(value)
+        raise BadRequest(f"id: expected a string of at most {MAX_ID_CHARS} characters, got "
+                         f"{got}")
+    return value
 
 
 def timeout_s(micros, default_s: float) -> float:

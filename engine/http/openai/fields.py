@@ -5,7 +5,11 @@ tokenizer and tensors; it makes the engine's request of some token ids and
 the request's other fields (each other input of a named-tensor engine from
 the field of its name, else from its default). The functions read one field
 each, refusing a bad one with a 400 that names the field, what was expected
-and what came. Fields that would change the answer's form in ways the
+and what came. A text is checked (valid Unicode, within its characters'
+bound) before it is tokenized, and tokenized at a bounded cost
+(engine.http.openai.tokenizing); token ids are checked against the
+vocabulary; a prompt over the model's bound is OpenAI's
+context_length_exceeded. Fields that would change the answer's form in ways the
 engine cannot honour (n > 1, logprobs, tools, ...) are refused; the rest are
 ignored, as OpenAI-compatible servers do.
 """
@@ -14,9 +18,10 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from engine.config import EngineConfig
-from engine.http.openai.text import eos_of, id_list
+from engine.http.openai import tokenizing
 from engine.http.openai.replies import OpenAIError, bad
 from engine.http.openai.settings import OpenAISettings, input_array
+from engine.http.openai.text import eos_of, id_list
 from engine.http.values import json_text
 
 MAX_STOPS = 16
@@ -32,15 +37,23 @@ UNHONOURED = {"n": _ONE, "best_of": _ONE, "logprobs": _OFF, "echo": _OFF, "tools
 
 
 class Served:
-    """One engine on the OpenAI API."""
+    """One engine on the OpenAI API; its texts tokenized through `tokens_of`."""
 
-    def __init__(self, settings: OpenAISettings, config: EngineConfig, tokenizer) -> None:
+    def __init__(self, settings: OpenAISettings, config: EngineConfig, tokenizer,
+                 tokens_of: tokenizing.Tokenizing) -> None:
         self.settings, self.config, self.tokenizer = settings, config, tokenizer
+        self.tokens_of = tokens_of
         self.model, self.engine = settings.model, settings.engine
         self.eos = eos_of(tokenizer)
+        # an empty prompt is completed from the model's start, as OpenAI's is
+        bos = getattr(tokenizer, "bos_token_id", None)
+        self.start = bos if type(bos) is int and bos >= 0 else self.eos
+        self.vocab = tokenizing.vocab_size(tokenizer)
         specs = {s.name: s for s in config.input_specs}
         self.ids_spec = specs[settings.input]
         self.bound = self.ids_spec.max_shape[0]  # the most tokens a request's input holds
+        self.max_chars = settings.max_prompt_chars or \
+            self.bound * tokenizing.chars_per_token(tokenizer)
         self.others = [s for s in config.input_specs if s is not self.ids_spec]
         self.defaults = {name: input_array(specs[name], value, f"defaults.{name}")
                          for name, value in settings.defaults.items()}
@@ -51,8 +64,13 @@ class Served:
         if not ids:
             raise bad(f"{field}: expected at least 1 token, got none", field)
         if len(ids) > self.bound:
-            raise bad(f"{field}: expected at most {self.bound} tokens (the engine's bound), "
-                      f"got {len(ids)}", field)
+            raise too_long(f"{field}: expected at most {self.bound} tokens (the model's "
+                           f"context), got {len(ids)}", field)
+        if self.vocab is not None:
+            outside = next((i for i in ids if not 0 <= i < self.vocab), None)
+            if outside is not None:
+                raise bad(f"{field}: expected token ids in 0..{self.vocab - 1} (the "
+                          f"tokenizer's vocabulary), got {outside}", field)
         try:
             x = np.asarray(ids, self.ids_spec.dtype)
         except (OverflowError, ValueError, TypeError):
@@ -77,12 +95,31 @@ class Served:
         value = chunks[self.settings.output] if self.config.named else chunks
         return value.reshape(len(value)).tolist()
 
+    @property
+    def vector_size(self) -> int:
+        """An embedding's values (the output's last dim)."""
+        specs = {s.name: s for s in self.config.output_specs}
+        return int(np.prod(specs[self.settings.output].shape))
+
     def vector(self, answer) -> np.ndarray:
         return answer[self.settings.output] if self.config.named else answer
 
-    def encode(self, text: str, field: str) -> List[int]:
+    def check_text(self, text: str, field: str, chars: Optional[int] = None) -> None:
+        """BadRequest-worthy text refused before it costs a tokenizer's time:
+        one over the characters a prompt may hold (chars: a text's whole
+        length, for one made of parts), or one that is not valid Unicode."""
+        chars = len(text) if chars is None else chars
+        if chars > self.max_chars:
+            raise too_long(f"{field}: expected at most {self.max_chars} characters (what "
+                           f"{self.bound} tokens can hold), got {chars}", field)
+        utf8(text, field)
+
+    async def encode(self, text: str, field: str) -> List[int]:
+        """The token ids of a text (checked first: check_text)."""
+        self.check_text(text, field)
+        ids = await self.tokens_of.run(len(text), self.tokenizer.encode, text)
         try:
-            return id_list(self.tokenizer.encode(text), "encode")
+            return id_list(ids, "encode")
         except ValueError as e:
             raise OpenAIError(500, f"model {self.model!r}: {e}", field) from None
 
@@ -151,14 +188,20 @@ def token_ids(value) -> Optional[List[int]]:
     return None
 
 
-def prompt_ids(served: Served, body: dict) -> List[int]:
+async def prompt_ids(served: Served, body: dict) -> List[int]:
     """/v1/completions' prompt: a string or a list of token ids (or a list of
-    one of either), as token ids."""
+    one of either), as token ids; "" completes from the model's start."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
+    if prompt == "":  # the model's start
+        if served.start is None:
+            raise bad(f"prompt: expected a text of at least one character (model "
+                      f"{served.model!r} has no start token to complete from), got \"\"",
+                      "prompt")
+        return [served.start]
     if isinstance(prompt, str):
-        return served.encode(prompt, "prompt")
+        return await served.encode(prompt, "prompt")
     ids = token_ids(prompt)
     if ids is None:
         raise bad(f"prompt: expected a string or a list of token ids (integers >= 0), one "
@@ -166,19 +209,24 @@ def prompt_ids(served: Served, body: dict) -> List[int]:
     return ids
 
 
-def chat_ids(served: Served, body: dict) -> List[int]:
-    """/v1/chat/completions' messages through the tokenizer's chat template."""
+async def chat_ids(served: Served, body: dict) -> List[int]:
+    """/v1/chat/completions' messages through the tokenizer's chat template
+    (their texts' length checked first)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad(f"messages: expected a non-empty list of {{\"role\", \"content\"}}, got "
                   f"{json_text(messages)}", "messages")
     clean = [_message(i, m) for i, m in enumerate(messages)]
+    contents = [m.get("content") or "" for m in clean]
+    chars = sum(map(len, contents))
+    for content in contents:
+        served.check_text(content, "messages", chars)
     template = getattr(served.tokenizer, "apply_chat_template", None)
     if not callable(template):
         raise bad(f"model {served.model!r}: its tokenizer has no apply_chat_template; "
                   f"expected /v1/completions", "messages")
     try:
-        ids = template(clean, add_generation_prompt=True, tokenize=True)
+        ids = await served.tokens_of.run(chars, _templated, template, clean)
     except Exception as e:
         raise bad(f"messages: the model's chat template refused them: {type(e).__name__}: {e}",
                   "messages") from None
@@ -186,6 +234,27 @@ def chat_ids(served: Served, body: dict) -> List[int]:
         return id_list(ids, "apply_chat_template")
     except ValueError as e:
         raise OpenAIError(500, f"model {served.model!r}: {e}") from None
+
+
+def _templated(template, messages: list):
+    return template(messages, add_generation_prompt=True, tokenize=True)
+
+
+def too_long(message: str, field: str) -> OpenAIError:
+    """A text or prompt the model's context cannot hold, as OpenAI says it."""
+    return OpenAIError(400, message, field, "context_length_exceeded")
+
+
+def utf8(text: str, field: str) -> None:
+    """A 400 for text that is not valid Unicode (a lone surrogate that JSON's
+    \\ud800 escape can carry and no encoder can write)."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad(f"{field}: expected valid Unicode text, got a lone surrogate "
+                  f"(U+{ord(text[e.start]):04X}) at character {e.start}", field) from None
 
 
 def _message(i: int, message) -> dict:
@@ -208,18 +277,25 @@ def _message(i: int, message) -> dict:
     return message
 
 
-def embedding_inputs(served: Served, body: dict) -> List[List[int]]:
+async def embedding_inputs(served: Served, body: dict) -> List[List[int]]:
     """/v1/embeddings' input: a string, a list of strings, a list of token ids
-    or a list of such lists, as one list of token ids per input."""
+    or a list of such lists, as one list of token ids per input. Their count
+    is checked before any is tokenized, and each text before it is."""
     value = body.get("input")
+    capacity = served.config.queue_capacity
+    if isinstance(value, list) and len(value) > capacity and not token_ids(value):
+        raise bad(f"input: expected at most {capacity} inputs (the engine's queue_capacity), "
+                  f"got {len(value)}", "input")
     if isinstance(value, str):
-        return [served.encode(value, "input")]
+        return [await served.encode(value, "input")]
     ids = token_ids(value)
     if ids is not None:
         return [ids]
     if isinstance(value, list) and value:
         if all(isinstance(v, str) for v in value):
-            return [served.encode(v, "input") for v in value]
+            for v in value:  # every text checked before the first is tokenized
+                served.check_text(v, "input")
+            return [await served.encode(v, "input") for v in value]
         lists = [token_ids(v) for v in value]
         if all(ids is not None for ids in lists):
             return lists  # type: ignore[return-value]

@@ -25,9 +25,9 @@ import asyncio
 import json
 import time
 import uuid
-from typing import Optional
+from typing import List, Optional
 
-from engine.errors import EngineError, EngineUnavailable
+from engine.errors import BackendError, EngineError, EngineUnavailable
 from engine.http import events
 from engine.http.openai import fields
 from engine.http.openai.replies import DONE, of_engine, send_json
@@ -35,21 +35,29 @@ from engine.http.openai.text import Detokenizer, Stops
 
 
 class Request:
-    """A completion or chat request, read."""
+    """A completion or chat request, read: its fields by the constructor (no
+    tokenizer's work), its text by tokenize()."""
 
     def __init__(self, served: fields.Served, body: dict, chat: bool) -> None:
         fields.refuse_unhonoured(body)
-        self.served, self.chat = served, chat
+        self.served, self.chat, self.body = served, chat, body
         self.field = "messages" if chat else "prompt"
-        self.ids = fields.chat_ids(served, body) if chat else fields.prompt_ids(served, body)
         names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
         self.max_steps = fields.max_steps(body, names, served.config.max_steps)
         self.stops = fields.stops(body)
         self.stream = fields.flag(body, "stream")
         self.include_usage = self.stream and fields.include_usage(body)
-        self.x = served.request(self.ids, body, self.field)
+        self.ids: List[int] = []
+        self.x = None
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+
+    async def tokenize(self) -> "Request":
+        served, body = self.served, self.body
+        self.ids = await (fields.chat_ids(served, body) if self.chat
+                          else fields.prompt_ids(served, body))
+        self.x = served.request(self.ids, body, self.field)
+        return self
 
 
 class Text:
@@ -58,12 +66,17 @@ class Text:
     def __init__(self, request: Request) -> None:
         self.detokenizer = Detokenizer(request.served.tokenizer)
         self.stops = Stops(request.stops)
-        self.eos = request.served.eos
+        self.eos, self.vocab = request.served.eos, request.served.vocab
         self.tokens = 0
         self.finish: Optional[str] = None  # set once the answer is over
 
     def add(self, token: int) -> str:
-        """The text this token lets out; finish is set if it ends the answer."""
+        """The text this token lets out; finish is set if it ends the answer.
+        BackendError for an id outside the vocabulary (the model's fault: no
+        tokenizer is asked to decode it)."""
+        if self.vocab is not None and not 0 <= token < self.vocab:
+            raise BackendError("BadToken", f"the model answered token id {token}, outside "
+                                           f"the tokenizer's vocabulary of {self.vocab}")
         self.tokens += 1
         if token == self.eos:
             return self.end("stop")
@@ -141,7 +154,10 @@ class ChunkEvents(events.EventStream):
             self.first = False
             out.append(_event(_chunk(request, {"role": "assistant", "content": ""})))
         for token in request.served.tokens(chunks):
-            piece = text.add(token)
+            try:
+                piece = text.add(token)
+            except Exception as e:  # the text so far goes out, then the error
+                raise events.Failed("".join(out).encode(), e) from None
             if text.finish:
                 out.append(_event(_chunk(request, piece, text.finish)))
                 raise events.Finished("".join(out).encode(), text.finish)

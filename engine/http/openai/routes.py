@@ -14,7 +14,8 @@ fails fails the worker's start, naming the engine).
 
 A body is read under its route's limit (the largest that one of the route's
 models can need: body.HEADER_BYTES + BYTES_PER_TOKEN for each token its requests
-can hold, or the server's http_max_body_bytes), refused with 413 from its
+can hold, or a byte for each character of their max_prompt_chars if more, or
+the server's http_max_body_bytes), refused with 413 from its
 Content-Length before it is read, then parsed as JSON. Every refusal is in
 OpenAI's shape (engine.http.openai.replies); a request's deadline is the
 server's http_timeout_s.
@@ -30,7 +31,7 @@ from engine.http import body as bodies
 from engine.http.asgi import Receive, Scope, Send
 from engine.http.engines import Engines
 from engine.http.errors import BadRequest, Disconnected, allowed
-from engine.http.openai import embeddings, generate, text
+from engine.http.openai import embeddings, generate, text, tokenizing
 from engine.http.openai.fields import Served
 from engine.http.openai.replies import OpenAIError, bad, of_engine, send_error, send_json
 from engine.http.openai.settings import OpenAISettings
@@ -52,18 +53,24 @@ class App:
         self.engines = engines
         self.created = int(time.time())
         self.served: Dict[str, Served] = {}
+        self.tokens_of = tokenizing.Tokenizing()
         for engine, table in tables.items():
             settings = OpenAISettings(**table)
             tokenizer = text.load(settings.tokenizer, engine)
-            self.served[settings.model] = Served(settings, engines.configs[engine], tokenizer)
+            self.served[settings.model] = Served(settings, engines.configs[engine], tokenizer,
+                                                 self.tokens_of)
         explicit = engines.max_body_bytes
         self.limits = {path: explicit or self._limit(path) for path in (*GENERATE, EMBED)}
 
+    def close(self) -> None:
+        self.tokens_of.close()
+
     def _limit(self, path: str) -> int:
-        tokens = [s.bound * (s.config.queue_capacity if path == EMBED else 1)
-                  for s in self.served.values() if s.config.iterative == (path != EMBED)]
-        return min(bodies.HEADER_BYTES + max(tokens, default=0) * BYTES_PER_TOKEN,
-                   bodies.MAX_JSON_BYTES)
+        # a text's bytes: its tokens' or, where a text may hold more, its characters'
+        text = [max(s.bound * BYTES_PER_TOKEN, s.max_chars) *
+                (s.config.queue_capacity if path == EMBED else 1)
+                for s in self.served.values() if s.config.iterative == (path != EMBED)]
+        return min(bodies.HEADER_BYTES + max(text, default=0), bodies.MAX_JSON_BYTES)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -110,7 +117,7 @@ class App:
         try:
             if path == EMBED:
                 return await embeddings.answer(client, served, body, timeout_s, receive, send)
-            request = generate.Request(served, body, chat="chat" in path)
+            request = await generate.Request(served, body, chat="chat" in path).tokenize()
             return await generate.answer(client, request, timeout_s, scope, receive, send)
         except (QueueFull, EngineUnavailable) as e:  # 503: when to try again
             retry_s = self.engines.retry_after_s(served.engine, e)
@@ -121,8 +128,9 @@ class App:
     async def _body(self, scope: Scope, receive: Receive, path: str) -> dict:
         limit = self.limits[path]
         why = ("http_max_body_bytes" if self.engines.max_body_bytes else
-               f"the most that {path}'s models take: {bodies.HEADER_BYTES} B + {BYTES_PER_TOKEN} B "
-               f"per token their requests hold")
+               f"the most that {path}'s models take: {bodies.HEADER_BYTES} B + "
+               f"{BYTES_PER_TOKEN} B per token their requests hold, or a byte per character "
+               f"of their max_prompt_chars")
         raw = await bodies.read(scope, receive, limit, why)
         try:
             if len(raw) > THREAD_PARSE_BYTES:

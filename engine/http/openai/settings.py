@@ -7,6 +7,8 @@
     output = "token"                  #   integer input with a variable dim; the one output)
     defaults = {temperature = 1.0}    # named tensors: the other inputs' values when a request
                                       #   lacks the field of that name
+    max_prompt_chars = 200000         # a longer text is refused before it is tokenized
+                                      #   (default: the input's bound x the longest token)
 
 An iterative engine serves /v1/completions and /v1/chat/completions: its token
 input is integers [None], one step's output an integer ([] or [1]). A one-shot
@@ -29,7 +31,7 @@ from engine.http.openai.replies import OpenAIError, bad
 from engine.http.values import datatype_of, value_array
 from engine.tensors import TensorSpec
 
-KEYS = ("tokenizer", "model", "input", "output", "defaults")
+KEYS = ("tokenizer", "model", "input", "output", "defaults", "max_prompt_chars")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +45,10 @@ class OpenAISettings:
     input: str
     output: str
     defaults: Dict[str, object]
+    # the most characters a text (a prompt, the messages, an input) may have
+    # before it is tokenized; None: the engine's bound times the tokenizer's
+    # longest token (engine.http.openai.tokenizing)
+    max_prompt_chars: Optional[int] = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -71,7 +77,12 @@ def parse(engine: str, table, config: EngineConfig) -> OpenAISettings:
     token_input = _token_input(where, table.get("input"), config)
     output = _output(where, table.get("output"), config)
     defaults = _defaults(where, table.get("defaults", {}), config, token_input)
-    return OpenAISettings(engine, model, tokenizer, token_input.name, output.name, defaults)
+    max_chars = table.get("max_prompt_chars")
+    if max_chars is not None and (type(max_chars) is not int or max_chars < 1):
+        raise ValueError(f"{where}: expected max_prompt_chars = an integer >= 1, got "
+                         f"{max_chars!r}")
+    return OpenAISettings(engine, model, tokenizer, token_input.name, output.name, defaults,
+                          max_chars)
 
 
 def check_all(settings: List[OpenAISettings]) -> None:
