@@ -21,6 +21,7 @@ from engine.http.oip import routes as oip_routes
 from engine.http.openai import routes as openai_routes
 from engine.http.asgi import Receive, Scope, Send
 from engine.http.engines import DEFAULT_TIMEOUT_S, Engines
+from engine.http.server import parsing
 
 
 class Front:
@@ -33,9 +34,10 @@ class Front:
                  openai: Optional[Dict[str, dict]] = None,
                  clients: Optional[Dict[str, Client]] = None) -> None:
         self.engines = Engines(configs, timeout_s, max_body_bytes, clients)
-        self.oip = oip_routes.App(self.engines)
+        self.parser = parsing.Parser()  # large bodies, of either protocol
+        self.oip = oip_routes.App(self.engines, self.parser)
         # the tokenizers load here: a factory that fails fails the worker's start
-        self.openai = openai_routes.App(self.engines, openai) if openai else None
+        self.openai = openai_routes.App(self.engines, openai, self.parser) if openai else None
         self.on_ready = on_ready
         self.startup_error: Optional[str] = None  # why the lifespan's startup failed
 
@@ -45,7 +47,7 @@ class Front:
 
     def close(self) -> None:
         self.engines.close()
-        self.oip.close()
+        self.parser.close()
         if self.openai is not None:
             self.openai.close()
 

@@ -136,13 +136,9 @@ class App:
     """The protocol's routes over `engines`, as an ASGI app (the front
     handles the lifespan)."""
 
-    def __init__(self, engines: Engines) -> None:
-        self.engines = engines
-        self.parser = parsing.Parser()
+    def __init__(self, engines: Engines, parser: parsing.Parser) -> None:
+        self.engines, self.parser = engines, parser
         self.models: Dict[str, Model] = {}
-
-    def close(self) -> None:
-        self.parser.close()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers: List[Tuple[bytes, bytes]] = []

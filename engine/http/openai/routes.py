@@ -16,11 +16,12 @@ A body is read under its route's limit (the largest that one of the route's
 models can need: body.HEADER_BYTES + BYTES_PER_TOKEN for each token its requests
 can hold, or a byte for each character of their max_prompt_chars if more, or
 the server's http_max_body_bytes), refused with 413 from its
-Content-Length before it is read, then parsed as JSON. Every refusal is in
+Content-Length before it is read, then parsed as JSON where its size says
+(engine.http.server.parsing: a large one in the parser process, which hands
+back no text longer than the route's models take). Every refusal is in
 OpenAI's shape (engine.http.openai.replies); a request's deadline is the
 server's http_timeout_s.
 """
-import asyncio
 import json
 import logging
 import time
@@ -31,15 +32,15 @@ from engine.http import body as bodies
 from engine.http.asgi import Receive, Scope, Send
 from engine.http.engines import Engines
 from engine.http.errors import BadRequest, Disconnected, allowed
-from engine.http.openai import embeddings, generate, text, tokenizing
+from engine.http.openai import embeddings, fields, generate, text, tokenizing
 from engine.http.openai.fields import Served
 from engine.http.openai.replies import OpenAIError, bad, of_engine, send_error, send_json
 from engine.http.openai.settings import OpenAISettings
+from engine.http.server import parsing
 
 log = logging.getLogger("shmbatch")
 
 BYTES_PER_TOKEN = 64      # a token's text (or id) in JSON, escapes included
-THREAD_PARSE_BYTES = 1 << 20  # a larger body is parsed off the event loop
 GENERATE = ("/v1/completions", "/v1/chat/completions")
 EMBED = "/v1/embeddings"
 
@@ -49,8 +50,9 @@ class App:
     limit); tables: the engines' openai settings ({engine:
     OpenAISettings.to_dict()})."""
 
-    def __init__(self, engines: Engines, tables: Dict[str, dict]) -> None:
-        self.engines = engines
+    def __init__(self, engines: Engines, tables: Dict[str, dict],
+                 parser: parsing.Parser) -> None:
+        self.engines, self.parser = engines, parser
         self.created = int(time.time())
         self.served: Dict[str, Served] = {}
         self.tokens_of = tokenizing.Tokenizing()
@@ -61,6 +63,10 @@ class App:
                                                  self.tokens_of)
         explicit = engines.max_body_bytes
         self.limits = {path: explicit or self._limit(path) for path in (*GENERATE, EMBED)}
+        # a text longer than every model of a route takes is dropped where the body is parsed
+        self.most_chars = {path: max((s.max_chars for s in self.served.values()
+                                      if s.config.iterative == (path != EMBED)), default=0)
+                           for path in (*GENERATE, EMBED)}
 
     def close(self) -> None:
         self.tokens_of.close()
@@ -105,8 +111,12 @@ class App:
                                    f"/v1/completions, /v1/chat/completions or /v1/embeddings",
                               code="unknown_url")
         allowed(method, "POST")
-        body = await self._body(scope, receive, path)
+        body, overlong = await self._body(scope, receive, path)
         served = self._served(body.get("model"))
+        if overlong is not None:
+            field, chars = overlong
+            raise fields.too_long(f"{field}: expected at most {served.max_chars} characters "
+                                  f"(what {served.bound} tokens can hold), got {chars}", field)
         if served.config.iterative != (path in GENERATE):
             serves = "/v1/completions and /v1/chat/completions" if served.config.iterative \
                 else "/v1/embeddings"
@@ -125,23 +135,16 @@ class App:
         except EngineError as e:
             raise of_engine(e, field) from None
 
-    async def _body(self, scope: Scope, receive: Receive, path: str) -> dict:
+    async def _body(self, scope: Scope, receive: Receive, path: str):
+        """(the request's JSON object, (field, characters) of a text too long
+        for any of the route's models, taken out of it, or None)."""
         limit = self.limits[path]
         why = ("http_max_body_bytes" if self.engines.max_body_bytes else
                f"the most that {path}'s models take: {bodies.HEADER_BYTES} B + "
                f"{BYTES_PER_TOKEN} B per token their requests hold, or a byte per character "
                f"of their max_prompt_chars")
         raw = await bodies.read(scope, receive, limit, why)
-        try:
-            if len(raw) > THREAD_PARSE_BYTES:
-                body = await asyncio.to_thread(json.loads, raw)
-            else:
-                body = json.loads(raw)
-        except (ValueError, RecursionError) as e:
-            raise bad(f"expected a JSON object, got a body that is not JSON ({e})") from None
-        if not isinstance(body, dict):
-            raise bad(f"expected a JSON object, got {type(body).__name__}")
-        return body
+        return await self.parser.parse(len(raw), read_body, raw, self.most_chars[path])
 
     def _served(self, name) -> Served:
         if not isinstance(name, str):
@@ -155,3 +158,41 @@ class App:
     def _card(self, name: str) -> dict:
         return {"id": name, "object": "model", "created": self.created, "owned_by": "shmbatch"}
 
+
+def read_body(raw: bytes, most_chars: int):
+    """(a body's JSON object, None), or with a text of more than most_chars
+    characters (a prompt, an input, a message's content) taken out of it,
+    (the object, (its field, its characters)): run where the body is parsed
+    (engine.http.server.parsing), so that a text no model takes is never
+    handed back. BadRequest for a body that is not a JSON object."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise BadRequest(f"expected a JSON object, got a body that is not JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise BadRequest(f"expected a JSON object, got {type(body).__name__}")
+    for field in ("prompt", "input", "messages"):
+        chars = _text_chars(body.get(field))
+        if chars > most_chars:
+            body[field] = None
+            return body, (field, chars)
+    return body, None
+
+
+def _text_chars(value) -> int:
+    """The characters of a field's texts: a string, a list of strings, or
+    messages whose content is a string or a list of text parts."""
+    if isinstance(value, str):
+        return len(value)
+    if not isinstance(value, list):
+        return 0
+    total = 0
+    for item in value:
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            content = item.get("content")
+            total += _text_chars(content) if not isinstance(content, list) else sum(
+                len(p.get("text", "")) for p in content
+                if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return total
