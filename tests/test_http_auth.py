@@ -18,6 +18,7 @@ import pytest
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 triton = pytest.importorskip("tritonclient.http")
+from tritonclient.utils import InferenceServerException  # noqa: E402
 from conftest import Gate, reap, shm_entries, unique_name, wait_for, wait_for_line  # noqa: E402
 from openai_served import STEPS, openai_table  # noqa: E402
 from test_multi_engine import table, top  # noqa: E402
@@ -88,17 +89,23 @@ def openai_client(url: str, key: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"http://{url}/v1", api_key=key, max_retries=0, timeout=60)
 
 
-@pytest.fixture(scope="module")
-def keyed(tmp_path_factory):
-    """serve with --api-key KEY: `echo` on the OpenAI API, `affine` on the OIP."""
+def two_engines(folder, *flags, env=None) -> Serve:
+    """serve of `echo` on the OpenAI API and `affine` on the OIP, two HTTP workers;
+    `names` maps each to its engine's name."""
     names = {"echo": unique_name("auth-echo"), "affine": unique_name("auth-affine")}
     config = (top(http_workers=2)
               + table(names["echo"], backend="openai_models:echo", **STEPS)
               + openai_table(names["echo"], model="echo", **BYTES)
               + table(names["affine"], **AFFINE))
-    served = Serve(tmp_path_factory.mktemp("keyed"), config, "--api-key", KEY,
-                   "--log-level", "DEBUG")
+    served = Serve(folder, config, *flags, env=env)
     served.names = names
+    return served
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory):
+    """two_engines() with SHMBATCH_API_KEY=KEY in serve's environment."""
+    served = two_engines(tmp_path_factory.mktemp("keyed"), env={"SHMBATCH_API_KEY": KEY})
     yield served
     assert served.stop() == 0, served.stderr()
 
@@ -121,10 +128,13 @@ def test_without_a_key_configured_every_route_answers_as_before(tmp_path):
         assert served.stop() == 0, served.stderr()
 
 
-def test_the_openai_client_with_the_key_is_answered(keyed):
+def test_the_openai_client_is_answered_with_the_key_alone(keyed):
     answer = openai_client(keyed.url, KEY).completions.create(model="echo", prompt="hi",
                                                                max_tokens=2)
     assert answer.choices[0].text and answer.usage.completion_tokens == 2
+    status, _, body = request(keyed.url, "/v1/completions", None, "POST",
+                              {"model": "echo", "prompt": "hi", "max_tokens": 2})
+    assert status == 401, body
 
 
 def test_the_openai_client_with_a_wrong_key_raises_authentication_error(keyed):
@@ -151,12 +161,15 @@ def test_an_oip_infer_without_the_header_is_401_in_the_oip_shape(keyed):
     assert "got no Authorization header" in error["error"]
 
 
-def test_tritonclient_with_the_key_in_its_headers_infers(keyed):
+def test_tritonclient_infers_with_the_key_in_its_headers_alone(keyed):
     c = triton.InferenceServerClient(keyed.url)
     t = triton.InferInput("INPUT", [1, 4], "FP32")
     t.set_data_from_numpy(X)
     answer = c.infer(keyed.names["affine"], [t], headers={"Authorization": f"Bearer {KEY}"})
     assert np.array_equal(answer.as_numpy("OUTPUT"), X * 2 + 1)
+    with pytest.raises(InferenceServerException) as refused:
+        c.infer(keyed.names["affine"], [t])
+    assert refused.value.status() == "401"
 
 
 @pytest.mark.parametrize("path, method, with_key", [
@@ -170,15 +183,15 @@ def test_every_route_but_the_health_probes_needs_the_key(keyed, path, method, wi
     assert request(keyed.url, path, KEY, method)[0] == with_key
 
 
-@pytest.mark.parametrize("path", HEALTH)
-def test_the_health_probes_need_no_key(keyed, path):
-    status, _, body = request(keyed.url, path)
-    assert status == 200, body
+def test_the_health_probes_need_no_key(keyed):
+    for path in HEALTH:
+        status, _, body = request(keyed.url, path)
+        assert status == 200, (path, body)
 
 
 def test_the_401_is_answered_before_the_body_is_read(keyed):
     host, port = keyed.url.rsplit(":", 1)
-    with socket.create_connection((host, int(port)), timeout=30) as sock:
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
         # a body of 1 MB announced, none of it sent: only a refusal made on the head answers
         sock.sendall(f"POST /v2/models/{keyed.names['affine']}/infer HTTP/1.1\r\nHost: x\r\n"
                      f"Content-Type: application/json\r\nContent-Length: 1000000\r\n\r\n"
@@ -187,32 +200,33 @@ def test_the_401_is_answered_before_the_body_is_read(keyed):
     assert head.startswith("HTTP/1.1 401 "), head
 
 
-def test_the_key_is_in_no_childs_command_line_log_line_answer_or_status(keyed):
-    oip_status(keyed.url, keyed.names["affine"], WRONG)  # a refusal, logged if anything is
-    assert oip_status(keyed.url, keyed.names["affine"], KEY) == 200
-    children = psutil.Process(keyed.proc.pid).children(recursive=True)
-    assert len(children) >= 4  # a batcher per engine, two HTTP workers
-    for child in children:
-        assert not any(KEY in part for part in child.cmdline()), child.cmdline()
-    assert KEY not in keyed.stderr() and keyed.stderr()
-    for name in keyed.names.values():
-        out = shmbatch("status", name, "--json")
-        assert out.returncode == 0 and KEY not in out.stdout + out.stderr
-    _, _, body = request(keyed.url, "/v1/models", WRONG)
-    assert WRONG.encode() not in body and KEY.encode() not in body
-
-
-def test_the_environment_variables_key_is_needed_and_no_child_inherits_it(tmp_path):
-    served = affine_serve(tmp_path, env={"SHMBATCH_API_KEY": KEY})
+def test_the_flags_key_is_in_no_childs_command_line_log_line_answer_or_status(tmp_path):
+    served = two_engines(tmp_path, "--api-key", KEY, "--log-level", "DEBUG")
     try:
-        assert oip_status(served.url, served.engine) == 401
-        assert oip_status(served.url, served.engine, WRONG) == 401
-        assert oip_status(served.url, served.engine, KEY) == 200
-        for child in psutil.Process(served.proc.pid).children(recursive=True):
-            assert KEY not in " ".join(child.cmdline())
-            assert "SHMBATCH_API_KEY" not in child.environ()
+        affine = served.names["affine"]
+        assert oip_status(served.url, affine, WRONG) == 401  # a refusal, logged if anything is
+        assert oip_status(served.url, affine, KEY) == 200
+        children = psutil.Process(served.proc.pid).children(recursive=True)
+        assert len(children) >= 4  # a batcher per engine, two HTTP workers
+        for child in children:
+            assert not any(KEY in part for part in child.cmdline()), child.cmdline()
+        for name in served.names.values():
+            out = shmbatch("status", name, "--json")
+            assert out.returncode == 0 and KEY not in out.stdout + out.stderr
+        _, _, body = request(served.url, "/v1/models", WRONG)
+        assert WRONG.encode() not in body and KEY.encode() not in body
     finally:
         assert served.stop() == 0, served.stderr()
+    assert "HTTP worker" in served.stderr() and KEY not in served.stderr()
+
+
+def test_no_child_of_serve_inherits_the_environment_variable(keyed):
+    assert oip_status(keyed.url, keyed.names["affine"]) == 401  # the variable's key is serve's
+    children = psutil.Process(keyed.proc.pid).children(recursive=True)
+    assert len(children) >= 4
+    for child in children:
+        assert "SHMBATCH_API_KEY" not in child.environ()
+        assert KEY not in " ".join(child.cmdline())
 
 
 def test_the_flag_wins_over_the_environment_variable(tmp_path):
@@ -248,11 +262,12 @@ def test_health_is_200_while_every_engine_serves_and_503_while_one_does_not(tmp_
     gate.open()  # the first batcher's factory passes; its replacement's waits for the gate
     other = unique_name("auth-other")
     name = unique_name("auth-gated")
-    served = Serve(tmp_path, table(other, **AFFINE)
-                   + table(name, backend="helpers:starts_on_gate",
-                           backend_args={"gate": gate.name}, input_shape=[4], output_shape=[4]),
-                   "--api-key", KEY)
+    served = None
     try:
+        served = Serve(tmp_path, table(other, **AFFINE)
+                       + table(name, backend="helpers:starts_on_gate",
+                               backend_args={"gate": gate.name}, input_shape=[4],
+                               output_shape=[4]), "--api-key", KEY)
         for method in ("GET", "HEAD"):
             assert request(served.url, "/health", method=method)[0] == 200
         pid = json.loads(shmbatch("status", name, "--json").stdout)["batcher_pids"][0]
@@ -268,7 +283,7 @@ def test_health_is_200_while_every_engine_serves_and_503_while_one_does_not(tmp_
     finally:
         gate.open()
         try:
-            assert served.stop() == 0, served.stderr()
+            assert served is None or served.stop() == 0, served.stderr()
         finally:
             gate.close()
     assert not [e for e in shm_entries() if name in e or other in e]
