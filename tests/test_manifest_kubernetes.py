@@ -62,7 +62,8 @@ def real_segment_bytes(table: dict) -> int:
 @pytest.mark.parametrize("extra", [
     ["--autoscaler", "hpa"],
     ["--autoscaler", "keda", "--app-image", "reg/app:1", "--app-command", "gunicorn app:app"],
-], ids=["hpa", "keda-app"])
+    ["--api-key-secret", "shmbatch-key"],
+], ids=["hpa", "keda-app", "api-key"])
 def test_every_object_passes_kubernetes_schemas_from_1_30(config, extra):
     docs = manifest("kubernetes", "--config", config, "--image", "reg/shmbatch:1", *extra)
     kinds = by_kind(docs)
@@ -142,6 +143,16 @@ def test_with_an_http_port_readiness_is_the_ready_route_behind_the_service(confi
     assert kinds["Service"]["spec"]["ports"][0]["targetPort"] == 8000
     assert kinds["Service"]["spec"]["selector"] == \
         kinds["Deployment"]["spec"]["selector"]["matchLabels"]
+
+
+def test_an_api_key_secret_reaches_serve_as_its_environment_variable_alone(config):
+    kinds = by_kind(manifest("kubernetes", "--config", config, "--image", "i",
+                             "--api-key-secret", "shmbatch-key"))
+    serve = serve_container(kinds["Deployment"])
+    assert serve["env"] == [{"name": "SHMBATCH_API_KEY", "valueFrom": {"secretKeyRef": {
+        "name": "shmbatch-key", "key": "api-key"}}}]
+    assert not any("key" in arg for arg in serve["args"])  # the key in no command line
+    assert serve["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"  # needs no key
 
 
 def test_without_an_http_port_there_is_no_service_and_the_probe_asks_every_engine(no_http):

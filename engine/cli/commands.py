@@ -8,12 +8,13 @@ import tomllib
 from engine.cli import tooling
 from engine.cli.args import Parser, config_shape, key_values, knob_flag, knobs
 from engine.errors import EngineError
+from engine.http import auth
 
 # serve's own keys: its flags, and a --config file's top level beside an
 # engine's keys or [engines.NAME] tables
 SERVE_ONLY_KEYS = ("metrics_port", "metrics_host", "http_port", "http_host", "http_workers",
                    "http_timeout_s", "http_max_body_bytes", "http_read_timeout_s",
-                   "http_max_connections")
+                   "http_max_connections", "api_key")
 
 
 def _serve_parser(sub):
@@ -44,6 +45,11 @@ def _serve_parser(sub):
     p.add_argument("--http-max-connections", type=int, metavar="N",
                    help="open connections per HTTP worker; one more is answered 503 at once "
                         "(default 1024, lower if the open-file limit requires)")
+    p.add_argument("--api-key", metavar="KEY",
+                   help="every route of --http-port but /health and /v2/health/* then needs "
+                        "'Authorization: Bearer KEY' (401 otherwise); the flag wins over the "
+                        f"{auth.ENV} environment variable, which wins over api_key in --config. "
+                        "A flag shows in the process list: prefer the variable")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", default="text", help="text, or json: one JSON object per "
                    "line on stderr (ts, level, engine, event, fields), from every process")
@@ -148,6 +154,15 @@ def _engine_settings(settings: dict, args, where) -> dict:
     return settings
 
 
+def _api_key_of_environment(args, serve: dict) -> None:
+    """SHMBATCH_API_KEY as serve's api_key, unless --api-key gave one (on an
+    HTTP port only: the variable may be set for other commands too); taken
+    out of serve's environment, so that no process serve starts inherits it."""
+    key = os.environ.pop(auth.ENV, None)
+    if key is not None and args.api_key is None and serve.get("http_port") is not None:
+        serve["api_key"] = key
+
+
 def cmd_serve(args) -> int:
     import logging
     import threading
@@ -158,6 +173,7 @@ def cmd_serve(args) -> int:
     logfmt.configure(args.log_level, args.log_format)
     log = logging.getLogger("shmbatch")
     engines, serve = serve_plan(args)
+    _api_key_of_environment(args, serve)
     serving = Serving(engines, **serve)  # validates every engine, creates nothing
     names = ", ".join(serving.names)
     stop = threading.Event()

@@ -40,7 +40,8 @@ class Serving:
                  http_max_body_bytes: Optional[int] = None,
                  http_read_timeout_s: Optional[float] = None,
                  http_max_connections: Optional[int] = None,
-                 openai: Optional[Dict[str, dict]] = None) -> None:
+                 openai: Optional[Dict[str, dict]] = None,
+                 api_key: Optional[str] = None) -> None:
         self.engines: List[Engine] = []
         several = len(engines) > 1  # a single engine's errors read as they always did
         for settings in engines:
@@ -51,7 +52,7 @@ class Serving:
         given = {"--http-host": http_host, "--http-workers": http_workers,
                  "--http-timeout-s": http_timeout_s, "--http-max-body-bytes": http_max_body_bytes,
                  "--http-read-timeout-s": http_read_timeout_s,
-                 "--http-max-connections": http_max_connections}
+                 "--http-max-connections": http_max_connections, "--api-key": api_key}
         if http_port is None:
             if any(v is not None for v in given.values()):
                 raise ValueError(f"{', '.join(k for k, v in given.items() if v is not None)} "
@@ -59,6 +60,8 @@ class Serving:
         else:
             self._check_http(http_workers, http_timeout_s, http_max_body_bytes)
             self._check_connections(http_read_timeout_s, http_max_connections)
+            from engine.http import auth
+            self._api_key = None if api_key is None else auth.checked(api_key)
         self.openai = self._check_openai(openai or {})
         self._sock = None
         self._workers = None
@@ -155,10 +158,13 @@ class Serving:
             timeout_s=self.http_timeout_s, max_body_bytes=self.http_max_body_bytes,
             graceful_s=max(e.options.drain_timeout_s for e in self.engines),
             read_timeout_s=self.http_read_timeout_s, max_connections=self.http_max_connections,
-            log_level=logging.getLevelName(log.getEffectiveLevel()), openai=self.openai)
+            log_level=logging.getLevelName(log.getEffectiveLevel()), openai=self.openai,
+            api_key=self._api_key)
         self._workers.start()
-        log.info("Open Inference Protocol on %s (%d HTTP worker(s), pids %s)", self.http_url,
-                 self.http_workers, self._workers.pids)
+        log.info("Open Inference Protocol on %s (%d HTTP worker(s), pids %s%s)", self.http_url,
+                 self.http_workers, self._workers.pids,
+                 "; every route but the health probes needs the API key" if self._api_key
+                 else "")
 
     @property
     def http_url(self) -> Optional[str]:

@@ -286,6 +286,7 @@ shmbatch manifest kubernetes --config models.toml --image IMAGE [--app-image IMG
                              [--max-replicas N] [--prometheus-url URL] [--run-as-user 1000]
                              [--name NAME] [--namespace NS] [--metrics-port 9090]
                              [--shm-headroom-mib 64] [--process-memory-mib 256]
+                             [--api-key-secret SECRET]
 shmbatch manifest kserve --config models.toml --image IMAGE [--name NAME] [--namespace NS] ...
 
 Prints YAML (to stdout) that runs `shmbatch serve --config FILE` in a pod, its /dev/shm,
@@ -315,6 +316,9 @@ def manifest_parser(sub):
         q.add_argument("--process-memory-mib", type=int, metavar="MIB",
                        help="memory per serve process (supervisor, batcher, HTTP worker) "
                             "beside /dev/shm (default 256)")
+        q.add_argument("--api-key-secret", metavar="SECRET",
+                       help="serve's API key (SHMBATCH_API_KEY) from this Secret's key "
+                            "api-key: every HTTP route but the health probes needs it")
     k8s.add_argument("--app-image", help="the app's container (a Client of the engines)")
     k8s.add_argument("--app-command", metavar='"CMD ARGS"', help="the app container's command")
     k8s.add_argument("--replicas", type=int, default=2)
@@ -348,7 +352,7 @@ def cmd_manifest(args, plan) -> int:
         headroom_mib=or_default(args.shm_headroom_mib, manifest_pod.DEFAULT_HEADROOM_MIB),
         process_mib=or_default(args.process_memory_mib, manifest_pod.DEFAULT_PROCESS_MIB),
         http_port=manifest_kserve.HTTP_PORT if kserve else None,
-        fallback_name=pathlib.Path(args.config).stem)
+        fallback_name=pathlib.Path(args.config).stem, api_key_secret=args.api_key_secret)
     if kserve:
         out = manifest_kserve.kserve(pod, text, namespace=args.namespace)
     else:

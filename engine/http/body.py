@@ -8,7 +8,8 @@ answer, if the connection closed on unread data. So the answer is written
 first, then the rest of the body is read and discarded (at most DRAIN_BYTES,
 for at most DRAIN_S: a caller still sending after that is cut off), then the
 connection closes. A caller that sent `Expect: 100-continue` and no byte yet
-is answered and closed at once: it sends nothing more.
+is answered and closed at once: it sends nothing more. refuse() answers any
+refusal made before the body is read (the front's 401) the same way.
 """
 import asyncio
 
@@ -56,15 +57,16 @@ async def read(scope: Scope, receive: Receive, limit: int, why: str) -> bytes:
 
 
 async def refuse(scope: Scope, receive: Receive, send: Send, body: bytes,
-                 error: TooLarge) -> None:
-    """Answers the 413 of `error` (body: its JSON, in the protocol's shape),
-    then reads what the caller still sends (bounded) before the connection
-    closes."""
-    await send({"type": "http.response.start", "status": 413,
-                "headers": [JSON, (b"content-length", str(len(body)).encode()),
+                 error: BadRequest) -> None:
+    """Answers `error` (a 413 TooLarge, or a refusal made before any of the
+    body was read; body: its JSON, in the protocol's shape), then reads what
+    the caller still sends (bounded) before the connection closes."""
+    await send({"type": "http.response.start", "status": error.status,
+                "headers": [JSON, *error.headers, (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close")]})
+    started = isinstance(error, TooLarge) and error.started
     expects = (header(scope, b"expect") or "").lower() == "100-continue"
-    if expects and not error.started:  # it waits for a 100 Continue that never comes
+    if expects and not started:  # it waits for a 100 Continue that never comes
         await send({"type": "http.response.body", "body": body})
         return
     await send({"type": "http.response.body", "body": body, "more_body": True})

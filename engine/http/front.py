@@ -9,31 +9,43 @@ the engines through one Engines (engine.http.engines), so the requests of
 both protocols batch together, and neither stands above the other.
 
 The front owns what is not a protocol's: the lifespan (the Clients attach
-at its startup, and a worker says it is ready then), and a caller's W3C
-traceparent, continued for the request's spans.
+at its startup, and a worker says it is ready then), a caller's W3C
+traceparent, continued for the request's spans, the API key (engine.http.auth),
+checked before any route reads a body and refused 401 in the shape of the
+route asked, and GET /health, vLLM's probe that gateways use: 200 while every
+engine serves (as /v2/health/ready), else 503 with Retry-After.
 """
+import json
 from typing import Dict, Optional
 
 from engine.client import tracing
 from engine.client.client import Client
 from engine.config import EngineConfig
+from engine.errors import EngineError
+from engine.http import asgi, body
+from engine.http.asgi import Receive, Scope, Send
+from engine.http.auth import CHALLENGE, ApiKey
+from engine.http.engines import DEFAULT_TIMEOUT_S, Engines
+from engine.http.errors import BadRequest, retry_after
 from engine.http.oip import routes as oip_routes
 from engine.http.openai import routes as openai_routes
-from engine.http.asgi import Receive, Scope, Send
-from engine.http.engines import DEFAULT_TIMEOUT_S, Engines
+from engine.http.openai.replies import OpenAIError
 from engine.http.server import parsing
 
 
 class Front:
     """The ASGI app of one HTTP worker for the engines `configs` names;
     openai: {engine: its OpenAI settings} for those that serve /v1/;
-    clients: Clients lent already (else one per engine, made at start)."""
+    clients: Clients lent already (else one per engine, made at start);
+    api_key: the key every route but the health probes needs (None: none)."""
 
     def __init__(self, configs: Dict[str, EngineConfig], timeout_s: float = DEFAULT_TIMEOUT_S,
                  max_body_bytes: Optional[int] = None, on_ready=None,
                  openai: Optional[Dict[str, dict]] = None,
-                 clients: Optional[Dict[str, Client]] = None) -> None:
+                 clients: Optional[Dict[str, Client]] = None,
+                 api_key: Optional[str] = None) -> None:
         self.engines = Engines(configs, timeout_s, max_body_bytes, clients)
+        self.api_key = None if api_key is None else ApiKey(api_key)
         self.parser = parsing.Parser()  # large bodies, of either protocol
         self.oip = oip_routes.App(self.engines, self.parser)
         # the tokenizers load here: a factory that fails fails the worker's start
@@ -56,14 +68,40 @@ class Front:
             return await self._lifespan(receive, send)
         if scope["type"] != "http":
             return  # websockets are not served
+        app: asgi.App = self.oip
+        if self.openai is not None and scope["path"].startswith("/v1/"):
+            app = self.openai
+        if self.api_key is not None:
+            why = self.api_key.refusal(scope)
+            if why is not None:
+                return await _unauthorized(scope, receive, send, why, app is self.openai)
+        if scope["path"] == "/health":
+            return await self._health(scope, send)
         token = tracing.continued(scope["headers"])  # the caller's traceparent, when tracing
         try:
-            if self.openai is not None and scope["path"].startswith("/v1/"):
-                return await self.openai(scope, receive, send)
-            return await self.oip(scope, receive, send)
+            return await app(scope, receive, send)
         finally:
             if token is not None:
                 tracing.detach(token)
+
+    async def _health(self, scope: Scope, send: Send) -> None:
+        """200 while every engine serves, else 503 naming the first that does
+        not (the OIP's error shape: the path is no protocol's)."""
+        try:
+            if scope["method"] not in ("GET", "HEAD"):
+                raise BadRequest(f"expected GET or HEAD, got {scope['method']}", 405,
+                                 ((b"allow", b"GET, HEAD"),))
+            for name in self.engines.configs:
+                try:
+                    self.engines.ready(name)
+                except EngineError as e:
+                    raise BadRequest(f"{type(e).__name__}: {e}", 503,
+                                     tuple(retry_after(self.engines.retry_after_s(name, e))))
+        except BadRequest as e:
+            headers = [asgi.JSON, *e.headers]
+            return await asgi.send_whole(send, e.status, json.dumps({"error": str(e)}).encode(),
+                                         headers)
+        await asgi.send_whole(send, 200, b'{"ready": true}')
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -84,3 +122,14 @@ class Front:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
+
+async def _unauthorized(scope: Scope, receive: Receive, send: Send, why: str,
+                        openai: bool) -> None:
+    """The 401 of a request without the key, in its route's shape (OpenAI's
+    as it answers a bad key), before any of its body is read."""
+    refusal = BadRequest(why, 401, (CHALLENGE,))
+    if openai:
+        out = OpenAIError(401, why, code="invalid_api_key", kind="invalid_request_error").encoded()
+    else:
+        out = json.dumps({"error": why}).encode()
+    await body.refuse(scope, receive, send, out, refusal)

@@ -39,7 +39,8 @@ def _entry() -> None:
         sock = socket.socket(fileno=args["fd"])
         configs = {name: EngineConfig.from_json(blob) for name, blob in args["configs"].items()}
         app = Front(configs, args["timeout_s"], args["max_body_bytes"],
-                    on_ready=lambda: launch.tell_ready(ready), openai=args.get("openai"))
+                    on_ready=lambda: launch.tell_ready(ready), openai=args.get("openai"),
+                    api_key=args.get("api_key"))
         guard = connections.Guard(args["read_timeout_s"],
                                   connections.max_connections(args["max_connections"], nofile))
         # uvicorn's own lines at INFO (four per worker start and stop) say what

@@ -12,6 +12,8 @@ shmbatch knows and a hand-written manifest gets wrong.
   process (supervisor, batchers, HTTP workers).
 - readiness: true only while every engine serves (`/v2/health/ready`, or
   `shmbatch status NAME --ready` for each engine when there is no HTTP port).
+- the API key (--api-key-secret NAME): SHMBATCH_API_KEY from the Secret's
+  `api-key`, so the key is in neither the pod's spec nor the ConfigMap.
 - stopping: a preStop sleep, then the kubelet's SIGTERM makes serve drain;
   terminationGracePeriodSeconds covers the sleep, the longest stop serve can
   take, and a margin.
@@ -36,6 +38,7 @@ DEFAULT_PROCESS_MIB = 256  # one process with numpy and a small model; a big mod
 DEFAULT_RUN_AS_USER = 1000
 PRESTOP_SLEEP_S = 5  # the endpoints controller takes the pod out of the Service meanwhile
 GRACE_MARGIN_S = 10
+API_KEY_KEY = "api-key"  # the key of --api-key-secret's Secret that holds serve's API key
 HTTP_KILL_AFTER_S = 10  # engine.http.server.workers kills a worker still running graceful_s + 10 s after SIGTERM
 START_MARGIN_S = 10  # Engine.start waits start_timeout_s x instances + 10 s
 READY_PERIOD_S, STARTUP_PERIOD_S = 5, 2
@@ -104,6 +107,7 @@ class ServePod:
     metrics_port: int
     headroom_bytes: int
     process_bytes: int
+    api_key_secret: Optional[str] = None  # a Secret whose API_KEY_KEY is serve's API key
 
     @property
     def names(self) -> List[str]:
@@ -194,6 +198,9 @@ class ServePod:
             "volumeMounts": [{"name": SHM_VOLUME, "mountPath": "/dev/shm"},
                              {"name": CONFIG_VOLUME, "mountPath": CONFIG_DIR, "readOnly": True}],
         }
+        if self.api_key_secret is not None:  # from the Secret: never in the pod's spec
+            out["env"] = [{"name": "SHMBATCH_API_KEY", "valueFrom": {"secretKeyRef": {
+                "name": self.api_key_secret, "key": API_KEY_KEY}}}]
         if startup:
             out["startupProbe"] = self.probe(
                 STARTUP_PERIOD_S, math.ceil((self.start_bound_s + START_MARGIN_S) / STARTUP_PERIOD_S))
@@ -240,7 +247,8 @@ def metadata(name: str, labels: dict, namespace: Optional[str]) -> dict:
 
 def serve_pod(engines: List[dict], serve: dict, *, name: Optional[str], image: str,
               metrics_port: Optional[int], headroom_mib: int, process_mib: int,
-              http_port: Optional[int] = None, fallback_name: str = "shmbatch") -> ServePod:
+              http_port: Optional[int] = None, fallback_name: str = "shmbatch",
+              api_key_secret: Optional[str] = None) -> ServePod:
     """The serve container's plan, from serve_plan's (engines, serve's own
     keys): http_port, when given, stands in for the config's."""
     built = _engines(engines)
@@ -262,7 +270,11 @@ def serve_pod(engines: List[dict], serve: dict, *, name: Optional[str], image: s
     pod = ServePod(name=name, image=image, engines=built,
                    http_port=None if http is None else int(http),
                    http_workers=int(serve.get("http_workers") or 1), metrics_port=int(metrics),
-                   headroom_bytes=headroom_mib * MIB, process_bytes=process_mib * MIB)
+                   headroom_bytes=headroom_mib * MIB, process_bytes=process_mib * MIB,
+                   api_key_secret=api_key_secret)
+    if api_key_secret is not None and pod.http_port is None:
+        raise ValueError("--api-key-secret: the API key guards the HTTP port: expected "
+                         "http_port in the config, got none")
     for cfg, _ in built:  # every engine sized now: one that cannot be fails here
         segment_bytes(cfg)
     return pod

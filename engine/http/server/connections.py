@@ -310,6 +310,14 @@ class _Held:
         head, self.data = self.data, b""
         self.transport.write(head + data)
 
+    def close(self) -> None:
+        # uvicorn closes a Connection: close response once its body is sent, which
+        # for a HEAD request writes nothing: the held head goes out first
+        if self.data:
+            self.transport.write(self.data)
+            self.data = b""
+        self.transport.close()
+
     def __getattr__(self, name: str):
         return getattr(self.transport, name)
 

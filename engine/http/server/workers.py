@@ -6,7 +6,8 @@ engines serve. A worker is a fresh interpreter, as a batcher is, running
 uvicorn on that socket with the front and one Client per engine
 (engine.http.worker, each worker's entry): the kernel hands each
 connection to one worker, and the requests of every worker batch together
-in the engines' queues. A worker is ready once
+in the engines' queues. Its arguments (the API key among them) travel on
+its stdin, never on its command line. A worker is ready once
 its Clients attached; it dies with serve (parent-death signal). serve's
 loop calls watch() every second, which never waits: a worker that died is
 replaced at once, and one that fails to start (or dies within STABLE_S of
@@ -63,7 +64,8 @@ class Workers:
     def __init__(self, sock: socket.socket, count: int, configs: Dict[str, bytes], *,
                  timeout_s: float, max_body_bytes: Optional[int], graceful_s: float,
                  read_timeout_s: float, max_connections: Optional[int] = None,
-                 log_level: str = "INFO", openai: Optional[Dict[str, dict]] = None) -> None:
+                 log_level: str = "INFO", openai: Optional[Dict[str, dict]] = None,
+                 api_key: Optional[str] = None) -> None:
         if count < 1:
             raise ValueError(f"http_workers must be >= 1, got {count}")
         self.sock, self.count = sock, count
@@ -71,7 +73,7 @@ class Workers:
         self._args = dict(configs=configs, timeout_s=timeout_s, max_body_bytes=max_body_bytes,
                           graceful_s=max(1, math.ceil(graceful_s)), log_level=log_level.lower(),
                           fd=sock.fileno(), read_timeout_s=read_timeout_s,
-                          max_connections=max_connections, openai=openai)
+                          max_connections=max_connections, openai=openai, api_key=api_key)
         self.procs: List[Optional[launch.Child]] = [None] * count
         # each slot's replacement not ready yet (its readiness pipe, its deadline),
         # when it became ready, no new start before, the next failure's delay
