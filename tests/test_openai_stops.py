@@ -159,7 +159,7 @@ def test_the_most_stops_of_the_longest_length_are_taken():
 def test_more_stops_than_openai_allows_are_refused_saying_how_many():
     error = refusal(["a" * fields.MAX_STOP_CHARS] * (fields.MAX_STOPS + 1))
     assert fields.MAX_STOPS == 4
-    assert "at most 4" in str(error) and "got 5 strings" in str(error)
+    assert "at most 4" in str(error) and "got a list of 5" in str(error)
     assert len(str(error)) < 300  # what came, cut short
 
 

@@ -127,7 +127,7 @@ def stops(body: dict) -> List[str]:
     expected = (f"stop: expected a non-empty string of at most {MAX_STOP_CHARS} characters "
                 f"or a list of at most {MAX_STOPS} of them, got ")
     if isinstance(got, list) and len(got) > MAX_STOPS:
-        raise bad(f"{expected}{len(got)} strings: {json_text(value)}", "stop")
+        raise bad(f"{expected}a list of {len(got)}: {json_text(value)}", "stop")
     if not isinstance(got, list) or not all(isinstance(s, str) and s for s in got):
         raise bad(expected + json_text(value), "stop")
     for s in got:
