@@ -24,7 +24,12 @@ from engine.http.openai.settings import OpenAISettings, input_array
 from engine.http.openai.text import eos_of, id_list
 from engine.http.values import json_text
 
-MAX_STOPS = 16
+MAX_STOPS = 4  # OpenAI's bound: "up to 4 sequences where the API will stop generating"
+# OpenAI documents no bound on a stop's length; stops are delimiters ("\n\n", "</answer>",
+# "\nUser:"), far shorter. A stream holds back text that might begin a stop, so a stop's
+# length is how long a client may wait for text it could already have; 256 also caps a
+# request's stop automaton at 1024 nodes.
+MAX_STOP_CHARS = 256
 
 _ONE = (lambda v: v is None or (type(v) is int and v == 1), "1")
 _OFF = (lambda v: v is None or v is False, "false")
@@ -151,14 +156,20 @@ def max_steps(body: dict, fields: Tuple[str, ...], engine_max: int) -> Optional[
 
 
 def stops(body: dict) -> List[str]:
+    """The request's stop strings: at most MAX_STOPS, each 1 to MAX_STOP_CHARS characters."""
     value = body.get("stop")
     if value is None:
         return []
     got = [value] if isinstance(value, str) else value
-    if (not isinstance(got, list) or len(got) > MAX_STOPS
-            or not all(isinstance(s, str) and s for s in got)):
-        raise bad(f"stop: expected a non-empty string or a list of at most {MAX_STOPS}, got "
-                  f"{json_text(value)}", "stop")
+    expected = (f"stop: expected a non-empty string of at most {MAX_STOP_CHARS} characters "
+                f"or a list of at most {MAX_STOPS} of them, got ")
+    if isinstance(got, list) and len(got) > MAX_STOPS:
+        raise bad(f"{expected}a list of {len(got)}: {json_text(value)}", "stop")
+    if not isinstance(got, list) or not all(isinstance(s, str) and s for s in got):
+        raise bad(expected + json_text(value), "stop")
+    for s in got:
+        if len(s) > MAX_STOP_CHARS:
+            raise bad(f"{expected}one of {len(s)} characters: {json_text(s)}", "stop")
     return got
 
 

@@ -13,12 +13,21 @@ text is the decode of a short window of ids less the decode of the same
 window without the new ones, held back while it ends in U+FFFD (as TGI and
 vLLM do). The concatenated pieces are the answer's text.
 
-Stops cuts the text at the first stop string: it holds back the longest end
-of the text that could begin one, so no text past or including a stop
-string is ever handed out, even when one spans several tokens.
+Stops cuts the text at the first stop string: the one whose occurrence ends
+earliest in the answer's text; of stops ending at the same character, the
+longest (so with "abcd" and "bc", "xabcd" is cut to "xa", at "bc"; with
+"abcd" and "cd", to "x"). The answer is the text before that occurrence.
+The cut depends on the text alone, never on how it came in pieces, and no
+text past or including a stop string is ever handed out, even when one
+spans several tokens. The stops are walked as one Aho-Corasick automaton (a
+trie of them with failure links), each new character once, so a piece of
+text costs time in its own length (amortised), however long the stops or
+however often the answer nearly matches one. What is held back is the
+longest end of the text that begins some stop (the automaton's state), and
+nothing else.
 """
 import importlib
-from typing import Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
@@ -98,35 +107,107 @@ class Detokenizer:
         return piece
 
 
+class StopAutomaton:
+    """The Aho-Corasick automaton of some stop strings: node 0 is the empty
+    text; a node is a beginning of some stop, reached from its parent by one
+    character, and falls back (fail) to its longest proper end that is a node."""
+
+    def __init__(self, stops: Tuple[str, ...]) -> None:
+        if not all(stops):
+            raise ValueError("a stop string is never empty")
+        self.stops = stops
+        self.goto: Dict[int, int] = {}  # node << 21 | ord(char) -> node; one dict for all
+        self.depth = [0]   # the length of the node's text
+        self.owner = [0]   # a stop that the node's text begins
+        for i, stop in enumerate(stops):
+            node = 0
+            for c in stop:
+                key = node << 21 | ord(c)
+                if key not in self.goto:
+                    self.goto[key] = len(self.depth)
+                    self.depth.append(self.depth[node] + 1)
+                    self.owner.append(i)
+                node = self.goto[key]
+        self.fail = [0] * len(self.depth)
+        # the length of the longest stop that ends the node's text, 0 if none
+        self.match = [0] * len(self.depth)
+        for stop in stops:
+            node = 0
+            for c in stop:
+                node = self.goto[node << 21 | ord(c)]
+            self.match[node] = len(stop)
+        self._link()
+
+    def _link(self) -> None:
+        """Fail links and matches, breadth first: a node's fail is found from
+        its parent's, which is shallower and so already linked."""
+        children: List[List[Tuple[int, int]]] = [[] for _ in self.depth]
+        for key, child in self.goto.items():
+            children[key >> 21].append((key & 0x1FFFFF, child))
+        todo = [child for _, child in children[0]]
+        for node in todo:
+            for o, child in children[node]:
+                todo.append(child)
+                back = self.fail[node]
+                while back and (back << 21 | o) not in self.goto:
+                    back = self.fail[back]
+                self.fail[child] = self.goto.get(back << 21 | o, 0)
+                if not self.match[child]:
+                    self.match[child] = self.match[self.fail[child]]
+
+    def text(self, node: int, length: int) -> str:
+        """The first `length` characters of the node's text (a beginning of a stop)."""
+        return self.stops[self.owner[node]][:length] if length > 0 else ""
+
+
 class Stops:
     """Text cut at the first of the stop strings."""
 
     def __init__(self, stops: Iterable[str]) -> None:
         self.stops = tuple(stops)
-        self.pending = ""  # text held back: it may begin a stop string
+        self.automaton = StopAutomaton(self.stops) if self.stops else None
+        self.state = 0        # the automaton's node: its text is what is held back
+        self.stopped = False
+        self.steps = 0        # the automaton's moves so far (one per character, plus fails)
 
     def feed(self, text: str) -> Tuple[str, bool]:
         """(the text that may be handed out now, whether a stop string came)."""
-        if not self.stops:
+        a = self.automaton
+        if a is None:
             return text, False
-        pending = self.pending + text
-        at = min((i for i in (pending.find(s) for s in self.stops) if i >= 0), default=-1)
-        if at >= 0:
-            self.pending = ""
-            return pending[:at], True
-        held = max((_overlap(pending, s) for s in self.stops), default=0)
-        self.pending = pending[len(pending) - held:] if held else ""
-        return pending[:len(pending) - held], False
+        if self.stopped:
+            return "", True
+        goto, fail, match = a.goto, a.fail, a.match
+        before = state = self.state
+        fails = 0
+        for i, c in enumerate(text):
+            o = ord(c)
+            nxt = goto.get(state << 21 | o)
+            while nxt is None and state:
+                state = fail[state]
+                fails += 1
+                nxt = goto.get(state << 21 | o)
+            state = nxt or 0
+            if match[state]:  # the earliest end of a stop: cut before its start
+                self.steps += i + 1 + fails
+                self.stopped, self.state = True, 0
+                return self._cut(before, text, i + 1 - match[state]), True
+        self.steps += len(text) + fails
+        self.state = state
+        return self._cut(before, text, len(text) - a.depth[state]), False
+
+    def _cut(self, held: int, text: str, end: int) -> str:
+        """The text held back at node `held`, then text[:end] (end < 0 cuts
+        into what was held), copying only what is handed out."""
+        assert self.automaton is not None
+        depth = self.automaton.depth[held]
+        if end <= 0:
+            return self.automaton.text(held, depth + end)
+        return self.automaton.text(held, depth) + text[:end]
 
     def flush(self) -> str:
         """The text held back, once the answer ended without a stop string."""
-        text, self.pending = self.pending, ""
-        return text
-
-
-def _overlap(text: str, stop: str) -> int:
-    """The length of the longest end of text that is a proper beginning of stop."""
-    for k in range(min(len(stop) - 1, len(text)), 0, -1):
-        if text.endswith(stop[:k]):
-            return k
-    return 0
+        if self.automaton is None or self.stopped:
+            return ""
+        a, node, self.state = self.automaton, self.state, 0
+        return a.text(node, a.depth[node])
