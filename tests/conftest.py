@@ -34,7 +34,9 @@ from engine.shm import ring
 # A process forked by a test must not collect the objects it inherited: the
 # parent's garbage may hold an ONNX Runtime session, whose destructor waits
 # on the parent's threads, which do not exist in the child (it would hang).
-os.register_at_fork(after_in_child=gc.freeze)
+# They are frozen before the fork, so that not even the child's first steps
+# (threading's own after-fork hook allocates) can collect them.
+os.register_at_fork(before=gc.freeze, after_in_parent=gc.unfreeze)
 
 _names = itertools.count()
 
