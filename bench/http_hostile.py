@@ -61,7 +61,7 @@ def serve(folder: pathlib.Path, tree: pathlib.Path):
     env = {"PYTHONPATH": f"{tree}:{ROOT / 'tests'}"}
     proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--config", str(path),
                              "--http-port", "0", "--log-level", "WARNING"], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, **env})
+                            env={**os.environ, **env}, cwd=folder)  # `python -m` puts the cwd first on the path
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         line = proc.stdout.readline()

@@ -6,8 +6,7 @@
 One `shmbatch serve` with ONE HTTP worker serves an iterative engine (the
 tests' Echo step model, 2 ms a step; its prompt of at most 64 tokens answered
 back, then eos) and an embeddings engine (inputs of at most 32 tokens, a
-queue of 16384, so a 30 MB body is under its route's limit), both through a
-byte-level tokenizer. --streams callers each stream completions one after
+queue of 16384), both through a byte-level tokenizer. --streams callers each stream completions one after
 another (max_tokens 16) for --seconds, twice: first alone (quiet), then
 while three callers send, one request after another:
 - /v1/embeddings with one 30 MB string as its input,
@@ -69,9 +68,10 @@ def serve(folder: pathlib.Path, tree: pathlib.Path):
     path = folder / "models.toml"
     path.write_text(CONFIG)
     env = {**os.environ, "PYTHONPATH": f"{tree}:{ROOT / 'tests'}"}
+    # run in the folder: `python -m` puts the working directory first on the path
     proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--config", str(path),
                              "--http-port", "0", "--log-level", "WARNING"],
-                            stdout=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, text=True, env=env, cwd=folder)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
@@ -160,11 +160,13 @@ def hostile(address, engine: str, kinds, stopping, out) -> None:
             try:
                 conn, response = post(address, path, body)
                 try:
-                    got = len(response.read())
+                    answer = response.read()
                 finally:
                     conn.close()
                 status = str(response.status)
-                counts["largest answer B"] = max(counts.get("largest answer B", 0), got)
+                counts["largest answer B"] = max(counts.get("largest answer B", 0), len(answer))
+                if response.status != 200:
+                    counts.setdefault(f"a {status}", answer[:160].decode(errors="replace"))
             except OSError as e:
                 status = type(e).__name__
             counts[status] = counts.get(status, 0) + 1

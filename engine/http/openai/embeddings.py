@@ -37,9 +37,10 @@ async def answer(client, served: fields.Served, body: dict, timeout_s: float,
                   "encoding_format")
     dimensions = _dimensions(served, body)
     inputs = await fields.embedding_inputs(served, body)
-    capacity = served.config.queue_capacity
-    if len(inputs) > capacity:
-        raise bad(f"input: expected at most {capacity} inputs (the engine's queue_capacity), "
+    most = served.most_inputs
+    if len(inputs) > most:
+        raise bad(f"input: expected at most {most} inputs (OpenAI's bound, or the engine's "
+                  f"queue_capacity if smaller), "
                   f"got {len(inputs)}", "input")
     requests = [served.request(ids, body, "input") for ids in inputs]
     watch = Watch(receive, timeout_s)

@@ -24,6 +24,7 @@ from engine.http.openai.settings import OpenAISettings, input_array
 from engine.http.openai.text import eos_of, id_list
 from engine.http.values import json_text
 
+MAX_INPUTS = 2048  # an embeddings request's inputs, at most, as OpenAI's API reference bounds them
 MAX_STOPS = 4  # OpenAI's bound: "up to 4 sequences where the API will stop generating"
 # OpenAI documents no bound on a stop's length; stops are delimiters ("\n\n", "</answer>",
 # "\nUser:"), far shorter. A stream holds back text that might begin a stop, so a stop's
@@ -99,6 +100,11 @@ class Served:
         """The token ids of a block of chunks (n, *chunk shape): one each."""
         value = chunks[self.settings.output] if self.config.named else chunks
         return value.reshape(len(value)).tolist()
+
+    @property
+    def most_inputs(self) -> int:
+        """The most inputs one embeddings request may have."""
+        return min(MAX_INPUTS, self.config.queue_capacity)
 
     @property
     def vector_size(self) -> int:
@@ -293,9 +299,10 @@ async def embedding_inputs(served: Served, body: dict) -> List[List[int]]:
     or a list of such lists, as one list of token ids per input. Their count
     is checked before any is tokenized, and each text before it is."""
     value = body.get("input")
-    capacity = served.config.queue_capacity
-    if isinstance(value, list) and len(value) > capacity and not token_ids(value):
-        raise bad(f"input: expected at most {capacity} inputs (the engine's queue_capacity), "
+    most = served.most_inputs
+    if isinstance(value, list) and len(value) > most and not token_ids(value):
+        raise bad(f"input: expected at most {most} inputs (OpenAI's bound, or the engine's "
+                  f"queue_capacity if smaller), "
                   f"got {len(value)}", "input")
     if isinstance(value, str):
         return [await served.encode(value, "input")]

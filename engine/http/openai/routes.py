@@ -74,7 +74,7 @@ class App:
     def _limit(self, path: str) -> int:
         # a text's bytes: its tokens' or, where a text may hold more, its characters'
         text = [max(s.bound * BYTES_PER_TOKEN, s.max_chars) *
-                (s.config.queue_capacity if path == EMBED else 1)
+                (s.most_inputs if path == EMBED else 1)
                 for s in self.served.values() if s.config.iterative == (path != EMBED)]
         return min(bodies.HEADER_BYTES + max(text, default=0), bodies.MAX_JSON_BYTES)
 
