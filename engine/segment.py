@@ -132,7 +132,8 @@ class Segment:
     @classmethod
     def create(cls, config: EngineConfig) -> "Segment":
         """Creates the segment (owner-only) and takes its lock; a crashed
-        engine's segment of the same name is removed first, a live one refused."""
+        engine's segment of the same name is removed first (before the size
+        check: the space it holds is this engine's to reuse), a live one refused."""
         name = segment_name(config.name)
         n_in = len(config.input_specs)
         size = ring.layout_bytes(config.queue_capacity, n_in, config.slot_bytes,
@@ -144,6 +145,7 @@ class Segment:
             raise ValueError(f"engine {config.name!r}'s settings take {len(config.to_json())} B "
                              f"as JSON, more than the header's {codes.CONFIG_BYTES} B: fewer or "
                              f"shorter tensor names")
+        remove_if_dead(config.name)  # a crash's leftover is not counted as used
         sizing.check_fits(config, size)  # before anything is allocated
         for _ in range(2):
             try:
@@ -339,6 +341,15 @@ def _map(fd: int, size: int) -> mmap.mmap:
     return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
 
 
+def _names(name: str, st) -> bool:
+    """Whether the engine's segment name still names the file of stat st."""
+    try:
+        now = os.stat(f"{sizing.SHM_DIR}{segment_name(name)}")
+    except FileNotFoundError:
+        return False
+    return (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
+
+
 def remove_if_dead(name: str) -> bool:
     """Unlinks the segment of a crashed engine; EngineAlreadyRunning if it lives.
     Returns whether there was one."""
@@ -348,13 +359,16 @@ def remove_if_dead(name: str) -> bool:
         return False
     try:
         fcntl.flock(shm.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # unlinked while the lock is held, and only if the name still names the
+        # file locked: another starter may have removed it and made its own
+        if _names(name, os.fstat(shm.fd)):
+            try:
+                posix_ipc.unlink_shared_memory(segment_name(name))
+            except posix_ipc.ExistentialError:
+                pass
     except BlockingIOError:
         raise EngineAlreadyRunning(f"engine {name!r} is already running "
                                    f"(/dev/shm{segment_name(name)} is locked by a live process)") from None
     finally:
         shm.close_fd()
-    try:
-        posix_ipc.unlink_shared_memory(segment_name(name))
-    except posix_ipc.ExistentialError:
-        pass
     return True
