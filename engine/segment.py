@@ -26,6 +26,9 @@ from engine.shm import codes, liveness, ring, sizing
 from engine.shm.sizing import size_text
 
 
+UNSERVED_WORD = codes.W_UNSERVED_UNTIL_NS - codes.WORDS  # its index in Segment.words2
+
+
 def segment_name(name: str) -> str:
     return f"/shmbatch-{name}"
 
@@ -102,6 +105,7 @@ class Segment:
         # (one would let another thread take the GIL). Ordered and atomic updates
         # go through the ring (word, set_word, add_word).
         self.words = self.ring.header_words()
+        self.words2 = self.ring.header_words2()  # W_* from codes.WORDS on, at [W - WORDS]
         if header_only:
             return
         cfg = self.config
@@ -251,6 +255,11 @@ class Segment:
         """The batchers' current batch limit (0 before the engine sets it)."""
         return self.words[codes.W_BATCH_LIMIT]
 
+    def unserved_until_ns(self) -> int:
+        """0 while a batcher serves; else when the restart in progress is
+        expected to have one serving (engine.serving.restarts.Unserved)."""
+        return self.words2[UNSERVED_WORD]
+
     def batch_started_ns(self, instance: int) -> int:
         return self.words[codes.W_BATCH_START + instance]
 
@@ -276,7 +285,7 @@ class Segment:
             changed += 1
         with self._owned_lock:
             for word, value in self._owned.items():
-                if self.words[word] != value:
+                if self.ring.word(word) != value:
                     self.ring.set_word(word, value)
                     changed += 1
         return changed
@@ -313,7 +322,8 @@ class Segment:
         """Unmaps (views must be dropped first) and closes the fd (and its lock)."""
         if self._shm is None:
             return
-        self.in_regions = self.out_regions = self.words = self.ready_words = self.lengths = None
+        self.in_regions = self.out_regions = self.words = self.words2 = None
+        self.ready_words = self.lengths = None
         self._close_mapping()
         self._shm.close_fd()
         self._shm = None
