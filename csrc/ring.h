@@ -187,14 +187,12 @@
 #define SB_RING_H
 
 #include <stdint.h>
-
 /* --- cdef: everything from here to "cdef end" is read by cffi --------- */
 #define SB_LAYOUT_VERSION 11 /* 9: streamed answers; 10: how a stream ended; 11: words2, predicted_us */
 #define SB_HEADER_BYTES 20480
 #define SB_CONFIG_BYTES 2048
 #define SB_OFF_CONFIG 128
 #define SB_OFF_WORDS 2368
-#define SB_OFF_WORDS2 7040
 #define SB_ERRMSG_BYTES 256
 #define SB_MAX_CAPACITY 65536
 #define SB_MAX_INSTANCES 32
@@ -282,8 +280,7 @@
 #define SB_W_ADMIT_SCALE 133        /* the correction of predictions, 1/1024ths (0: 1024) */
 #define SB_W_ADMIT_RECENT_PREDICTED_NS 134 /* ... predicted and seen, recent (forgetting) */
 #define SB_W_ADMIT_RECENT_SEEN_NS 135
-#define SB_W_UNSERVED_UNTIL_NS 136 /* 0 while a batcher serves; else when the restart in
-				    * progress is expected to have one ready (the supervisor's) */
+#define SB_W_UNSERVED_UNTIL_NS 136 /* 0 while a batcher serves, else when one is expected to */
 #define SB_W_ROOM_STEPS 160   /* + instance: 0 not serving, else 1 + steps until its
 			       * running batch has room (an iterative engine) */
 #define SB_WORDS_ALL 192

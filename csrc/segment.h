@@ -131,7 +131,7 @@ _Static_assert(offsetof(sb_header, level_wait_max) == 6656, "layout drawing");
 _Static_assert(offsetof(sb_header, off_tensor) == 6720, "layout drawing");
 _Static_assert(offsetof(sb_header, tensor_slot_bytes) == 6848, "layout drawing");
 _Static_assert(offsetof(sb_header, corrupt_total) == 6976, "layout drawing");
-_Static_assert(offsetof(sb_header, words2) == SB_OFF_WORDS2, "layout drawing");
+_Static_assert(offsetof(sb_header, words2) == 7040, "layout drawing");
 _Static_assert(offsetof(sb_header, off_stream) == 96, "layout drawing");
 _Static_assert(offsetof(sb_header, steps) == 112, "layout drawing");
 _Static_assert(offsetof(sb_header, level_hist) == 8192, "layout drawing");
