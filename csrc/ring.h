@@ -187,7 +187,6 @@
 #define SB_RING_H
 
 #include <stdint.h>
-
 /* --- cdef: everything from here to "cdef end" is read by cffi --------- */
 #define SB_LAYOUT_VERSION 11 /* 9: streamed answers; 10: how a stream ended; 11: words2, predicted_us */
 #define SB_HEADER_BYTES 20480
@@ -281,6 +280,7 @@
 #define SB_W_ADMIT_SCALE 133        /* the correction of predictions, 1/1024ths (0: 1024) */
 #define SB_W_ADMIT_RECENT_PREDICTED_NS 134 /* ... predicted and seen, recent (forgetting) */
 #define SB_W_ADMIT_RECENT_SEEN_NS 135
+#define SB_W_UNSERVED_UNTIL_NS 136 /* 0 while a batcher serves, else when one is expected to */
 #define SB_W_ROOM_STEPS 160   /* + instance: 0 not serving, else 1 + steps until its
 			       * running batch has room (an iterative engine) */
 #define SB_WORDS_ALL 192

@@ -26,6 +26,9 @@ from engine.shm import codes, liveness, ring, sizing
 from engine.shm.sizing import size_text
 
 
+UNSERVED_WORD = codes.W_UNSERVED_UNTIL_NS - codes.WORDS  # its index in Segment.words2
+
+
 def segment_name(name: str) -> str:
     return f"/shmbatch-{name}"
 
@@ -102,6 +105,7 @@ class Segment:
         # (one would let another thread take the GIL). Ordered and atomic updates
         # go through the ring (word, set_word, add_word).
         self.words = self.ring.header_words()
+        self.words2 = self.ring.header_words2()  # W_* from codes.WORDS on, at [W - WORDS]
         if header_only:
             return
         cfg = self.config
@@ -132,7 +136,8 @@ class Segment:
     @classmethod
     def create(cls, config: EngineConfig) -> "Segment":
         """Creates the segment (owner-only) and takes its lock; a crashed
-        engine's segment of the same name is removed first, a live one refused."""
+        engine's segment of the same name is removed first (before the size
+        check: the space it holds is this engine's to reuse), a live one refused."""
         name = segment_name(config.name)
         n_in = len(config.input_specs)
         size = ring.layout_bytes(config.queue_capacity, n_in, config.slot_bytes,
@@ -144,6 +149,7 @@ class Segment:
             raise ValueError(f"engine {config.name!r}'s settings take {len(config.to_json())} B "
                              f"as JSON, more than the header's {codes.CONFIG_BYTES} B: fewer or "
                              f"shorter tensor names")
+        remove_if_dead(config.name)  # a crash's leftover is not counted as used
         sizing.check_fits(config, size)  # before anything is allocated
         for _ in range(2):
             try:
@@ -249,6 +255,11 @@ class Segment:
         """The batchers' current batch limit (0 before the engine sets it)."""
         return self.words[codes.W_BATCH_LIMIT]
 
+    def unserved_until_ns(self) -> int:
+        """0 while a batcher serves; else when the restart in progress is
+        expected to have one serving (engine.serving.restarts.Unserved)."""
+        return self.words2[UNSERVED_WORD]
+
     def batch_started_ns(self, instance: int) -> int:
         return self.words[codes.W_BATCH_START + instance]
 
@@ -274,7 +285,7 @@ class Segment:
             changed += 1
         with self._owned_lock:
             for word, value in self._owned.items():
-                if self.words[word] != value:
+                if self.ring.word(word) != value:
                     self.ring.set_word(word, value)
                     changed += 1
         return changed
@@ -311,7 +322,8 @@ class Segment:
         """Unmaps (views must be dropped first) and closes the fd (and its lock)."""
         if self._shm is None:
             return
-        self.in_regions = self.out_regions = self.words = self.ready_words = self.lengths = None
+        self.in_regions = self.out_regions = self.words = self.words2 = None
+        self.ready_words = self.lengths = None
         self._close_mapping()
         self._shm.close_fd()
         self._shm = None
@@ -339,6 +351,15 @@ def _map(fd: int, size: int) -> mmap.mmap:
     return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
 
 
+def _names(name: str, st) -> bool:
+    """Whether the engine's segment name still names the file of stat st."""
+    try:
+        now = os.stat(f"{sizing.SHM_DIR}{segment_name(name)}")
+    except FileNotFoundError:
+        return False
+    return (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
+
+
 def remove_if_dead(name: str) -> bool:
     """Unlinks the segment of a crashed engine; EngineAlreadyRunning if it lives.
     Returns whether there was one."""
@@ -348,13 +369,16 @@ def remove_if_dead(name: str) -> bool:
         return False
     try:
         fcntl.flock(shm.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # unlinked while the lock is held, and only if the name still names the
+        # file locked: another starter may have removed it and made its own
+        if _names(name, os.fstat(shm.fd)):
+            try:
+                posix_ipc.unlink_shared_memory(segment_name(name))
+            except posix_ipc.ExistentialError:
+                pass
     except BlockingIOError:
         raise EngineAlreadyRunning(f"engine {name!r} is already running "
                                    f"(/dev/shm{segment_name(name)} is locked by a live process)") from None
     finally:
         shm.close_fd()
-    try:
-        posix_ipc.unlink_shared_memory(segment_name(name))
-    except posix_ipc.ExistentialError:
-        pass
     return True

@@ -19,6 +19,9 @@ MIN_MODULE_LINES = 40  # a smaller module is a fragment of an idea, unless it sa
 LONG = {
     "engine/shm/ring.py": "the C ring's binding: a thin wrapper of each call the C exports, "
                           "and nothing else",
+    "engine/serving/supervisor.py": "one engine's lifecycle and its monitor's loop, each "
+                                    "policy delegated (restarts, reloading, control): what "
+                                    "is left is the order of their steps",
 }
 # modules under MIN_MODULE_LINES (package faces aside): why each stands alone
 SHORT = {

@@ -2,7 +2,9 @@
 
 All start or none. Every engine is built (its settings validated) before
 any is created, and the HTTP port is bound before any starts; then the
-engines start one after another, and one that fails stops those already
+segments crashed engines of these names left are removed (a restart after a
+crash finds its /dev/shm as the crash left it), and the engines start one
+after another, and one that fails stops those already
 serving, so the start fails naming it with nothing left in /dev/shm and no
 process behind. Ready means every engine serves, /metrics is up and every
 HTTP worker has attached to every engine.
@@ -19,6 +21,7 @@ import threading
 from typing import Dict, List, Optional
 
 from engine.errors import EngineError
+from engine.segment import remove_if_dead
 from engine.serving import metrics
 from engine.serving.supervisor import Engine
 
@@ -128,14 +131,17 @@ class Serving:
             if self.http_port is not None:
                 from engine.http.server import workers
                 self._sock = workers.bind(self.http_host, self.http_port)
-            for eng in self.engines:
-                try:
-                    eng.start()
-                except Exception as e:
-                    if len(self.engines) == 1:
-                        raise
-                    raise StartFailed(f"engine {eng.name!r} did not start: "
-                                      f"{type(e).__name__}: {e}") from e
+            # every crashed engine's leftover goes before the first size check:
+            # the space one holds may be what another of these engines needs
+            for step in (lambda eng: remove_if_dead(eng.name), lambda eng: eng.start()):
+                for eng in self.engines:
+                    try:
+                        step(eng)
+                    except Exception as e:
+                        if len(self.engines) == 1:
+                            raise
+                        raise StartFailed(f"engine {eng.name!r} did not start: "
+                                          f"{type(e).__name__}: {e}") from e
             if self.metrics_port is not None:
                 try:
                     metrics.serve_http([eng.segment for eng in self.engines], self.metrics_port,

@@ -44,7 +44,7 @@ from engine.client.attach import attach
 from engine.client.future import Request
 from engine.client.lent import SlotRequest
 from engine.errors import EngineError, EngineUnavailable, InvalidInput, Overloaded, QueueFull
-from engine.segment import Segment
+from engine.segment import UNSERVED_WORD, Segment
 from engine.shm import codes, liveness, ring
 
 # Priority shares: a request of priority p > 0 is refused while the requests
@@ -252,12 +252,17 @@ class Client:
 
     # -- the request path ---------------------------------------------------
     def validated(self, x: Any, many: bool = False, priority: int = 0,
-                  max_steps: Optional[int] = None, out: Any = None
+                  max_steps: Optional[int] = None, out: Any = None,
+                  deadline: Optional[int] = None
                   ) -> Tuple[Segment, tuple, tuple, Optional[tuple]]:
         """(segment, arrays, real lengths, outs): the running engine's segment,
         and x (and priority, max_steps, out) checked against its spec before
-        anything is enqueued; arrays and outs in spec order (outs None without out)."""
+        anything is enqueued; arrays and outs in spec order (outs None without out).
+        EngineUnavailable at once while no batcher serves and none is expected
+        to before the deadline (ticket.unserved): what is queued keeps its chance."""
         seg = self._segment()  # a forked child was rebound at the fork (register_at_fork)
+        if seg.words2[UNSERVED_WORD]:  # a word read: no batcher serves, one restarts
+            ticket.refuse_unserved(seg, deadline)
         try:
             arrays, lengths = (seg.config.check_many if many else seg.config.check_input)(x)
             if seg.iterative and (out is not None or max_steps is not None):
@@ -273,7 +278,7 @@ class Client:
 
     def _enqueue(self, x, deadline, priority=0, max_steps=None, out=None):
         """(segment, slot, generation, outs) of x enqueued."""
-        seg, arrays, lengths, outs = self.validated(x, False, priority, max_steps, out)
+        seg, arrays, lengths, outs = self.validated(x, False, priority, max_steps, out, deadline)
         r = seg.ring
         if priority:
             self._check_share(seg, priority)

@@ -54,10 +54,12 @@ class Handle(Protocol):
         ...
 
     def validated(self, x: Any, many: bool = False, priority: int = 0,
-                  max_steps: Optional[int] = None, out: Any = None
+                  max_steps: Optional[int] = None, out: Any = None,
+                  deadline: Optional[int] = None
                   ) -> Tuple["Segment", tuple, tuple, Optional[tuple]]:
         """(segment, arrays, lengths, outs) of a request checked against the
-        running engine's spec, before anything is enqueued."""
+        running engine's spec, before anything is enqueued; EngineUnavailable
+        while no batcher serves and none is expected to before deadline."""
         ...
 
 

@@ -314,6 +314,23 @@ def expired(seg, slot: int, gen: int, timeout: Optional[float],
     return error if why is None else RequestTimeout(f"{error}: {why}")
 
 
+def refuse_unserved(seg, deadline: Optional[int]) -> None:
+    """EngineUnavailable when no batcher serves (the supervisor restarts one)
+    and none is expected to before deadline (None: none), or the successor
+    expected is late: a request sent now would wait out its timeout."""
+    until_ns, now_ns = seg.unserved_until_ns(), ring.now_ns()
+    if not until_ns:
+        return
+    if now_ns >= until_ns:
+        why = f"the restart in progress is {(now_ns - until_ns) / 1e9:.2f} s late"
+    elif deadline is not None and deadline < until_ns:
+        why = (f"its successor is expected to serve in {(until_ns - now_ns) / 1e9:.2f} s, after "
+               f"this request's deadline ({max(0, deadline - now_ns) / 1e9:.2f} s)")
+    else:
+        return
+    raise EngineUnavailable(f"engine {seg.name!r} has no live batcher: {why}; retry later")
+
+
 def engine_gone(name: str) -> EngineUnavailable:
     return EngineUnavailable(f"engine {name!r} stopped or died while the request waited")
 

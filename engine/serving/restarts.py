@@ -5,7 +5,8 @@ The supervisor's monitor thread applies it: a batch that ran longer than
 batch_timeout_s is a hung model (hung()), whose batcher it kills; a dead
 batcher's batch is kept for its successor to retry each request alone, or
 failed (reap_terms()); a successor that cannot start is tried again after a
-doubling back-off (back_off()). Every text a failed request carries about
+doubling back-off (back_off()); while no batcher serves, the segment says
+until when a successor is expected to (Unserved). Every text a failed request carries about
 its batcher's death, and the log's words for a death and for the successor's
 readiness, are written here.
 """
@@ -15,11 +16,13 @@ import signal
 from typing import TYPE_CHECKING, Optional
 
 from engine.serving import processes
+from engine.shm import codes, ring
 
 if TYPE_CHECKING:
     from engine.serving.processes import BatcherProcess
 
 RESTART_BACKOFF_MAX_S = 10.0
+READY_EXPECTED_MIN_S = 1.0  # a successor's start is never expected sooner (Unserved)
 
 
 @dataclasses.dataclass
@@ -125,6 +128,33 @@ def no_successor(b: Instance, error: Exception) -> bytes:
     """The failure of what b's dead batcher kept, when no successor starts."""
     return (f"batcher {b.index} died while serving this request, and no batcher could "
             f"restart to retry it ({error})").encode()
+
+
+class Unserved:
+    """The segment's word that says, while no batcher serves, until when a
+    successor is expected to: after twice the longest start the engine has
+    seen (at least READY_EXPECTED_MIN_S), never past start_timeout_s, its
+    bound. Clients refuse at once a request whose deadline comes before it,
+    and every request once it has passed unserved (a successor late or
+    failed: nothing says when one will serve). 0 while a batcher serves."""
+
+    def __init__(self, seg, start_timeout_s: float):
+        self._seg, self._bound_ns = seg, int(start_timeout_s * 1e9)
+        self._longest_start_ns = 0  # a batcher's, spawn to serving
+
+    def starting(self, instances) -> int:
+        """Before a batcher's start: marks the engine unserved if no other
+        batcher lives. Returns the start's time, for served()."""
+        now_ns = ring.now_ns()
+        if not any(i.proc is not None and i.proc.is_alive() for i in instances):
+            expected_ns = max(2 * self._longest_start_ns, int(READY_EXPECTED_MIN_S * 1e9))
+            self._seg.own_word(codes.W_UNSERVED_UNTIL_NS, now_ns + min(expected_ns, self._bound_ns))
+        return now_ns
+
+    def served(self, began_ns: int) -> None:
+        """A batcher started at began_ns serves now."""
+        self._longest_start_ns = max(self._longest_start_ns, ring.now_ns() - began_ns)
+        self._seg.own_word(codes.W_UNSERVED_UNTIL_NS, 0)
 
 
 def back_off(b: Instance) -> float:

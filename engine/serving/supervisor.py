@@ -126,6 +126,7 @@ class Engine:
         self._started_ns = ring.now_ns()  # no batch the watchdog sees starts before it
         self._corrupt_logged, self._corrupt_log_at_ns = 0, 0
         self._admission_log = AdmissionLog(self.name, seg.ring, self._started_ns)
+        self._unserved = restarts.Unserved(seg, self.options.start_timeout_s)
         self._instances = [Instance(i, i) for i in range(self.config.instances)]
         self._seg.set_batch_limit(self.config.max_batch_size)  # AIMD moves it, with slo_ms
         self._wake_r, self._wake_w = os.pipe()
@@ -310,10 +311,11 @@ class Engine:
     def _spawn(self, b: Instance) -> None:
         """Starts b's batcher (current options and epoch) and waits until it serves
         (or its factory fails)."""
-        o = self.options
+        o, began_ns = self.options, self._unserved.starting(self._instances)
         b.proc, b.reports = processes.start(self.name, b.index, o.backend, o.backend_args,
                                             self.cpus[b.position], self.gpus[b.position],
                                             self._epoch, o.start_timeout_s)
+        self._unserved.served(began_ns)
 
     def _monitor_main(self) -> None:
         try:
@@ -394,6 +396,7 @@ class Engine:
                                                                   retry),
                                           restarts.begun_stream(b, proc.pid, why))
             b.kept, b.retried_at_keep = kept, retried
+            self._unserved.starting(self._instances)  # said before serves() turns false
             r.set_word(codes.W_BATCHER_PID + i, 0)
             r.add_word(codes.W_RESTARTS)
             b.died_ns, b.failed_starts = ring.now_ns(), 0

@@ -161,6 +161,11 @@ class Ring:
         the mapping: views must be dropped before the segment closes."""
         return memoryview(self._mapping)[codes.OFF_WORDS:codes.OFF_WORDS + codes.WORDS * 8].cast("Q")
 
+    def header_words2(self) -> memoryview:
+        """The words from W_WITHDRAWN on (the header's second block), as header_words."""
+        return memoryview(self._mapping)[codes.OFF_WORDS2:codes.OFF_WORDS2 +
+                                         (codes.WORDS_ALL - codes.WORDS) * 8].cast("Q")
+
     # -- client -----------------------------------------------------------
     def _buffer(self, name: str, ctype: str):
         out = getattr(self._tls, name, None)
