@@ -68,8 +68,8 @@ class Client:
     started before its sidecar. Any Client re-attaches by itself when its
     engine is restarted under the same name. With ``retries=N`` a request
     refused (QueueFull, Overloaded) or failed unstarted is sent again up to N
-    times, backed off, within its deadline and a retry budget
-    (engine.client.retrying); ``retries_total`` counts them.
+    times, backed off, within its deadline and a retry budget, one per
+    process and engine (engine.client.retrying); ``retries_total`` counts them.
 
     Every request method takes ``(x, timeout=1.0, *, priority=0,
     max_steps=None, out=None)``, or those of them it has, in that order.
@@ -82,7 +82,7 @@ class Client:
     def __init__(self, name: str, *, wait_s: float = 0.0, lazy: bool = False,
                  retries: int = 0) -> None:
         self.name = name
-        self._retry = retrying.policy(retries)
+        self._retry = retrying.policy(retries, name)
         self._closed = False
         self.attached: Optional[Segment] = None
         self._checked_ns = 0
