@@ -11,9 +11,10 @@
     streams        a request's chunks, read as its batcher writes them
     async_streams  those chunks followed by an event loop
     room           making room in a full ring, and the evictor thread that gives it
+    shares         the priority shares: how much of the queue each level may hold
     bulk           infer_many(): n requests enqueued, waited for and released in bulk
     lent           request(): a slot lent, its rows written and read in place
-    retrying       Client(retries=N): refusals sent again within a budget
+    retrying       Client(retries=N): refusals sent again within a budget per process and engine
     deaths         why a timed-out request went unanswered, when its batcher died
     tracing        OpenTelemetry spans of requests, for a caller that traces
 

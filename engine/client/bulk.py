@@ -3,15 +3,21 @@
 The requests go in chunks of at most half the queue_capacity, so one bulk call
 leaves room for other clients; each chunk is one C call each way (acquire,
 publish, wait, release), its rows written and read as one numpy copy.
+
+A chunk is admitted as its rows sent one by one would be: it takes no more
+rows than its priority's share has room for (engine.client.shares: QueueFull
+when not one), and with admission by deadline its first row is admitted as a
+single submit is (Overloaded when refused); the next chunk starts once this
+one is answered, so the call never holds more of the queue than its share.
 """
 from typing import Optional
 
 import numpy as np
 
-from engine.client import room, ticket
+from engine.client import room, shares, ticket
 from engine.client.handle import Handle
-from engine.errors import EngineUnavailable, InvalidInput
-from engine.shm import codes
+from engine.errors import EngineUnavailable, InvalidInput, Overloaded
+from engine.shm import codes, ring
 
 
 def infer_many(client: Handle, xs, timeout: Optional[float], priority: int) -> np.ndarray:
@@ -28,7 +34,13 @@ def infer_many(client: Handle, xs, timeout: Optional[float], priority: int) -> n
     outcomes = np.empty(chunk, np.int32)
     done = 0
     while done < n:
-        want = min(chunk, n - done)
+        want = min(chunk, n - done, shares.room(seg, priority))
+        if want == 0:
+            raise shares.refused(seg, priority)
+        if deadline is not None and seg.admit_by_deadline:
+            code, wait_ms = r.admit(priority, deadline)
+            if code == codes.EOVERLOADED:
+                raise Overloaded.predicted(wait_ms, (deadline - ring.now_ns()) / 1e6)
         k = r.acquire_many(client.pid, client.start_ticks, want, slots, gens)
         if k == 0:
             code, slots[0], gens[0] = room.make_room(seg, client.pid, client.start_ticks, deadline)

@@ -39,7 +39,8 @@ from typing import Any, AsyncIterator, Dict, Iterator, Optional, Tuple, TypeVar
 
 import numpy as np
 
-from engine.client import async_streams, bulk, completion, retrying, room, streams, ticket, tracing
+from engine.client import (async_streams, bulk, completion, retrying, room, shares, streams, ticket,
+                           tracing)
 from engine.client.attach import attach
 from engine.client.future import Request
 from engine.client.lent import SlotRequest
@@ -47,9 +48,8 @@ from engine.errors import EngineError, EngineUnavailable, InvalidInput, Overload
 from engine.segment import UNSERVED_WORD, Segment
 from engine.shm import codes, liveness, ring
 
-# Priority shares: a request of priority p > 0 is refused while the requests
-# queued at p or less urgent fill (SHARE_STEPS - p) / SHARE_STEPS of the queue.
-SHARE_STEPS = 8
+# the step of the priority shares (engine.client.shares)
+SHARE_STEPS = shares.SHARE_STEPS
 
 _clients = room.clients
 
@@ -68,8 +68,8 @@ class Client:
     started before its sidecar. Any Client re-attaches by itself when its
     engine is restarted under the same name. With ``retries=N`` a request
     refused (QueueFull, Overloaded) or failed unstarted is sent again up to N
-    times, backed off, within its deadline and a retry budget
-    (engine.client.retrying); ``retries_total`` counts them.
+    times, backed off, within its deadline and a retry budget, one per
+    process and engine (engine.client.retrying); ``retries_total`` counts them.
 
     Every request method takes ``(x, timeout=1.0, *, priority=0,
     max_steps=None, out=None)``, or those of them it has, in that order.
@@ -82,7 +82,7 @@ class Client:
     def __init__(self, name: str, *, wait_s: float = 0.0, lazy: bool = False,
                  retries: int = 0) -> None:
         self.name = name
-        self._retry = retrying.policy(retries)
+        self._retry = retrying.policy(retries, name)
         self._closed = False
         self.attached: Optional[Segment] = None
         self._checked_ns = 0
@@ -317,16 +317,9 @@ class Client:
     @staticmethod
     def _check_share(seg, priority: int) -> None:
         """QueueFull when the requests queued at `priority` or less urgent
-        already fill its share: each level more urgent than it keeps
-        1/SHARE_STEPS of the queue for itself."""
-        r = seg.ring
-        held = r.queued(seg.config.priority_levels - 1) - r.queued(priority - 1)
-        share = seg.capacity * (SHARE_STEPS - priority) // SHARE_STEPS
-        if held >= share:
-            r.add_word(codes.W_REJECTED)
-            raise QueueFull(f"priority {priority} may hold {share} of queue_capacity "
-                            f"{seg.capacity} (the rest is kept for more urgent requests), "
-                            f"got {held} queued")
+        already fill its share (engine.client.shares)."""
+        if not shares.room(seg, priority):
+            raise shares.refused(seg, priority)
 
     @staticmethod
     def _overloaded(deadline: int, wait_ms: int) -> Overloaded:

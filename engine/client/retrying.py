@@ -4,13 +4,17 @@ A request refused at enqueue (QueueFull, and Overloaded, its subclass) or
 failed unstarted by the engine (STATUS_EXPIRED: its deadline too near for a
 batch to start it) is sent again, at most N times, each after a jittered
 exponential backoff, never past its own deadline (the first attempt's: a
-retry does not extend it), and only while the client's token bucket allows:
-each request adds one unit, a retry costs RETRY_COST units, and the bucket
-holds at most BURST retries' worth (it starts full). So of a client's sends
-at most BURST + requests / RETRY_COST are retries, however overloaded the
-engine: its clients cannot multiply its load by N + 1. A retry that is not
-allowed (N reached, a backoff that would end at or past the deadline, an
-empty bucket) raises the refusal at once; nothing else (InvalidInput,
+retry does not extend it), and only while the retry budget allows. The
+budget is one token bucket per process and engine name, shared by every
+Client of that engine in the process (a Client made per request, or many
+of them, would otherwise each bring a fresh bucket): each request adds one
+unit, a retry costs RETRY_COST units, and the bucket starts at its burst,
+BURST retries' worth, the most it holds. So over any run of a process's
+requests at most BURST + requests / RETRY_COST of its sends are retries,
+however overloaded the engine: its clients cannot multiply its load by
+N + 1. A forked child starts its own budget, at its burst. A retry that is
+not allowed (N reached, a backoff that would end at or past the deadline,
+an empty bucket) raises the refusal at once; nothing else (InvalidInput,
 BackendError, a timeout while queued or computed) is ever retried.
 
 Which calls retry: infer() and infer_async() (refusals and unstarted
@@ -29,7 +33,7 @@ import random
 import threading
 import time
 import weakref
-from typing import Any, Optional, Protocol
+from typing import Any, Dict, Optional, Protocol
 
 from engine.client import ticket
 from engine.client.handle import Handle
@@ -48,7 +52,47 @@ CAP_S = 1.0
 RETRY_COST = 10
 BURST = 10
 
+
+
+class Budget:
+    """The token bucket of one engine's retries in this process."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.units = BURST * RETRY_COST  # in requests' deposits: its burst
+        self.retries_total = 0  # retries it allowed
+        self.denied_total = 0  # retries it did not allow
+
+    def deposit(self) -> None:
+        """A new request (not a retry): one unit, up to the burst."""
+        with self.lock:
+            if self.units < BURST * RETRY_COST:
+                self.units += 1
+
+    def spend(self) -> bool:
+        """Whether a retry may be sent now; its cost taken if so."""
+        with self.lock:
+            if self.units < RETRY_COST:
+                self.denied_total += 1
+                return False
+            self.units -= RETRY_COST
+            self.retries_total += 1
+            return True
+
+
+# engine name -> its budget in this process; emptied in a forked child
+_budgets: Dict[str, Budget] = {}
+_budgets_lock = threading.Lock()
 _policies: "weakref.WeakSet[Retrying]" = weakref.WeakSet()
+
+
+def budget(name: str) -> Budget:
+    """This process's retry budget for the engine called name."""
+    with _budgets_lock:
+        found = _budgets.get(name)
+        if found is None:
+            found = _budgets[name] = Budget()
+        return found
 
 
 class Sender(Handle, Protocol):
@@ -59,11 +103,11 @@ class Sender(Handle, Protocol):
         ...
 
 
-def policy(retries: int) -> "Optional[Retrying]":
-    """The retry policy of Client(retries=...); None for 0 (no retry, no cost)."""
+def policy(retries: int, name: str) -> "Optional[Retrying]":
+    """The retry policy of Client(name, retries=...); None for 0 (no retry, no cost)."""
     if type(retries) is not int or retries < 0:
         raise ValueError(f"retries: expected an int >= 0, got {retries!r}")
-    return Retrying(retries) if retries else None
+    return Retrying(retries, name) if retries else None
 
 
 def retryable(error: BaseException) -> bool:
@@ -79,21 +123,19 @@ def backoff_s(attempt: int) -> float:
 
 
 class Retrying:
-    """One client's retries: at most `retries` a request, within its budget."""
+    """One client's retries: at most `retries` a request, within its
+    process's budget for the engine."""
 
-    def __init__(self, retries: int) -> None:
+    def __init__(self, retries: int, name: str) -> None:
         self.retries = retries
+        self.name = name
         self.lock = threading.Lock()
-        self.units = BURST * RETRY_COST  # the token bucket, in requests' deposits
-        self.retries_total = 0  # retries sent
-        self.denied_total = 0  # retries the budget did not allow
+        self.retries_total = 0  # retries this client sent
         _policies.add(self)
 
     def sent(self) -> None:
-        """A new request (not a retry): its deposit into the bucket."""
-        with self.lock:
-            if self.units < BURST * RETRY_COST:
-                self.units += 1
+        """A new request (not a retry): its deposit into the budget."""
+        budget(self.name).deposit()
 
     def delay_s(self, error: BaseException, attempt: int, deadline: Optional[int]
                 ) -> Optional[float]:
@@ -104,11 +146,9 @@ class Retrying:
         wait_s = backoff_s(attempt)
         if deadline is not None and ring.now_ns() + int(wait_s * 1e9) >= deadline:
             return None
+        if not budget(self.name).spend():
+            return None
         with self.lock:
-            if self.units < RETRY_COST:
-                self.denied_total += 1
-                return None
-            self.units -= RETRY_COST
             self.retries_total += 1
         return wait_s
 
@@ -168,9 +208,13 @@ async def _answer_async(client: Sender, x, deadline: Optional[int], timeout: Opt
 
 
 def _after_fork_in_child() -> None:
-    # a lock another thread of the parent held at the fork would stay held here
-    for p in list(_policies):
-        p.lock = threading.Lock()
+    # a process of its own: its own budgets, at their burst (and a lock
+    # another thread of the parent held at the fork would stay held here)
+    global _budgets_lock
+    _budgets_lock = threading.Lock()
+    _budgets.clear()
+    for client_policy in list(_policies):
+        client_policy.lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
