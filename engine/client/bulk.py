@@ -23,7 +23,8 @@ from engine.shm import codes, ring
 def infer_many(client: Handle, xs, timeout: Optional[float], priority: int) -> np.ndarray:
     """The answers to xs[0], xs[1], ... stacked (see Client.infer_many)."""
     deadline = ticket.deadline_ns(timeout)
-    seg, (xs,), (length,), _ = client.validated(xs, many=True, priority=priority)
+    seg, (xs,), (length,), _ = client.validated(xs, many=True, priority=priority,
+                                                deadline=deadline)
     if seg.iterative:
         raise InvalidInput("infer_many: an iterative engine's answers have as many chunks as "
                            "they take; expected infer(), submit() or stream() of each request")

@@ -44,7 +44,7 @@ from engine.client import (async_streams, bulk, completion, retrying, room, shar
 from engine.client.attach import attach
 from engine.client.future import Request
 from engine.client.lent import SlotRequest
-from engine.errors import EngineError, EngineUnavailable, InvalidInput, Overloaded, QueueFull
+from engine.errors import EngineError, EngineUnavailable, InvalidInput, Overloaded
 from engine.segment import UNSERVED_WORD, Segment
 from engine.shm import codes, liveness, ring
 

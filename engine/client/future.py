@@ -12,7 +12,7 @@ concurrent.futures beyond its public API is engine.client.stdfuture's.
 import os
 import sys
 import weakref
-from typing import Any, Optional, Tuple
+from typing import Optional, Tuple
 
 from engine.client import ticket, tracing
 from engine.client.handle import ANSWER, Handle
