@@ -41,6 +41,9 @@ from engine.http.server import parsing
 log = logging.getLogger("shmbatch")
 
 BYTES_PER_TOKEN = 64      # a token's text (or id) in JSON, escapes included
+# a body up to this size is parsed on the loop (a few ms at most); a larger one
+# in the parser process (engine.http.server.parsing)
+INLINE_PARSE_BYTES = parsing.PROCESS_BYTES
 GENERATE = ("/v1/completions", "/v1/chat/completions")
 EMBED = "/v1/embeddings"
 
@@ -144,6 +147,8 @@ class App:
                f"{BYTES_PER_TOKEN} B per token their requests hold, or a byte per character "
                f"of their max_prompt_chars")
         raw = await bodies.read(scope, receive, limit, why)
+        if len(raw) <= INLINE_PARSE_BYTES:  # a thread would hold the GIL as long
+            return read_body(raw, self.most_chars[path])
         return await self.parser.parse(len(raw), read_body, raw, self.most_chars[path])
 
     def _served(self, name) -> Served:
