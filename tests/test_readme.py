@@ -150,6 +150,19 @@ def test_the_engine_and_client_examples_answer_and_ctrl_c_stops_the_engine(guide
     assert not os.path.exists(f"/dev/shm/shmbatch-{tag}-digits")
 
 
+def test_sigterm_stops_the_engine_example_as_ctrl_c_does(guide):
+    folder, tag = guide
+    server = subprocess.Popen([sys.executable, "server.py"], cwd=folder, env=ENV,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        assert f"label {expected_label(folder, X)}" in run_python(folder, "client.py")
+        server.send_signal(signal.SIGTERM)  # docker stop's, systemd's
+        assert server.wait(60) == 0, server.stderr.read()
+    finally:
+        reap(server)
+    assert not os.path.exists(f"/dev/shm/shmbatch-{tag}-digits")
+
+
 def test_the_toml_file_serves_the_client_example(guide):
     folder, tag = guide
     with serving(folder, "serve", "--config", "model.toml"):

@@ -148,3 +148,13 @@ def test_a_negative_fixed_cost_is_reported_below_resolution_and_flagged(tmp_path
 def test_only_a_fixed_cost_below_zero_is_flagged(fixed_ms, flagged):
     assert tune.fit_record(fixed_ms, 0.1)["fixed_below_resolution"] is flagged
     assert ("below measurement resolution" in tune.fit_text(fixed_ms, 0.1)) is flagged
+
+
+def test_tune_of_a_serve_config_of_one_engine_needs_no_engine_flag(tmp_path, capsys):
+    config = tmp_path / "models.toml"
+    config.write_text('http_port = 8000\n[engines.only]\nbackend = "tune_models:steps"\n'
+                      'iterative = true\nmax_steps = 2\ninput_shape = [4]\ninput_dtype = "int64"\n'
+                      'output_shape = []\noutput_dtype = "int64"\n')
+    assert commands.main(["tune", "--config", str(config), "--tpot-ms", "50",
+                          "--max-batch", "2"]) == 0
+    assert "step model tune_models:steps" in capsys.readouterr().out

@@ -203,6 +203,8 @@ def tune_settings(args) -> dict:
             settings = tomllib.load(f)
         tables = settings.get("engines")
         if isinstance(tables, dict):  # a serve of several engines: the one named
+            if args.engine is None and len(tables) == 1:  # or the only one
+                args.engine = next(iter(tables))
             if args.engine not in tables:
                 raise ValueError(f"{args.config}: expected --engine NAME, one of "
                                  f"{sorted(tables)}, got {args.engine!r}")
