@@ -42,8 +42,11 @@ class Engines:
             client.close()
 
     def client(self, name: str) -> Client:
-        self.open()
-        return self.clients[name]
+        client = self.clients.get(name)  # per request: one lookup once attached
+        if client is None:
+            self.open()
+            client = self.clients[name]
+        return client
 
     def ready(self, name: str) -> None:
         """EngineUnavailable (503) unless the engine runs and a live batcher

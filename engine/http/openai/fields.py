@@ -13,6 +13,7 @@ context_length_exceeded. Fields that would change the answer's form in ways the
 engine cannot honour (n > 1, logprobs, tools, ...) are refused; the rest are
 ignored, as OpenAI-compatible servers do.
 """
+import functools
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -101,16 +102,16 @@ class Served:
         value = chunks[self.settings.output] if self.config.named else chunks
         return value.reshape(len(value)).tolist()
 
+    @functools.cached_property
+    def vector_size(self) -> int:
+        """An embedding's values (the output's dims), worked out once."""
+        specs = {s.name: s for s in self.config.output_specs}
+        return int(np.prod(specs[self.settings.output].shape))
+
     @property
     def most_inputs(self) -> int:
         """The most inputs one embeddings request may have."""
         return min(MAX_INPUTS, self.config.queue_capacity)
-
-    @property
-    def vector_size(self) -> int:
-        """An embedding's values (the output's last dim)."""
-        specs = {s.name: s for s in self.config.output_specs}
-        return int(np.prod(specs[self.settings.output].shape))
 
     def vector(self, answer) -> np.ndarray:
         return answer[self.settings.output] if self.config.named else answer
