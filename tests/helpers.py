@@ -1,5 +1,6 @@
 """Backends and client-process bodies the tests share (importable by batchers)."""
 import os
+import time
 
 import numpy as np
 
@@ -127,13 +128,15 @@ def holds_on_negative(gate, fixed_ms=100.0):
     return behind_gate(gate, slow_affine(fixed_ms), holds=negative)
 
 
-def starts_on_gate(gate):
+def starts_on_gate(gate, start_s: float = 0.0):
     """affine, whose factory first waits (at most 60 s) for the test to open
-    `gate`: the engine stays in its start for as long as the test needs."""
+    `gate`, then takes start_s: the engine stays in its start for as long as
+    the test needs, and its starts take at least start_s."""
     import posix_ipc
     sem = posix_ipc.Semaphore(gate)
     sem.acquire(60)
     sem.close()
+    time.sleep(start_s)
     return affine()
 
 

@@ -58,19 +58,18 @@ def test_a_request_whose_deadline_comes_before_the_successor_is_refused_at_once(
         assert time.monotonic() - began < 1.0  # not its 5 s timeout
 
 
-def test_every_request_is_refused_at_once_once_the_successor_is_late(gated, monkeypatch):
-    eng, _ = gated
-    monkeypatch.setattr(restarts, "READY_EXPECTED_MIN_S", 0.0)
+def test_a_start_slower_than_expected_is_expected_again_and_its_requests_queued(gated, monkeypatch):
+    eng, gate = gated
+    monkeypatch.setattr(restarts, "READY_EXPECTED_MIN_S", 0.0)  # expected: twice the first start
     with engine.Client(eng.name) as c:
         c.infer(X, timeout=30)
         kill_the_batcher(eng)
         wait_for(lambda: eng.segment.unserved_until_ns() != 0, "the restart begun", 30)
         until_ns = eng.segment.unserved_until_ns()
-        wait_for(lambda: ring.now_ns() > until_ns, "the successor late", 30)
-        began = time.monotonic()
-        with pytest.raises(engine.EngineUnavailable, match="no live batcher.*late"):
-            c.infer(X, timeout=20)
-        assert time.monotonic() - began < 1.0  # not its 20 s timeout
+        wait_for(lambda: eng.segment.unserved_until_ns() > until_ns, "the time moved on", 30)
+        queued = c.submit(X, timeout=60)  # late is not lost: queued, not refused
+        gate.open()
+        assert np.array_equal(queued.result(timeout=60), X * 2 + 1)
 
 
 def test_a_request_queued_while_the_successor_loads_is_answered_when_it_serves(gated, monkeypatch):
@@ -82,7 +81,7 @@ def test_a_request_queued_while_the_successor_loads_is_answered_when_it_serves(g
         queued = c.submit(X, timeout=50)  # its deadline leaves the successor its 30 s
         gate.open()
         assert np.array_equal(queued.result(timeout=60), X * 2 + 1)
-        assert eng.segment.unserved_until_ns() == 0
+        wait_for(lambda: eng.segment.unserved_until_ns() == 0, "the engine served again", 30)
 
 
 def test_over_http_a_request_is_answered_503_with_retry_after_at_once(tmp_path):
@@ -90,8 +89,9 @@ def test_over_http_a_request_is_answered_503_with_retry_after_at_once(tmp_path):
     gate = Gate()
     gate.open()
     name = unique_name("unserved-http")
+    # each start takes 2 s: a successor is expected no sooner than 4 s after a death
     s = Served(tmp_path, table(name, backend="helpers:starts_on_gate",
-                               backend_args={"gate": gate.name}, input_shape=[4],
+                               backend_args={"gate": gate.name, "start_s": 2.0}, input_shape=[4],
                                output_shape=[4], start_timeout_s=60.0), "--http-port", "0",
                "--http-timeout-s", "20")
     try:
@@ -99,13 +99,14 @@ def test_over_http_a_request_is_answered_503_with_retry_after_at_once(tmp_path):
         try:
             pid = int(head.words[codes.W_BATCHER_PID])
             os.kill(pid, signal.SIGKILL)
-            wait_for(lambda: 0 < head.unserved_until_ns() < ring.now_ns(),
-                     "the successor late", 30)
+            wait_for(lambda: head.unserved_until_ns() != 0, "the restart begun", 30)
         finally:
             head.close()
         host, port = s.url.rsplit(":", 1)
         conn = http.client.HTTPConnection(host, int(port), timeout=30)
-        body = json.dumps({"inputs": [{"name": "INPUT", "shape": [1, 4], "datatype": "FP32",
+        # a deadline of 1 s: before the successor is expected
+        body = json.dumps({"parameters": {"timeout": 1_000_000},
+                           "inputs": [{"name": "INPUT", "shape": [1, 4], "datatype": "FP32",
                                        "data": [0, 1, 2, 3]}]})
         began = time.monotonic()
         conn.request("POST", f"/v2/models/{name}/infer", body,

@@ -316,19 +316,16 @@ def expired(seg, slot: int, gen: int, timeout: Optional[float],
 
 def refuse_unserved(seg, deadline: Optional[int]) -> None:
     """EngineUnavailable when no batcher serves (the supervisor restarts one)
-    and none is expected to before deadline (None: none), or the successor
-    expected is late: a request sent now would wait out its timeout."""
+    and none is expected to before deadline (None: none): a request sent now
+    would wait out its timeout. Once that time has passed, the request is
+    queued: the supervisor moves the time on while the start goes on."""
     until_ns, now_ns = seg.unserved_until_ns(), ring.now_ns()
-    if not until_ns:
+    if not until_ns or deadline is None or deadline >= until_ns or now_ns >= until_ns:
         return
-    if now_ns >= until_ns:
-        why = f"the restart in progress is {(now_ns - until_ns) / 1e9:.2f} s late"
-    elif deadline is not None and deadline < until_ns:
-        why = (f"its successor is expected to serve in {(until_ns - now_ns) / 1e9:.2f} s, after "
-               f"this request's deadline ({max(0, deadline - now_ns) / 1e9:.2f} s)")
-    else:
-        return
-    raise EngineUnavailable(f"engine {seg.name!r} has no live batcher: {why}; retry later")
+    raise EngineUnavailable(
+        f"engine {seg.name!r} has no live batcher: its successor is expected to serve in "
+        f"{(until_ns - now_ns) / 1e9:.2f} s, after this request's deadline "
+        f"({max(0, deadline - now_ns) / 1e9:.2f} s); retry later")
 
 
 def engine_gone(name: str) -> EngineUnavailable:

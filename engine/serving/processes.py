@@ -8,7 +8,8 @@ that ends its loop is reported there before it dies (reported()).
 import logging
 import multiprocessing.connection
 import os
-from typing import Optional, Tuple
+import time
+from typing import Callable, Optional, Tuple
 
 from engine import launch, logfmt
 from engine.errors import BackendError
@@ -53,8 +54,17 @@ def spawn(engine: str, index: int, backend, backend_args: dict, cpus, gpu, epoch
 
 
 def await_ready(engine: str, index: int, proc: BatcherProcess, reader,
-                timeout_s: Optional[float] = None) -> None:
-    """Waits for the readiness message; BackendError unless ready."""
+                timeout_s: Optional[float] = None,
+                waiting: Optional[Callable[[], float]] = None) -> None:
+    """Waits for the readiness message; BackendError unless ready. waiting(),
+    if given, is called as the wait begins and again after each of the
+    seconds it returns."""
+    if waiting is not None and timeout_s is not None:
+        end_s = time.monotonic() + timeout_s
+        while (left_s := end_s - time.monotonic()) > 0 and not reader.poll(
+                min(left_s, waiting())):
+            pass
+        timeout_s = max(0.0, end_s - time.monotonic())
     try:
         launch.await_ready(proc, reader, timeout_s, f"batcher {index}", died="BatcherDied")
     except launch.ChildFailed as e:
@@ -65,13 +75,14 @@ def await_ready(engine: str, index: int, proc: BatcherProcess, reader,
 
 
 def start(engine: str, index: int, backend, backend_args: dict, cpus, gpu, epoch: int,
-          timeout_s: float) -> Tuple[BatcherProcess, multiprocessing.connection.Connection]:
+          timeout_s: float, waiting: Optional[Callable[[], float]] = None
+          ) -> Tuple[BatcherProcess, multiprocessing.connection.Connection]:
     """Starts batcher `index` (as spawn()) and waits until it serves (or its
     factory fails): (process, its pipe, for reported()). BackendError, with the
     process killed, unless ready within timeout_s."""
     proc, reader = spawn(engine, index, backend, backend_args, cpus, gpu, epoch)
     try:
-        await_ready(engine, index, proc, reader, timeout_s)
+        await_ready(engine, index, proc, reader, timeout_s, waiting)
         return proc, reader
     except BaseException:
         kill(proc)

@@ -133,28 +133,55 @@ def no_successor(b: Instance, error: Exception) -> bytes:
 class Unserved:
     """The segment's word that says, while no batcher serves, until when a
     successor is expected to: after twice the longest start the engine has
-    seen (at least READY_EXPECTED_MIN_S), never past start_timeout_s, its
-    bound. Clients refuse at once a request whose deadline comes before it,
-    and every request once it has passed unserved (a successor late or
-    failed: nothing says when one will serve). 0 while a batcher serves."""
+    seen (at least READY_EXPECTED_MIN_S). A start that goes on past it is
+    expected again as long from then as it has taken so far (a slow start
+    on a loaded machine is late, not lost), and a failed one at its next
+    try's expected end; never past start_timeout_s of that try, its bound.
+    Clients refuse at once a request whose deadline comes before it; what is
+    queued keeps its chance. 0 while a batcher serves."""
 
     def __init__(self, seg, start_timeout_s: float):
         self._seg, self._bound_ns = seg, int(start_timeout_s * 1e9)
         self._longest_start_ns = 0  # a batcher's, spawn to serving
+        self._since_ns = self._until_ns = 0  # the start marked unserved; 0: none
+
+    def _expected_ns(self) -> int:
+        return min(max(2 * self._longest_start_ns, int(READY_EXPECTED_MIN_S * 1e9)),
+                   self._bound_ns)
+
+    def _mark(self, since_ns: int, until_ns: int) -> None:
+        self._since_ns, self._until_ns = since_ns, until_ns
+        self._seg.own_word(codes.W_UNSERVED_UNTIL_NS, until_ns)
 
     def starting(self, instances) -> int:
         """Before a batcher's start: marks the engine unserved if no other
         batcher lives. Returns the start's time, for served()."""
         now_ns = ring.now_ns()
         if not any(i.proc is not None and i.proc.is_alive() for i in instances):
-            expected_ns = max(2 * self._longest_start_ns, int(READY_EXPECTED_MIN_S * 1e9))
-            self._seg.own_word(codes.W_UNSERVED_UNTIL_NS, now_ns + min(expected_ns, self._bound_ns))
+            self._mark(now_ns, now_ns + self._expected_ns())
         return now_ns
+
+    def waiting_s(self) -> float:
+        """While a start goes on: the seconds until the word's time, moved on
+        first if the start has already taken longer than expected."""
+        if not self._until_ns:
+            return 3600.0  # another batcher serves: nothing to move on
+        now_ns = ring.now_ns()
+        if now_ns >= self._until_ns:
+            taken_ns = now_ns - self._since_ns
+            self._mark(self._since_ns, self._since_ns + min(2 * taken_ns, self._bound_ns))
+        return max(0.01, (self._until_ns - now_ns) / 1e9)
+
+    def failed(self, retry_at_ns: int) -> None:
+        """A start failed and the next is at retry_at_ns: expected by then plus
+        a start (if no batcher serves meanwhile)."""
+        if self._until_ns:
+            self._mark(retry_at_ns, retry_at_ns + self._expected_ns())
 
     def served(self, began_ns: int) -> None:
         """A batcher started at began_ns serves now."""
         self._longest_start_ns = max(self._longest_start_ns, ring.now_ns() - began_ns)
-        self._seg.own_word(codes.W_UNSERVED_UNTIL_NS, 0)
+        self._mark(0, 0)
 
 
 def back_off(b: Instance) -> float:

@@ -314,7 +314,8 @@ class Engine:
         o, began_ns = self.options, self._unserved.starting(self._instances)
         b.proc, b.reports = processes.start(self.name, b.index, o.backend, o.backend_args,
                                             self.cpus[b.position], self.gpus[b.position],
-                                            self._epoch, o.start_timeout_s)
+                                            self._epoch, o.start_timeout_s,
+                                            self._unserved.waiting_s)
         self._unserved.served(began_ns)
 
     def _monitor_main(self) -> None:
@@ -418,6 +419,7 @@ class Engine:
                 raise
             backoff = restarts.back_off(b)
             b.restart_at_ns = ring.now_ns() + int(backoff * 1e9)
+            self._unserved.failed(b.restart_at_ns)
             log.error("engine %s: batcher %d did not restart (%s); failed %d kept request(s); "
                       "next try in %.1f s", self.name, i, e, failed, backoff)
             return
