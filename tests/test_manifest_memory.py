@@ -16,7 +16,7 @@ from manifest_helpers import (KUBERNETES_VERSIONS, MIB, by_kind, k8s_validate,
                               quantity_bytes, run, serve_container, shm_volume, write_config, yaml)
 
 import engine
-from engine.tools import manifest_kserve, manifest_measure, manifest_pod
+from engine.tools import manifest_kserve, manifest_pod
 
 MARGIN_MIB, FACTOR = 8, 2.0
 
@@ -104,6 +104,7 @@ def test_measure_leaves_no_process_and_nothing_in_dev_shm(measured):
 def test_a_process_figure_leaves_dev_shm_out():
     """/dev/shm is the emptyDir's, sized from the segments: its pages, resident
     in this process, are not counted again."""
+    from engine.tools import manifest_measure
     size = 32 * MIB
     path = f"/dev/shm/shmbatch-{unique_name('pss')}"
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
