@@ -175,14 +175,14 @@ def through_client(cfg) -> int:
     x = largest_request(cfg)
     per_round = max(1, min(cfg.max_batch_size, cfg.queue_capacity))
     with Client(cfg.name) as c:
-        for _ in range(ROUNDS):
-            futures = [c.submit(x, timeout=REQUEST_TIMEOUT_S) for _ in range(per_round)]
-            try:
+        try:
+            for _ in range(ROUNDS):
+                futures = [c.submit(x, timeout=REQUEST_TIMEOUT_S) for _ in range(per_round)]
                 for f in futures:
                     f.result()
-            except EngineError as e:
-                raise RuntimeError(f"--measure: engine {cfg.name!r} failed a request of its "
-                                   f"largest shapes: {type(e).__name__}: {e}") from None
+        except EngineError as e:
+            raise RuntimeError(f"--measure: engine {cfg.name!r} failed a request of its "
+                               f"largest shapes: {type(e).__name__}: {e}") from None
     return ROUNDS * per_round
 
 

@@ -40,7 +40,7 @@ DEFAULT_METRICS_PORT = 9090
 DEFAULT_HEADROOM_MIB = 64  # the app's own /dev/shm (multiprocessing, torch's DataLoader)
 DEFAULT_PROCESS_MIB = 256  # one process with numpy and a small model; a big model needs more
 DEFAULT_MARGIN_MIB = 64  # --measure: the request over what was measured
-DEFAULT_LIMIT_FACTOR = 1.5  # --measure: the limit, x what was measured (a process grows as it serves)
+DEFAULT_LIMIT_FACTOR = 1.5  # --measure: the limit, x what was measured (processes grow serving)
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]i?)?B?\Z", re.I)
 _UNITS = {"": 1, "k": 1000, "m": 1000 ** 2, "g": 1000 ** 3, "t": 1000 ** 4,
           "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
@@ -188,12 +188,14 @@ class ServePod:
 
     @property
     def memory_request_bytes(self) -> int:
-        if self.measured is not None:  # in whole MiB: the note's sums add up
-            return (mib(self.shm_bytes) + self.measured.total_mib) * MIB + \
-                mib(self.measured.margin_bytes) * MIB
-        batcher = self.process_bytes if self.batcher_bytes is None else self.batcher_bytes
-        return (self.shm_bytes + self.batchers * batcher
-                + (self.processes - self.batchers) * self.process_bytes)
+        # in whole MiB, each term rounded up: the note's sums add up
+        if self.measured is not None:
+            m = self.measured
+            return (mib(self.shm_bytes) + m.total_mib + mib(m.margin_bytes)) * MIB
+        batcher = mib(self.process_bytes if self.batcher_bytes is None else self.batcher_bytes)
+        others = self.processes - self.batchers
+        return (mib(self.shm_bytes) + self.batchers * batcher
+                + others * mib(self.process_bytes)) * MIB
 
     @property
     def memory_limit_bytes(self) -> int:
@@ -302,8 +304,9 @@ class ServePod:
         shm = mib(self.shm_bytes)
         return (f"/dev/shm {shm} MiB: the segments ({each}),\n"
                 f"+ {self.headroom_bytes // MIB} MiB headroom, + the 1/{SHM_MARGIN_DIVISOR} an "
-                f"engine keeps free.\n"
-                + "\n".join(textwrap.fill(part, NOTE_WIDTH, break_on_hyphens=False) for part in self._memory_note(shm)))
+                f"engine keeps free.\n" + "\n".join(
+                    textwrap.fill(part, NOTE_WIDTH, break_on_hyphens=False)
+                    for part in self._memory_note(shm)))
 
     def _memory_note(self, shm: int) -> List[str]:
         """Its paragraphs: where the memory's figures come from, and its sums."""
