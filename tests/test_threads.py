@@ -76,16 +76,22 @@ def test_status_gives_no_advice_for_one_thread_pools(make_engine):
     assert len(rows) == 1 and "torch intra-op 1, inter-op 1" in rows[0]
 
 
-def test_status_json_gives_each_live_batchers_pools_as_stats_does(make_engine):
-    eng = make_engine("json", backend="thread_backends:with_torch", instances=2,
-                      backend_args={"intra": 1, "inter": 1})
+def test_status_json_gives_each_live_batchers_pools_and_the_warmup_as_stats_does(make_engine):
+    eng = make_engine("json", backend="thread_backends:with_torch", instances=2, warmup=True,
+                      max_batch_size=2, backend_args={"intra": 1, "inter": 1})
     out = shmbatch("status", eng.name, "--json")
     assert out.returncode == 0, out.stderr
-    reported = json.loads(out.stdout)["threads"]
-    assert reported == eng.stats()["threads"]
-    assert sorted(r["pid"] for r in reported) == sorted(eng.stats()["batcher_pids"])
+    status, stats = json.loads(out.stdout), eng.stats()
+    reported = status["threads"]
+    assert reported == stats["threads"]
+    assert sorted(r["pid"] for r in reported) == sorted(stats["batcher_pids"])
     assert [r["torch"] for r in reported] == [{"intra_op": 1, "inter_op": 1}] * 2
     assert all(r["affinity"] == CORES and not r["pinned"] for r in reported)
+    # the slowest batcher's warmup, as stats() gives it; the table, each batcher's
+    assert status["warmup_ms"] == stats["warmup_ms"] == max(r["warmup_ms"] for r in reported)
+    rows = [r for r in thread_rows(eng.name) if r.startswith("threads")]
+    assert [f"pid {r['pid']}" in row and f"warmed up in {r['warmup_ms']:.0f} ms" in row
+            for r, row in zip(reported, rows)] == [True, True]
 
 
 def test_a_restarted_batcher_reports_its_pools_under_its_new_pid(make_engine):

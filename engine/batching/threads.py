@@ -70,7 +70,7 @@ def _os_threads() -> Optional[int]:
 def describe(r: dict) -> str:
     """One batcher's report in one line, e.g. "torch intra-op 2, inter-op 2;
     OMP_NUM_THREADS, MKL_NUM_THREADS, OPENBLAS_NUM_THREADS unset; not pinned:
-    may run on all 2 cores"."""
+    may run on all 2 cores", and "; warmed up in 850 ms" after a warmup."""
     parts = []
     if r.get("torch"):
         t = r["torch"]
@@ -86,6 +86,8 @@ def describe(r: dict) -> str:
     set_vars = ", ".join(f"{var}={env[var]}" for var in POOL_VARS if env.get(var) is not None)
     parts.append(", ".join(filter(None, [set_vars, ", ".join(unset) + " unset" if unset else ""])))
     parts.append(_where(r))
+    if r.get("warmup_ms") is not None:  # the batcher reports its warmup beside its pools
+        parts.append(f"warmed up in {r['warmup_ms']:.0f} ms")
     return "; ".join(parts)
 
 

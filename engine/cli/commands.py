@@ -214,7 +214,7 @@ def state_name(state: int) -> str:
 
 def cmd_status(args) -> int:
     from engine.segment import Segment
-    from engine.serving import metrics
+    from engine.serving import metrics, processes
     from engine.shm import codes
     seg = Segment.attach(args.name, header_only=True)
     if args.ready:  # as the HTTP routes' readiness: a live batcher has loaded its model
@@ -238,8 +238,8 @@ def cmd_status(args) -> int:
         stats["supervisor_pid"] = seg.ring.word(codes.W_SUPERVISOR_PID)
     finally:
         seg.close()
-    stats["threads"], stats["threads_unknown"] = thread_pools(args.name) if alive else (
-        None, "the engine is dead")
+    pools, why = thread_pools(args.name) if alive else (None, "the engine is dead")
+    stats.update(threads=pools, threads_unknown=why, warmup_ms=processes.slowest_warmup_ms(pools or []))
     if args.json:
         print(json.dumps(stats, indent=2))
     else:

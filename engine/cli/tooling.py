@@ -288,12 +288,14 @@ shmbatch manifest kubernetes --config models.toml --image IMAGE [--app-image IMG
                              [--max-replicas N] [--prometheus-url URL] [--run-as-user 1000]
                              [--name NAME] [--namespace NS] [--metrics-port 9090]
                              [--shm-headroom-mib 64] [--process-memory-mib 256]
-                             [--api-key-secret SECRET]
+                             [--memory-per-batcher SIZE | --measure [--memory-margin-mib 64]
+                              [--memory-limit-factor 1.5]] [--api-key-secret SECRET]
 shmbatch manifest kserve --config models.toml --image IMAGE [--name NAME] [--namespace NS] ...
 
 Prints YAML (to stdout) that runs `shmbatch serve --config FILE` in a pod, its /dev/shm,
 memory, probes and grace period sized from the config's engines; `manifest KIND --help`
-tells each flag."""
+tells each flag. Memory: --measure runs the config here and sizes it from what its
+processes took; otherwise a budget per process, whose default is a guess."""
 
 
 def manifest_parser(sub):
@@ -317,7 +319,21 @@ def manifest_parser(sub):
                             "(default 64)")
         q.add_argument("--process-memory-mib", type=int, metavar="MIB",
                        help="memory per serve process (supervisor, batcher, HTTP worker) "
-                            "beside /dev/shm (default 256)")
+                            "beside /dev/shm (default 256: a guess; see --measure)")
+        q.add_argument("--memory-per-batcher", metavar="SIZE",
+                       help="memory per batcher (2Gi, 1500Mi), the model's process, in place "
+                            "of --process-memory-mib")
+        q.add_argument("--measure", action="store_true",
+                       help="start the config's engines here as serve does (with warmup), "
+                            "send each full batches of its largest requests (and through "
+                            "every HTTP worker), read each process's memory (PSS + swap, "
+                            "/dev/shm left out), stop them, and size the memory from it: "
+                            "request = measured + margin, limit = measured x factor "
+                            "(beside /dev/shm's emptyDir)")
+        q.add_argument("--memory-margin-mib", type=int, metavar="MIB",
+                       help="--measure: the request over what was measured (default 64)")
+        q.add_argument("--memory-limit-factor", type=float, metavar="X",
+                       help="--measure: the limit, x what was measured (default 1.5)")
         q.add_argument("--api-key-secret", metavar="SECRET",
                        help="serve's API key (SHMBATCH_API_KEY) from this Secret's key "
                             "api-key: every HTTP route but the health probes needs it")
@@ -344,26 +360,50 @@ def cmd_manifest(args, plan) -> int:
     import sys
 
     from engine.tools import manifest, manifest_kserve, manifest_pod
-    from engine.tools.manifest_pod import or_default
+    from engine.tools.manifest_pod import MIB, or_default
     with open(args.config, encoding="utf-8") as f:
         text = f.read()
     engines, serve = plan(argparse.Namespace(config=args.config, backend_arg=None))
     kserve = args.kind == "kserve"
+    margin_mib = or_default(args.memory_margin_mib, manifest_pod.DEFAULT_MARGIN_MIB)
+    factor = or_default(args.memory_limit_factor, manifest_pod.DEFAULT_LIMIT_FACTOR)
+    if args.measure and args.memory_per_batcher is not None:
+        raise ValueError("--memory-per-batcher with --measure: expected one of them (the "
+                         "measure sizes the batchers)")
+    if not args.measure and (args.memory_margin_mib, args.memory_limit_factor) != (None, None):
+        raise ValueError("--memory-margin-mib and --memory-limit-factor size what --measure "
+                         "measured: expected --measure, got neither")
+    if margin_mib < 0 or not factor >= 1:
+        raise ValueError(f"expected --memory-margin-mib >= 0 and --memory-limit-factor >= 1, "
+                         f"got {margin_mib} and {factor:g}")
     pod = manifest_pod.serve_pod(
         engines, serve, name=args.name, image=args.image, metrics_port=args.metrics_port,
         headroom_mib=or_default(args.shm_headroom_mib, manifest_pod.DEFAULT_HEADROOM_MIB),
         process_mib=or_default(args.process_memory_mib, manifest_pod.DEFAULT_PROCESS_MIB),
         http_port=manifest_kserve.HTTP_PORT if kserve else None,
-        fallback_name=pathlib.Path(args.config).stem, api_key_secret=args.api_key_secret)
-    if kserve:
-        out = manifest_kserve.kserve(pod, text, namespace=args.namespace)
-    else:
-        out = manifest.kubernetes(
+        fallback_name=pathlib.Path(args.config).stem, api_key_secret=args.api_key_secret,
+        batcher_bytes=None if args.memory_per_batcher is None else manifest_pod.size_bytes(
+            args.memory_per_batcher, "--memory-per-batcher"))
+
+    def make() -> str:
+        if kserve:
+            return manifest_kserve.kserve(pod, text, namespace=args.namespace)
+        return manifest.kubernetes(
             pod, text, namespace=args.namespace, replicas=args.replicas,
             app_image=args.app_image, app_command=args.app_command, autoscaler=args.autoscaler,
             target_queue_wait_ms=args.target_queue_wait_ms, max_replicas=args.max_replicas,
             prometheus_url=args.prometheus_url or manifest.DEFAULT_PROMETHEUS_URL,
             run_as_user=or_default(args.run_as_user, manifest_pod.DEFAULT_RUN_AS_USER))
+    out = make()  # every check first: minutes of a model's start are not spent on a typo
+    if args.measure:
+        from engine.tools import manifest_measure
+        print(f"shmbatch manifest: measuring: serve --config {args.config}, with warmup ...",
+              file=sys.stderr, flush=True)
+        pod.measured = manifest_measure.measure(pod, args.config, margin_bytes=margin_mib * MIB,
+                                                limit_factor=factor)
+        print(f"shmbatch manifest: measured {pod.measured.total_mib} MiB in "
+              f"{len(pod.measured.processes)} processes", file=sys.stderr, flush=True)
+        out = make()
     sys.stdout.write(out)
     return 0
 

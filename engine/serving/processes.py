@@ -125,5 +125,11 @@ def figures(instances) -> dict:
     None without; each batcher's own is in its "threads" entry). The start
     waited for their sum: batchers start one after another."""
     pools = thread_pools(instances)
+    return {"threads": pools, "warmup_ms": slowest_warmup_ms(pools)}
+
+
+def slowest_warmup_ms(pools) -> Optional[float]:
+    """The slowest batcher's warmup among thread_pools()' entries (as stats()
+    and `shmbatch status --json` give it), or None: none warmed up."""
     warmed = [p["warmup_ms"] for p in pools if p.get("warmup_ms") is not None]
-    return {"threads": pools, "warmup_ms": max(warmed) if warmed else None}
+    return max(warmed) if warmed else None

@@ -8,8 +8,11 @@ shmbatch knows and a hand-written manifest gets wrong.
   engine.shm.sizing keeps free (an engine refuses to start without it).
 - memory: a memory-backed emptyDir's pages count against the memory of the
   container that writes them, the serve container here (it commits each
-  segment); its request and limit are the whole emptyDir plus a budget per
-  process (supervisor, batchers, HTTP workers).
+  segment); its request and limit are the whole emptyDir plus the processes'
+  own (supervisor, batchers, HTTP workers): measured (Measured, from
+  engine.tools.manifest_measure: request = measured + a margin, limit =
+  measured x a factor), or a budget per batcher and per other process
+  (request = limit), whose default is a guess.
 - readiness: true only while every engine serves (`/v2/health/ready`, or
   `shmbatch status NAME --ready` for each engine when there is no HTTP port).
 - the API key (--api-key-secret NAME): SHMBATCH_API_KEY from the Secret's
@@ -22,7 +25,8 @@ import dataclasses
 import math
 import re
 import shlex
-from typing import List, Optional
+import textwrap
+from typing import List, Optional, Tuple
 
 from engine.shm import codes, ring
 from engine.shm.sizing import SHM_MARGIN_DIVISOR, SHM_MARGIN_MIN_BYTES
@@ -35,6 +39,11 @@ SERVE_CONTAINER = "shmbatch"
 DEFAULT_METRICS_PORT = 9090
 DEFAULT_HEADROOM_MIB = 64  # the app's own /dev/shm (multiprocessing, torch's DataLoader)
 DEFAULT_PROCESS_MIB = 256  # one process with numpy and a small model; a big model needs more
+DEFAULT_MARGIN_MIB = 64  # --measure: the request over what was measured
+DEFAULT_LIMIT_FACTOR = 1.5  # --measure: the limit, x what was measured (processes grow serving)
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]i?)?B?\Z", re.I)
+_UNITS = {"": 1, "k": 1000, "m": 1000 ** 2, "g": 1000 ** 3, "t": 1000 ** 4,
+          "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
 DEFAULT_RUN_AS_USER = 1000
 PRESTOP_SLEEP_S = 5  # the endpoints controller takes the pod out of the Service meanwhile
 GRACE_MARGIN_S = 10
@@ -42,6 +51,7 @@ API_KEY_KEY = "api-key"  # the key of --api-key-secret's Secret that holds serve
 HTTP_KILL_AFTER_S = 10  # engine.http.server.workers kills a worker still running graceful_s + 10 s after SIGTERM
 START_MARGIN_S = 10  # Engine.start waits start_timeout_s x instances + 10 s
 READY_PERIOD_S, STARTUP_PERIOD_S = 5, 2
+NOTE_WIDTH = 96  # the memory note's lines, as YAML comments
 DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]{0,38}[a-z0-9])?\Z")
 
 
@@ -95,6 +105,51 @@ def _engines(settings: List[dict]):
     return out
 
 
+def size_bytes(text: str, what: str) -> int:
+    """A memory size as a flag gives it: bytes, or a Kubernetes quantity
+    (2Gi, 1500Mi, 1.5G); ValueError naming the flag otherwise."""
+    found = _SIZE.match(str(text).strip())
+    if not found:
+        raise ValueError(f"{what}: expected a size like 2Gi, 1500Mi or 2G, got {text!r}")
+    size = math.ceil(float(found[1]) * _UNITS[(found[2] or "").lower()])
+    if size < MIB:
+        raise ValueError(f"{what}: expected at least 1Mi, got {text!r}")
+    return size
+
+
+def mib(size: int) -> int:
+    """Bytes as whole MiB, rounded up: a quantity never under what it stands for."""
+    return -(-size // MIB)
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """The memory a measuring run (engine.tools.manifest_measure) saw: each
+    process's (its role, bytes outside /dev/shm: PSS + swap, the most seen),
+    their RSS summed (shared pages counted in each: for comparison), the
+    requests that ran, and how the pod is sized from it."""
+
+    processes: Tuple[Tuple[str, int], ...]
+    rss_bytes: int
+    requests: int
+    margin_bytes: int = DEFAULT_MARGIN_MIB * MIB
+    limit_factor: float = DEFAULT_LIMIT_FACTOR
+
+    @property
+    def total_mib(self) -> int:
+        """The processes' sum in whole MiB (rounded up), which the sizes add to."""
+        return mib(sum(size for _, size in self.processes))
+
+    def note(self) -> str:
+        each = ", ".join(f"{role} {mib(size)} MiB" for role, size in self.processes)
+        return (f"measured by --measure (serve started here with warmup; {self.requests} "
+                f"requests of the config's largest shapes): each process's PSS + swap outside "
+                f"/dev/shm, the most seen (PSS splits a shared page among the processes that "
+                f"map it: the sum counts it once, as the cgroup does; /dev/shm's pages are the "
+                f"emptyDir's): {each}; {self.total_mib} MiB in all (their RSS, which counts "
+                f"a shared page in each process: {mib(self.rss_bytes)} MiB)")
+
+
 @dataclasses.dataclass
 class ServePod:
     """The serve container of a pod, and the numbers it is sized by."""
@@ -108,6 +163,8 @@ class ServePod:
     headroom_bytes: int
     process_bytes: int
     api_key_secret: Optional[str] = None  # a Secret whose API_KEY_KEY is serve's API key
+    batcher_bytes: Optional[int] = None  # --memory-per-batcher; None: process_bytes
+    measured: Optional[Measured] = None  # sizes the memory instead of the budgets
 
     @property
     def names(self) -> List[str]:
@@ -122,13 +179,30 @@ class ServePod:
         return shm_limit_bytes(sum(self.segments.values()), self.headroom_bytes)
 
     @property
-    def processes(self) -> int:
-        batchers = sum(cfg.instances for cfg, _ in self.engines)
-        return 1 + batchers + (self.http_workers if self.http_port is not None else 0)
+    def batchers(self) -> int:
+        return sum(cfg.instances for cfg, _ in self.engines)
 
     @property
-    def memory_bytes(self) -> int:
-        return self.shm_bytes + self.processes * self.process_bytes
+    def processes(self) -> int:
+        return 1 + self.batchers + (self.http_workers if self.http_port is not None else 0)
+
+    @property
+    def memory_request_bytes(self) -> int:
+        # in whole MiB, each term rounded up: the note's sums add up
+        if self.measured is not None:
+            m = self.measured
+            return (mib(self.shm_bytes) + m.total_mib + mib(m.margin_bytes)) * MIB
+        batcher = mib(self.process_bytes if self.batcher_bytes is None else self.batcher_bytes)
+        others = self.processes - self.batchers
+        return (mib(self.shm_bytes) + self.batchers * batcher
+                + others * mib(self.process_bytes)) * MIB
+
+    @property
+    def memory_limit_bytes(self) -> int:
+        if self.measured is None:  # request = limit: the pod is the last evicted
+            return self.memory_request_bytes
+        factored = math.ceil(self.measured.total_mib * self.measured.limit_factor)
+        return max((mib(self.shm_bytes) + factored) * MIB, self.memory_request_bytes)
 
     @property
     def stop_bound_s(self) -> float:
@@ -179,8 +253,7 @@ class ServePod:
         return args
 
     def container(self, name: str = SERVE_CONTAINER, startup: bool = False) -> dict:
-        memory = f"{self.memory_bytes // MIB}Mi"
-        limits = {"memory": memory}
+        limits = {"memory": f"{mib(self.memory_limit_bytes)}Mi"}
         if self.gpus:
             limits["nvidia.com/gpu"] = self.gpus
         ports = [{"name": "metrics", "containerPort": self.metrics_port, "protocol": "TCP"}]
@@ -191,7 +264,8 @@ class ServePod:
             "ports": ports,
             # the cpu request: a core per batcher and HTTP worker; no cpu limit, whose
             # throttling would stall a batch halfway
-            "resources": {"requests": {"cpu": str(self.processes - 1), "memory": memory},
+            "resources": {"requests": {"cpu": str(self.processes - 1),
+                                       "memory": f"{mib(self.memory_request_bytes)}Mi"},
                           "limits": limits},
             "readinessProbe": self.probe(READY_PERIOD_S, 2),
             "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_S}}},
@@ -227,11 +301,36 @@ class ServePod:
     def sizing_note(self) -> str:
         """The sizes, and where they come from, as a comment for the manifest."""
         each = ", ".join(f"{n} {b:,} B" for n, b in self.segments.items())
-        return (f"/dev/shm {self.shm_bytes // MIB} MiB: the segments ({each}),\n"
+        shm = mib(self.shm_bytes)
+        return (f"/dev/shm {shm} MiB: the segments ({each}),\n"
                 f"+ {self.headroom_bytes // MIB} MiB headroom, + the 1/{SHM_MARGIN_DIVISOR} an "
-                f"engine keeps free.\nmemory {self.memory_bytes // MIB} MiB: that emptyDir (its "
-                f"pages count against the serve container)\n+ {self.processes} processes x "
-                f"{self.process_bytes // MIB} MiB.")
+                f"engine keeps free.\n" + "\n".join(
+                    textwrap.fill(part, NOTE_WIDTH, break_on_hyphens=False)
+                    for part in self._memory_note(shm)))
+
+    def _memory_note(self, shm: int) -> List[str]:
+        """Its paragraphs: where the memory's figures come from, and its sums."""
+        request, limit = mib(self.memory_request_bytes), mib(self.memory_limit_bytes)
+        head = ("memory: that emptyDir (its pages count against the serve container) + its "
+                "processes', ")
+        m = self.measured
+        if m is not None:
+            factored = shm + math.ceil(m.total_mib * m.limit_factor)
+            at_least = f" ({factored} MiB, raised to the request)" if factored < request else ""
+            return [f"{head}{m.note()}.",
+                    f"request {request} MiB = {shm} + {m.total_mib} + a margin of "
+                    f"{mib(m.margin_bytes)}; limit {limit} MiB = {shm} + {m.total_mib} x "
+                    f"{m.limit_factor:g}{at_least}."]
+        others = self.processes - self.batchers
+        if self.batcher_bytes is not None:
+            return [f"{head}{request} MiB = {shm} + {self.batchers} batcher(s) x "
+                    f"{mib(self.batcher_bytes)} (--memory-per-batcher) + {others} other "
+                    f"process(es) (serve, HTTP workers) x {mib(self.process_bytes)}."]
+        return [f"{head}{request} MiB = {shm} + {self.processes} processes x "
+                f"{mib(self.process_bytes)}.",
+                f"The {mib(self.process_bytes)} MiB a process is a GUESS, a numpy model's: a "
+                f"torch model's batcher takes far more. Measure it with `shmbatch manifest ... "
+                f"--measure` where the model runs, or give --memory-per-batcher SIZE."]
 
 
 def or_default(value, default):
@@ -248,7 +347,8 @@ def metadata(name: str, labels: dict, namespace: Optional[str]) -> dict:
 def serve_pod(engines: List[dict], serve: dict, *, name: Optional[str], image: str,
               metrics_port: Optional[int], headroom_mib: int, process_mib: int,
               http_port: Optional[int] = None, fallback_name: str = "shmbatch",
-              api_key_secret: Optional[str] = None) -> ServePod:
+              api_key_secret: Optional[str] = None,
+              batcher_bytes: Optional[int] = None) -> ServePod:
     """The serve container's plan, from serve_plan's (engines, serve's own
     keys): http_port, when given, stands in for the config's."""
     built = _engines(engines)
@@ -271,7 +371,7 @@ def serve_pod(engines: List[dict], serve: dict, *, name: Optional[str], image: s
                    http_port=None if http is None else int(http),
                    http_workers=int(serve.get("http_workers") or 1), metrics_port=int(metrics),
                    headroom_bytes=headroom_mib * MIB, process_bytes=process_mib * MIB,
-                   api_key_secret=api_key_secret)
+                   api_key_secret=api_key_secret, batcher_bytes=batcher_bytes)
     if api_key_secret is not None and pod.http_port is None:
         raise ValueError("--api-key-secret: the API key guards the HTTP port: expected "
                          "http_port in the config, got none")
