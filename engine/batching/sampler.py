@@ -227,8 +227,9 @@ def draw_numpy(x, temperature, top_k, top_p, min_p, uniforms) -> np.ndarray:
     cut = min_p.copy()  # relative to the largest p, which is 1
     trunc = np.flatnonzero((top_k > 0) | (top_p < 1))
     if len(trunc):
-        cut[trunc] = truncation_cut(p[trunc], cut[trunc], top_k[trunc], top_p[trunc])
-    p[p < cut[:, None]] = 0
+        rows = slice(None) if len(trunc) == len(p) else trunc  # a slice copies nothing
+        cut[rows] = truncation_cut(p[rows], cut[rows], top_k[rows], top_p[rows])
+    np.multiply(p, p >= cut[:, None], out=p)
     return inverse_cdf(p, uniforms)
 
 
@@ -271,17 +272,24 @@ def truncation_cut(p, cut, top_k, top_p) -> np.ndarray:
     cut[k] = np.maximum(cut[k], cand[k, top_k[k] - 1])
     nucleus = np.flatnonzero(top_p < 1)
     if len(nucleus):
-        pn, cn = p[nucleus], cut[nucleus]
-        mass = np.where(pn >= cn[:, None], pn, 0).sum(axis=1, dtype=np.float64)
-        need = top_p[nucleus] * mass
-        at, covered = nucleus_cut(cand[nucleus], cn, need)
+        rows = slice(None) if len(nucleus) == len(p) else nucleus
+        pn, cn, cand_n = p[rows], cut[rows], cand[rows]
+        # the mass kept so far: the candidates' where they hold all that is kept
+        within = (cand_n[:, -1] < cn) | (cand.shape[1] == vocab)
+        mass = np.where(cand_n >= cn[:, None], cand_n, 0).sum(axis=1, dtype=np.float64)
+        far = np.flatnonzero(~within)
+        if len(far):
+            pf = pn if len(far) == len(pn) else pn[far]
+            mass[far] = np.where(pf >= cn[far, None], pf, 0).sum(axis=1)
+        need = top_p[rows] * mass
+        at, covered = nucleus_cut(cand_n, cn, need)
         for wide in (WIDER, vocab):  # a nucleus past the candidates: more, then all of them
             short = np.flatnonzero(~covered)
             if not len(short) or wide <= cand.shape[1]:
                 continue
             at[short], covered[short] = nucleus_cut(largest(pn[short], min(wide, vocab)),
                                                     cn[short], need[short])
-        cut[nucleus] = np.maximum(cn, at)
+        cut[rows] = np.maximum(cn, at)
     return cut
 
 
