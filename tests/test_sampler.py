@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import engine
-from engine.batching.sampler import CANDIDATES, WIDER, Rows, score
+from engine.batching.sampler import CANDIDATES, WIDEN, Rows, score
 from engine.sampling import HEAD_BYTES, MAX_STOP_TOKEN_IDS, RECORD_BYTES, RECORD_DTYPE, Sampling
 from engine.tensors import BadResult
 
@@ -83,10 +83,11 @@ def test_the_chi_square_check_can_fail():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("vocab, past", [(4 * CANDIDATES, CANDIDATES), (40 * CANDIDATES, WIDER)])
+@pytest.mark.parametrize("vocab, past", [(4 * CANDIDATES, CANDIDATES),
+                                         (40 * CANDIDATES, WIDEN**2 * CANDIDATES)])
 def test_a_nucleus_wider_than_the_candidates_reads_more(backend, vocab, past):
     # p_j = exp(-2 j / V): top_p 0.9 keeps the first 75 % of the ids, past the first candidates
-    # (and past the wider set too, for the larger vocabulary)
+    # (and past 16 times as many too, for the larger vocabulary)
     logits = np.tile(-np.arange(vocab, dtype=np.float32) * 2 / vocab, (4, 1))
     kept = reference(np.exp(logits[0].astype(np.float64)), top_p=0.9) > 0
     assert past < kept.sum() < vocab and kept[:kept.sum()].all()

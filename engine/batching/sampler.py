@@ -17,7 +17,7 @@ sampler_torch, and only when the logits are torch). Per row, in vLLM's order:
    Each is a threshold on p, so ties at the cut are all kept and a row's result
    depends on its own values only. top_k and top_p read a sorted set of
    candidates: the max(top_k, 1024) largest p (np.partition / torch.topk); a
-   row whose nucleus is not within them reads the 16,384 largest, then all.
+   row whose nucleus is not within them reads 4 times as many, and so on.
 4. The token is drawn by inverse CDF with ONE uniform per sampled row: the
    first id whose float64 cumulative sum of kept p exceeds u * total (on
    numpy in two levels, blocks of 256 ids then ids, see inverse_cdf). A
@@ -46,7 +46,7 @@ from engine.sampling import GREEDY_BELOW, MAX_STOP_TOKEN_IDS, Sampling
 from engine.tensors import BadResult
 
 CANDIDATES = 1024  # top_p's first candidates: a nucleus is mostly far smaller than V
-WIDER = 16 * CANDIDATES  # then these, before the whole row
+WIDEN = 4  # a nucleus past the candidates: 4 times as many, and so on up to the whole row
 BLOCK = 256  # ids per block of the inverse CDF's first level
 LOGPROBS_MODES = ("raw", "scaled")
 QUIET = {"divide": "ignore", "invalid": "ignore", "over": "ignore"}  # a model's inf and nan are data
@@ -136,7 +136,7 @@ class Rows:
         if is_torch(logits):
             from engine.batching import sampler_torch
             vocab = sampler_torch.shape_of(logits, self.n)[1]
-            out = Sampled(*sampler_torch.sample(logits, self.plan(vocab), CANDIDATES, WIDER))
+            out = Sampled(*sampler_torch.sample(logits, self.plan(vocab), CANDIDATES, widths))
         else:
             logits = numpy_logits(logits, self.n)
             with np.errstate(**QUIET):
@@ -283,14 +283,21 @@ def truncation_cut(p, cut, top_k, top_p) -> np.ndarray:
             mass[far] = np.where(pf >= cn[far, None], pf, 0).sum(axis=1)
         need = top_p[rows] * mass
         at, covered = nucleus_cut(cand_n, cn, need)
-        for wide in (WIDER, vocab):  # a nucleus past the candidates: more, then all of them
+        for wide in widths(cand.shape[1], vocab):  # a nucleus past the candidates
             short = np.flatnonzero(~covered)
-            if not len(short) or wide <= cand.shape[1]:
-                continue
-            at[short], covered[short] = nucleus_cut(largest(pn[short], min(wide, vocab)),
-                                                    cn[short], need[short])
+            if not len(short):
+                break
+            at[short], covered[short] = nucleus_cut(largest(pn[short], wide), cn[short],
+                                                    need[short])
         cut[rows] = np.maximum(cn, at)
     return cut
+
+
+def widths(wide: int, vocab: int):
+    """The candidates read after wide, WIDEN times as many each time, up to vocab."""
+    while wide < vocab:
+        wide = min(wide * WIDEN, vocab)
+        yield wide
 
 
 def largest(p, wide: int) -> np.ndarray:

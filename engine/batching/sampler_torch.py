@@ -30,7 +30,7 @@ def upload(device, dtype, *arrays):
     return torch.from_numpy(flat).to(device).split([int(np.size(a)) for a in arrays])
 
 
-def sample(logits: torch.Tensor, plan, candidates: int, wider: int):
+def sample(logits: torch.Tensor, plan, candidates: int, widths):
     """(tokens, logprobs, top_ids, top_logprobs) as numpy, sampler.Sampled's fields."""
     n, vocab = logits.shape
     device = logits.device
@@ -52,7 +52,7 @@ def sample(logits: torch.Tensor, plan, candidates: int, wider: int):
         width = min(vocab, max(kmax, candidates if (plan.top_p[s] < 1).any() else 0))
         xs = x if len(s) == n else x[sampled]
         tokens[sampled] = draw(xs, temperature.float(), top_k, top_p, min_p.float(), uniforms,
-                               width if trunc else 0, wider)
+                               width if trunc else 0, widths)
     logprobs = np.full(n, np.nan, np.float32)
     a = plan.asked
     host_tokens = tokens.cpu().numpy()
@@ -69,17 +69,17 @@ def sample(logits: torch.Tensor, plan, candidates: int, wider: int):
     return host_tokens, logprobs, top_ids, top_logprobs
 
 
-def draw(x, temperature, top_k, top_p, min_p, uniforms, width: int, wider: int) -> torch.Tensor:
+def draw(x, temperature, top_k, top_p, min_p, uniforms, width: int, widths) -> torch.Tensor:
     """One token per row of x (float32 [m, V], masked ids -inf), by inverse
     CDF; width: how many candidates top_k and top_p read (0: no row truncates),
-    wider: how many a row whose nucleus is not within them reads next."""
+    widths(width, V): how many a row whose nucleus is not within them reads next."""
     vocab = x.shape[1]
     p = x / temperature[:, None]
     top = p.amax(dim=1, keepdim=True)
     p = (p - torch.where(torch.isfinite(top), top, 0)).exp_()
     cut = min_p
     if width:
-        cut = truncation_cut(p, cut, top_k, top_p, width, wider)
+        cut = truncation_cut(p, cut, top_k, top_p, width, widths)
     p.masked_fill_(p < cut[:, None], 0)
     cdf = torch.cumsum(p, dim=1, dtype=torch.float64)
     total = cdf[:, -1]
@@ -87,7 +87,7 @@ def draw(x, temperature, top_k, top_p, min_p, uniforms, width: int, wider: int) 
     return torch.searchsorted(cdf, target[:, None], right=True)[:, 0].clamp_(0, vocab - 1)
 
 
-def truncation_cut(p, cut, top_k, top_p, width: int, wider: int) -> torch.Tensor:
+def truncation_cut(p, cut, top_k, top_p, width: int, widths) -> torch.Tensor:
     """Each row's threshold on p after min_p (cut), top_k and top_p."""
     vocab = p.shape[1]
     cand = torch.topk(p, width, dim=1, sorted=True).values
@@ -97,12 +97,12 @@ def truncation_cut(p, cut, top_k, top_p, width: int, wider: int) -> torch.Tensor
     mass = torch.where(p >= cut[:, None], p, 0).sum(dim=1, dtype=torch.float64)
     need = top_p * mass
     at, covered = nucleus_cut(cand, cut, need)
-    for wide in (wider, vocab):  # a nucleus past the candidates: more, then all of them
+    for wide in widths(width, vocab):  # a nucleus past the candidates
         short = nucleus & ~covered
-        if wide <= width or not bool(short.any()):
-            continue
+        if not bool(short.any()):
+            break
         rows = short.nonzero()[:, 0]
-        more = torch.topk(p[rows], min(wide, vocab), dim=1, sorted=True).values
+        more = torch.topk(p[rows], wide, dim=1, sorted=True).values
         at[rows], covered[rows] = nucleus_cut(more, cut[rows], need[rows])
     return torch.where(nucleus, torch.maximum(cut, at), cut)
 
