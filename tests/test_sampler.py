@@ -9,12 +9,23 @@ import numpy as np
 import pytest
 
 import engine
+from engine.batching import sampler
 from engine.batching.sampler import CANDIDATES, WIDEN, Rows, score
 from engine.sampling import HEAD_BYTES, MAX_STOP_TOKEN_IDS, RECORD_BYTES, RECORD_DTYPE, Sampling
 from engine.tensors import BadResult
 
-BACKENDS = ["numpy", pytest.param("torch", marks=pytest.mark.skipif(
-    importlib.util.find_spec("torch") is None, reason="torch is not installed"))]
+NO_TORCH = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
+                              reason="torch is not installed")
+# "torch": CPU tensors, which the numpy path reads through a view; "torch-ops": the same made
+# to take the torch path, as tensors on a GPU do
+BACKENDS = ["numpy", pytest.param("torch", marks=NO_TORCH),
+            pytest.param("torch-ops", marks=NO_TORCH)]
+
+
+@pytest.fixture(autouse=True)
+def torch_ops(request, monkeypatch):
+    if "torch-ops" in request.node.name:
+        monkeypatch.setattr(sampler, "TORCH_CPU_AS_NUMPY", False)
 
 PROBS = np.array([0.30, 0.20, 0.15, 0.12, 0.10, 0.07, 0.04, 0.02])
 LOGITS = np.log(PROBS).astype(np.float32) + 1.5  # a shift: softmax must not care
@@ -26,7 +37,7 @@ CHI2_CRITICAL_001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 2
 
 
 def on(backend, x):
-    if backend == "torch":
+    if backend.startswith("torch"):
         import torch
         return torch.from_numpy(np.ascontiguousarray(x))
     return x
@@ -135,6 +146,20 @@ def test_temperature_zero_is_exactly_the_argmax(backend):
     rows.add([Sampling(temperature=0.0, top_p=0.1, top_k=3, seed=9)] * 32
              + [Sampling(temperature=1e-6)] * 32)
     assert (rows.sample(on(backend, logits)).tokens == logits.argmax(axis=1)).all()
+
+
+@NO_TORCH
+def test_torch_logits_in_host_memory_of_any_float_dtype_are_read_as_they_are():
+    import torch
+    logits = torch.randn(3, 300, dtype=torch.bfloat16, requires_grad=True)
+    rows = Rows(3)
+    rows.add([Sampling(temperature=0, logprobs=1)] * 3)
+    out = rows.sample(logits)
+    assert out.tokens.tolist() == logits.float().argmax(dim=1).tolist()
+    wide = torch.randn(3, 300, dtype=torch.float64)[:, ::2]  # strided, float64
+    assert rows.sample(wide).tokens.tolist() == wide.argmax(dim=1).tolist()
+    with pytest.raises(BadResult, match=r"expected float\[3, V\], got torch int64\[3, 300\]"):
+        rows.sample(torch.zeros(3, 300, dtype=torch.int64))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

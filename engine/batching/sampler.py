@@ -3,9 +3,12 @@
 An iterative batcher that samples holds a `Rows` beside its running batch,
 row i for the i-th active request (add() as requests join, keep() with the
 Group's mask as they leave), and calls `Rows.sample(logits)` once a step:
-logits [n, V], numpy float16/32/64 or a torch tensor on any device (sampled
-there: only [n]-sized arrays cross to or from the host; torch is imported by
-sampler_torch, and only when the logits are torch). Per row, in vLLM's order:
+logits [n, V], numpy float16/32/64 or a torch tensor on any device. A tensor
+on an accelerator is sampled there by sampler_torch (only [n]-sized arrays
+cross to or from the host); one in host memory is read by the numpy path
+through a view, no copy (numpy's kernels are the faster on a CPU). torch is
+never imported here: only used when the logits are torch. Per row, in vLLM's
+order:
 
 1. min_tokens masks eos and the row's stop ids until that many tokens were
    sampled; ignore_eos masks eos always (as llama.cpp; vLLM samples it and
@@ -49,6 +52,7 @@ CANDIDATES = 1024  # top_p's first candidates: a nucleus is mostly far smaller t
 WIDEN = 4  # a nucleus past the candidates: 4 times as many, and so on up to the whole row
 BLOCK = 256  # ids per block of the inverse CDF's first level
 LOGPROBS_MODES = ("raw", "scaled")
+TORCH_CPU_AS_NUMPY = True  # torch logits in host memory take the numpy path (device_logits)
 QUIET = {"divide": "ignore", "invalid": "ignore", "over": "ignore"}  # a model's inf and nan are data
 
 
@@ -133,10 +137,11 @@ class Rows:
     # -- a step -------------------------------------------------------------------------
     def sample(self, logits) -> Sampled:
         """Each row's next token (and logprobs where asked); counts the step."""
-        if is_torch(logits):
+        device = device_logits(logits, self.n)
+        if device is not None:
             from engine.batching import sampler_torch
-            vocab = sampler_torch.shape_of(logits, self.n)[1]
-            out = Sampled(*sampler_torch.sample(logits, self.plan(vocab), CANDIDATES, widths))
+            plan = self.plan(device.shape[1])
+            out = Sampled(*sampler_torch.sample(device, plan, CANDIDATES, widths))
         else:
             logits = numpy_logits(logits, self.n)
             with np.errstate(**QUIET):
@@ -190,8 +195,25 @@ def is_torch(x) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
+def device_logits(logits, n: int):
+    """Torch logits [n, V] that the torch path samples where they are; None
+    for the numpy path: numpy logits, and torch logits in host memory, which
+    numpy reads through a view (no copy), and samples faster than torch's CPU
+    kernels do (bench/sampler_cost.py)."""
+    if not is_torch(logits):
+        return None
+    from engine.batching import sampler_torch
+    sampler_torch.shape_of(logits, n)
+    return logits if logits.device.type != "cpu" or not TORCH_CPU_AS_NUMPY else None
+
+
 def numpy_logits(logits, n: int) -> np.ndarray:
-    """logits as float32 [n, V]; BadResult saying what came otherwise."""
+    """logits as float32 [n, V] (a torch CPU tensor's through a view);
+    BadResult saying what came otherwise."""
+    if is_torch(logits):
+        logits = logits.detach()
+        numpy_has = str(logits.dtype) in ("torch.float16", "torch.float32", "torch.float64")
+        logits = (logits if numpy_has else logits.float()).numpy()  # bfloat16: numpy has none
     x = logits if isinstance(logits, np.ndarray) else None
     if x is None or x.dtype.kind != "f" or x.ndim != 2 or x.shape[0] != n or x.shape[1] < 1:
         got = (f"{x.dtype}{list(x.shape)}" if x is not None else type(logits).__name__)
@@ -363,16 +385,14 @@ def score(logits, ids, k: int, temperature: float = 1.0):
     if not (math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
     ids = np.asarray(ids, np.int64).reshape(-1)
-    on_torch = is_torch(logits)
-    if on_torch:
-        from engine.batching import sampler_torch
-        vocab = sampler_torch.shape_of(logits, len(ids))[1]
-    else:
+    device = device_logits(logits, len(ids))
+    if device is None:
         logits = numpy_logits(logits, len(ids))
-        vocab = logits.shape[1]
+    vocab = logits.shape[1]
     if len(ids) and ((ids < 0) | (ids >= vocab)).any():
         raise ValueError(f"ids must be in 0..{vocab - 1}, got {ids.min()}..{ids.max()}")
-    if on_torch:
-        return sampler_torch.score(logits, ids, k, temperature)
+    if device is not None:
+        from engine.batching import sampler_torch
+        return sampler_torch.score(device, ids, k, temperature)
     with np.errstate(**QUIET):
         return score_numpy(logits, ids, k, None if temperature == 1.0 else [temperature])
