@@ -13,6 +13,7 @@ alone.
 import dataclasses
 import math
 import numbers
+import struct
 from typing import Optional, Tuple
 
 import numpy as np
@@ -46,15 +47,18 @@ RECORD_DTYPE = np.dtype([
 ])
 HEAD_BYTES = 48  # the scalars; the stop ids follow
 RECORD_BYTES = RECORD_DTYPE.itemsize
-assert RECORD_BYTES == HEAD_BYTES + 4 * MAX_STOP_TOKEN_IDS
+_RECORD = struct.Struct(f"<QdddIIBBBBB3x{MAX_STOP_TOKEN_IDS}i")  # RECORD_DTYPE, field by field
+assert RECORD_BYTES == _RECORD.size == HEAD_BYTES + 4 * MAX_STOP_TOKEN_IDS
 
 
 def _is_int(v) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
+    return type(v) is int or (  # the common case without the ABCs' checks
+        isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_)))
 
 
 def _is_real(v) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
+    return type(v) in (float, int) or (
+        isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_)))
 
 
 def _shown(v) -> str:
@@ -154,19 +158,14 @@ class Sampling:
         return self._record
 
     def _pack(self) -> bytes:
-        r = np.zeros((), RECORD_DTYPE)
-        r["seed"] = self.seed or 0
-        r["temperature"], r["top_p"], r["min_p"] = self.temperature, self.top_p, self.min_p
-        r["top_k"], r["min_tokens"] = self.top_k, self.min_tokens
-        r["version"] = RECORD_VERSION
-        r["flags"] = ((_HAS_SEED if self.seed is not None else 0)
-                      | (_IGNORE_EOS if self.ignore_eos else 0)
-                      | (_HAS_PROMPT_LOGPROBS if self.prompt_logprobs is not None else 0))
-        r["logprobs"] = self.logprobs
-        r["prompt_logprobs"] = self.prompt_logprobs or 0
-        r["n_stop"] = len(self.stop_token_ids)
-        r["stop_token_ids"][:len(self.stop_token_ids)] = self.stop_token_ids
-        return r.tobytes()
+        stops = self.stop_token_ids
+        flags = ((_HAS_SEED if self.seed is not None else 0)
+                 | (_IGNORE_EOS if self.ignore_eos else 0)
+                 | (_HAS_PROMPT_LOGPROBS if self.prompt_logprobs is not None else 0))
+        return _RECORD.pack(self.seed or 0, self.temperature, self.top_p, self.min_p, self.top_k,
+                            self.min_tokens, RECORD_VERSION, flags, self.logprobs,
+                            self.prompt_logprobs or 0, len(stops),
+                            *stops, *(0,) * (MAX_STOP_TOKEN_IDS - len(stops)))
 
     @classmethod
     def decode(cls, record) -> "Sampling":
@@ -174,16 +173,16 @@ class Sampling:
         RECORD_DTYPE), checked as when made; InvalidInput saying what is wrong
         otherwise. Its values are data: nothing in it is trusted."""
         if isinstance(record, (bytes, bytearray, memoryview)):
-            if len(record) != RECORD_BYTES:
-                raise InvalidInput(f"sampling record: expected {RECORD_BYTES} bytes, got "
-                                   f"{len(record)}")
-            r = np.frombuffer(record, RECORD_DTYPE)[0]
+            raw = bytes(record)
+        elif getattr(record, "dtype", None) == RECORD_DTYPE and getattr(record, "size", 0) == 1:
+            raw = record.tobytes()
         else:
-            r = record
-            if getattr(r, "dtype", None) != RECORD_DTYPE:
-                raise InvalidInput(f"sampling record: expected an element of RECORD_DTYPE, got "
-                                   f"{type(record).__name__}")
-        version, flags, n_stop = int(r["version"]), int(r["flags"]), int(r["n_stop"])
+            raise InvalidInput(f"sampling record: expected bytes or an element of RECORD_DTYPE, got "
+                               f"{type(record).__name__}")
+        if len(raw) != RECORD_BYTES:
+            raise InvalidInput(f"sampling record: expected {RECORD_BYTES} bytes, got {len(raw)}")
+        (seed, temperature, top_p, min_p, top_k, min_tokens, version, flags, logprobs, prompt,
+         n_stop, *stops) = _RECORD.unpack(raw)
         if version != RECORD_VERSION:
             raise InvalidInput(f"sampling record: expected version {RECORD_VERSION}, got {version}")
         if flags & ~_FLAGS:
@@ -192,13 +191,10 @@ class Sampling:
             raise InvalidInput(f"sampling record: expected at most {MAX_STOP_TOKEN_IDS} stop ids, "
                                f"got {n_stop}")
         try:
-            return cls(
-                temperature=float(r["temperature"]), top_p=float(r["top_p"]),
-                top_k=int(r["top_k"]), min_p=float(r["min_p"]),
-                seed=int(r["seed"]) if flags & _HAS_SEED else None,
-                min_tokens=int(r["min_tokens"]), ignore_eos=bool(flags & _IGNORE_EOS),
-                stop_token_ids=tuple(int(s) for s in r["stop_token_ids"][:n_stop]),
-                logprobs=int(r["logprobs"]),
-                prompt_logprobs=int(r["prompt_logprobs"]) if flags & _HAS_PROMPT_LOGPROBS else None)
+            return cls(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                       seed=seed if flags & _HAS_SEED else None, min_tokens=min_tokens,
+                       ignore_eos=bool(flags & _IGNORE_EOS), stop_token_ids=tuple(stops[:n_stop]),
+                       logprobs=logprobs,
+                       prompt_logprobs=prompt if flags & _HAS_PROMPT_LOGPROBS else None)
         except InvalidInput as e:
             raise InvalidInput(f"sampling record: {e}") from None
