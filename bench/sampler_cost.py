@@ -72,7 +72,7 @@ def main() -> int:
             th, tw = torch.from_numpy(hidden), torch.from_numpy(head)
             cells.append(median_ms(lambda: th @ tw, args.repeat))
         print(f"| {n} | the step: [n, 768] @ [768, 50257] | " + " | ".join(
-            f"{c:.2f}" for c in cells) + " |")
+            f"{c:.2f}" for c in cells) + (" | |" if torch is not None else " |"))
         for name, params in CONFIGS.items():
             rows = Rows(n, seed=1)
             rows.add([params] * n)
