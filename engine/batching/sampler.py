@@ -346,7 +346,9 @@ def with_logprobs(logits: np.ndarray, tokens: np.ndarray, plan: Plan) -> Sampled
     a = plan.asked
     if not len(a):
         return Sampled(tokens, logprobs, None, None)
-    chosen, ids, top = score_numpy(logits[a], tokens[a], int(plan.logprobs.max()), plan.scale)
+    rows = slice(None) if len(a) == n else a
+    scale = None if (plan.scale == 1).all() else plan.scale
+    chosen, ids, top = score_numpy(logits[rows], tokens[rows], int(plan.logprobs.max()), scale)
     logprobs[a] = chosen
     k = ids.shape[1]
     top_ids, top_logprobs = np.full((n, k), -1, np.int64), np.full((n, k), np.nan, np.float32)
@@ -364,7 +366,9 @@ def score_numpy(logits: np.ndarray, ids: np.ndarray, k: int, scale=None):
     m, vocab = x.shape
     top = x.max(axis=1)
     top[~np.isfinite(top)] = 0
-    lse = (np.log(np.exp(x - top[:, None]).sum(axis=1, dtype=np.float64)) + top).astype(np.float32)
+    shifted = x - top[:, None]
+    total = np.exp(shifted, out=shifted).sum(axis=1)  # float32, pairwise: ample for a log
+    lse = (np.log(total) + top).astype(np.float32)
     chosen = x[np.arange(m), ids] - lse
     wide = min(k, vocab)
     out_ids, out = np.full((m, k), -1, np.int64), np.full((m, k), np.nan, np.float32)
