@@ -6,9 +6,9 @@ Group's mask as they leave), and calls `Rows.sample(logits)` once a step:
 logits [n, V], numpy float16/32/64 or a torch tensor on any device. A tensor
 on an accelerator is sampled there by sampler_torch (only [n]-sized arrays
 cross to or from the host); one in host memory is read by the numpy path
-through a view, no copy (numpy's kernels are the faster on a CPU). torch is
-never imported here: only used when the logits are torch. Per row, in vLLM's
-order:
+through a view, no copy (numpy's kernels are the faster on a CPU). This
+module never imports torch; sampler_torch does, and is imported only for
+torch logits. Per row, in vLLM's order:
 
 1. min_tokens masks eos and the row's stop ids until that many tokens were
    sampled; ignore_eos masks eos always (as llama.cpp; vLLM samples it and
@@ -36,8 +36,8 @@ token's and the top `logprobs` ids'. logprobs_mode "raw" (vLLM V1's default,
 truncation; "scaled" reports log_softmax(logits / T), after temperature but
 before masks and truncation. Greedy rows report raw logprobs in either mode.
 Tokens are always ids in [0, V), whatever the logits hold (values from a
-model are data); a row whose every id is masked (or whose logits are NaN)
-gets id 0.
+model are data); a row whose every id is masked, or whose logits are NaN,
+gets one of them, which one unspecified.
 """
 import math
 import sys
