@@ -21,7 +21,8 @@ those below it, never up; on one floor, only within its own sub-package
 and on floor 1 beside engine.shm, the modules directly in engine/: `errors`,
 `tensors`, `config`, `segment` (a segment made from a config), `spec` (what a
 backend is), `backends` (the built-in models), `launch` (child processes),
-`logfmt` (the log's format). This module, the package's face, is above them
+`logfmt` (the log's format), `sampling` (a request's sampling parameters and
+their record). This module, the package's face, is above them
 all; `__main__` runs the command.
 """
 from engine.client.client import Client as Client
@@ -35,7 +36,9 @@ from engine.errors import Overloaded as Overloaded
 from engine.errors import QueueFull as QueueFull
 from engine.errors import RequestTimeout as RequestTimeout
 from engine.errors import SegmentTooLarge as SegmentTooLarge
+from engine.sampling import Sampling as Sampling
 from engine.serving.supervisor import Engine as Engine
 
 __all__ = ["Engine", "Client", "EngineError", "InvalidInput", "QueueFull", "Overloaded", "RequestTimeout",
-           "BackendError", "EngineUnavailable", "EngineCorrupt", "EngineAlreadyRunning", "SegmentTooLarge"]
+           "BackendError", "EngineUnavailable", "EngineCorrupt", "EngineAlreadyRunning", "SegmentTooLarge",
+           "Sampling"]
