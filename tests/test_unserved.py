@@ -26,15 +26,17 @@ def gated():
     """An engine whose first batcher starts and whose successors wait for the
     gate (at most 60 s): its only batcher killed, the restart hangs."""
     gate = Gate()
-    gate.open()
-    eng = engine.Engine(unique_name("unserved"), backend="helpers:starts_on_gate",
-                        backend_args={"gate": gate.name}, input_shape=(4,), output_shape=(4,),
-                        start_timeout_s=60.0).start()
-    try:
-        yield eng, gate
-    finally:
+    try:  # the gate goes even if the engine does not start
         gate.open()
-        eng.stop()
+        eng = engine.Engine(unique_name("unserved"), backend="helpers:starts_on_gate",
+                            backend_args={"gate": gate.name}, input_shape=(4,),
+                            output_shape=(4,), start_timeout_s=60.0).start()
+        try:
+            yield eng, gate
+        finally:
+            gate.open()
+            eng.stop()
+    finally:
         gate.close()
 
 
