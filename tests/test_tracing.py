@@ -10,12 +10,14 @@ import traceback
 
 import numpy as np
 import pytest
-from conftest import wait_for
+from conftest import Gate, unique_name, wait_for
 from iterative_helpers import scripted
 from step_models import FAIL_STEP, chunks, request
 
 import engine
 from engine.client import tracing
+from engine.segment import Segment
+from engine.shm import codes, ring
 
 pytest.importorskip("opentelemetry.sdk")
 
@@ -79,6 +81,28 @@ def only_request(spans):
 
 def by_name(spans, name):
     return next(s for s in spans if s["name"] == name)
+
+
+STAMPED = ("shmbatch.queue_wait_ms", "shmbatch.service_ms", "shmbatch.batch_size")
+
+
+def stamped(span) -> dict:
+    """The span's attributes from the engine's stamps (those present)."""
+    return {k: span["attributes"][k] for k in STAMPED if k in span["attributes"]}
+
+
+@pytest.fixture(scope="module")
+def held():
+    """(engine, gate): its batcher holds each batch with a negative request at
+    the gate until the test opens it, so what queues meanwhile batches together."""
+    gate = Gate()
+    eng = engine.Engine(unique_name("held"), backend="helpers:holds_on_negative",
+                        backend_args={"gate": gate.name, "fixed_ms": 0.0},
+                        input_shape=(4,), output_shape=(4,), max_batch_size=8).start()
+    yield eng, gate
+    eng.stop()
+    gate.close()
+
 
 
 # -- scenarios, run in the child -----------------------------------------------------------
@@ -158,6 +182,30 @@ def _async_stream_per_task(tracer, spans, name, tags):
     return {"chunks": asyncio.run(main()), "spans": spans(len(tags))}
 
 
+def _behind_a_hold(tracer, spans, name, gate, timeouts_s):
+    """A request held at the gate, one queued behind it per timeout; the gate
+    opened once every deadline passed; the outcome of each queued one, taken
+    once the engine has settled it."""
+    seg = Segment.attach(name)
+    try:
+        with engine.Client(name) as c:
+            held = c.submit(-X, timeout=30)
+            wait_for(lambda: seg.ring.queued(0) == 0, "the held request claimed", 30)
+            expired = seg.ring.word(codes.W_EXPIRED)
+            behind = [c.submit(X + k, timeout=t) for k, t in enumerate(timeouts_s)]
+            late = [f for f in behind if f.timeout < 30]
+            wait_for(lambda: all(ring.now_ns() > f.deadline for f in late), "deadlines", 30)
+            gate.open()
+            held.result(30)
+            # the claim after the hold fails the late ones unstarted; taken only then
+            wait_for(lambda: seg.ring.word(codes.W_EXPIRED) == expired + len(late), "expiry", 30)
+            errors = [f.exception(30) for f in behind]
+    finally:
+        seg.close()
+    return {"outcomes": ["ok" if e is None else type(e).__name__ for e in errors],
+            "spans": spans(len(timeouts_s) + 1)}
+
+
 INFER_BODY = {"inputs": [{"name": "INPUT", "datatype": "FP32", "shape": [1, 4],
                           "data": X.tolist()}]}
 
@@ -205,7 +253,7 @@ def test_a_submit_records_one_span_under_the_callers_span_with_its_times(make_en
     a = span["attributes"]
     assert a["shmbatch.engine"] == eng.name and a["shmbatch.outcome"] == "ok"
     assert a["shmbatch.queue_wait_ms"] >= 0 and a["shmbatch.service_ms"] >= 0
-    assert "shmbatch.batch_size" not in a  # a slot does not keep its batch's size
+    assert a["shmbatch.batch_size"] == 1
     assert facts["t0"] - SLEW_NS <= span["start_ns"] <= span["end_ns"] <= facts["t1"] + SLEW_NS
     # the engine's stamps: arrival + queue wait + service is within the span
     inside_ms = (span["end_ns"] - span["start_ns"]) / 1e6
@@ -351,3 +399,25 @@ def test_an_http_generate_continues_the_callers_traceparent(make_engine, fork_ct
     span = only_request(facts["spans"])
     _, trace_id, parent_id, _ = TRACEPARENT.split("-")
     assert span["trace_id"] == int(trace_id, 16) and span["parent"] == int(parent_id, 16)
+
+
+def test_a_span_carries_the_size_of_the_batch_that_answered_it(held, fork_ctx):
+    eng, gate = held
+    facts = traced(fork_ctx, _behind_a_hold, eng.name, gate, [30, 30, 30])
+    assert facts["outcomes"] == ["ok"] * 3
+    requests = [s for s in facts["spans"] if s["name"] == SPAN]
+    # the held one alone; the three queued behind it, in the next batch together
+    assert sorted(s["attributes"]["shmbatch.batch_size"] for s in requests) == [1, 3, 3, 3]
+    assert all(set(stamped(s)) == set(STAMPED) for s in requests)
+
+
+def test_stamps_out_of_order_give_no_times():
+    ok = tracing.stamp_attributes((10, 15, 25, 3), 30)
+    assert ok == {"shmbatch.batch_size": 3, "shmbatch.queue_wait_ms": 5e-6,
+                  "shmbatch.service_ms": 1e-5}
+    assert tracing.stamp_attributes((10, 5, 25, 0), 30) == {}  # claimed before it arrived
+    assert tracing.stamp_attributes((0, 15, 25, 0), 30) == {}  # never arrived
+    assert tracing.stamp_attributes((10, 15, 0, 2), 30) == {    # not ended: a stream left
+        "shmbatch.batch_size": 2, "shmbatch.queue_wait_ms": 5e-6}
+    assert tracing.stamp_attributes((10, 15, 35, 1), 30) == {   # ended after it was taken
+        "shmbatch.batch_size": 1, "shmbatch.queue_wait_ms": 5e-6}

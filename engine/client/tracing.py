@@ -8,16 +8,15 @@ answer may be taken in the completion thread), from the request's arrival to
 when its answer (or error) was taken, with the attributes
 
     shmbatch.engine         the engine's name
-    shmbatch.queue_wait_ms  arrival to the claim by a batcher  } the engine's stamps,
-    shmbatch.service_ms     claim to the end of its batch      } where they are read
+    shmbatch.batch_size     requests in the batch that answered it    } the engine's stamps,
+    shmbatch.queue_wait_ms  arrival to the claim by a batcher          } where they are read
+    shmbatch.service_ms     claim to the end of its batch              } and in order
     shmbatch.outcome        "ok", or the error's class name (the span's status ERROR)
 
 The engine's stamps come with the answer of an engine of one output (one C
 call copies it out and reads them). With several outputs, in a stream, or
 when a request failed, none is read: the span then starts when the client
-handed the request over and has no queue wait or service time.
-shmbatch.batch_size is not recorded: a request's slot does not keep how
-many requests its batch held.
+handed the request over and has no queue wait, service time or batch size.
 
 Without a provider a request pays one check: `TRACE_MODULE in sys.modules`,
 made where the request is (no call): opentelemetry.trace is never imported
@@ -71,8 +70,9 @@ def begin() -> Optional[Began]:
 def record(began: Began, engine: str, stamps: Optional[tuple] = None,
            error: Optional[BaseException] = None) -> None:
     """Records the span of a request whose answer (or error) was taken just
-    now; stamps: the engine's (arrival_ns, claim_ns, done_ns), or None. A
-    tracing failure is logged once, never the request's."""
+    now; stamps: the engine's (arrival_ns, claim_ns, done_ns, batch_size)
+    (ring.take_timed's, 0 where not stamped), or None. A tracing failure is
+    logged once, never the request's."""
     global _failed_once
     try:
         _record(began, engine, stamps, error)
@@ -92,15 +92,29 @@ def _record(began: Began, engine: str, stamps: Optional[tuple],
     attributes = {"shmbatch.engine": engine,
                   "shmbatch.outcome": "ok" if error is None else type(error).__name__}
     if stamps is not None:
-        arrival_ns, claim_ns, done_ns = stamps
-        start_ns = min(arrival_ns, taken_ns)
-        attributes["shmbatch.queue_wait_ms"] = (claim_ns - arrival_ns) / 1e6
-        attributes["shmbatch.service_ms"] = (done_ns - claim_ns) / 1e6
+        attributes.update(stamp_attributes(stamps, taken_ns))
+        if 0 < stamps[0] < start_ns:  # its arrival, before the client looked
+            start_ns = stamps[0]
     span = tracer.start_span(SPAN_NAME, context=parent, kind=kind, attributes=attributes,
                              start_time=start_ns + to_epoch_ns)
     if error is not None:
         span.set_status(status(error_code, f"{type(error).__name__}: {error}"))
     span.end(end_time=taken_ns + to_epoch_ns)
+
+
+def stamp_attributes(stamps: tuple, taken_ns: int) -> dict:
+    """The span attributes of the engine's stamps (record's) of a request
+    taken at taken_ns: each only where its stamps are in order (values from
+    the segment are data)."""
+    arrival_ns, claim_ns, done_ns, batch_size = stamps
+    attributes = {}
+    if batch_size > 0:  # 0: no batch; C dropped one beyond max_batch
+        attributes["shmbatch.batch_size"] = batch_size
+    if 0 < arrival_ns <= claim_ns <= taken_ns:
+        attributes["shmbatch.queue_wait_ms"] = (claim_ns - arrival_ns) / 1e6
+        if claim_ns <= done_ns <= taken_ns:
+            attributes["shmbatch.service_ms"] = (done_ns - claim_ns) / 1e6
+    return attributes
 
 
 def _names() -> tuple:
