@@ -11,8 +11,8 @@ import traceback
 import numpy as np
 import pytest
 from conftest import Gate, unique_name, wait_for
-from iterative_helpers import scripted
-from step_models import FAIL_STEP, chunks, request
+from iterative_helpers import bits, scripted, wait_held
+from step_models import FAIL_STEP, HOLD, chunks, request
 
 import engine
 from engine.client import tracing
@@ -104,14 +104,14 @@ def held():
     gate.close()
 
 
-
 # -- scenarios, run in the child -----------------------------------------------------------
 
-def _submit_under_a_span(tracer, spans, name, x):
+def _submit_under_a_span(tracer, spans, name, x, call="submit"):
     with engine.Client(name) as c, tracer.start_as_current_span("caller"):
         t0 = time.time_ns()
         try:
-            answer = c.submit(x, timeout=30).result(timeout=30).tolist()
+            answer = (c.submit(x, timeout=30).result(timeout=30) if call == "submit"
+                      else c.infer(x, timeout=30)).tolist()
         except engine.EngineError as e:
             answer = type(e).__name__
         t1 = time.time_ns()
@@ -156,7 +156,7 @@ def _client_infer(tracer, spans, name):
     return {"answer": answer, "spans": spans(1)}
 
 
-def _stream_under_a_span(tracer, spans, name, x, leave_after):
+def _stream_under_a_span(tracer, spans, name, x, leave_after, gate=None):
     got = []
     with engine.Client(name) as c, tracer.start_as_current_span("caller"):
         stream = c.stream(x, timeout=30)
@@ -168,6 +168,8 @@ def _stream_under_a_span(tracer, spans, name, x, leave_after):
         except engine.EngineError as e:
             got.append(type(e).__name__)
         stream.close()
+        if gate is not None:  # the step it was held at goes on, and finds it withdrawn
+            gate.open()
     return {"chunks": got, "spans": spans(1)}
 
 
@@ -204,6 +206,29 @@ def _behind_a_hold(tracer, spans, name, gate, timeouts_s):
         seg.close()
     return {"outcomes": ["ok" if e is None else type(e).__name__ for e in errors],
             "spans": spans(len(timeouts_s) + 1)}
+
+
+def _all_kinds_of_call(tracer, spans, name, x):
+    async def infer_async(c):
+        return await c.infer_async(x, timeout=30)
+
+    with engine.Client(name) as c:
+        answers = [c.infer(x, timeout=30), c.submit(x, timeout=30).result(30),
+                   asyncio.run(infer_async(c))]
+    return {"answers": [{k: v.tolist() for k, v in a.items()} for a in answers],
+            "spans": spans(3)}
+
+
+def _streams_joined_behind_a_hold(tracer, spans, name, log, gate):
+    with engine.Client(name) as c:
+        first = c.stream(request(1, 3, HOLD, bits(1)), timeout=30)
+        got = [[int(next(first))], []]
+        wait_held(log, 1, 1)  # its step before chunk 1 holds: the next joins after it
+        second = c.stream(request(2, 2), timeout=30)
+        gate.open()
+        got[0] += [int(k) for k in first]
+        got[1] += [int(k) for k in second]
+    return {"chunks": got, "spans": spans(2)}
 
 
 INFER_BODY = {"inputs": [{"name": "INPUT", "datatype": "FP32", "shape": [1, 4],
@@ -261,14 +286,19 @@ def test_a_submit_records_one_span_under_the_callers_span_with_its_times(make_en
     assert span["status"] == "UNSET"
 
 
-def test_a_failed_request_sets_the_span_status_to_error(make_engine, fork_ctx):
+@pytest.mark.parametrize("call", ["submit", "infer"])
+def test_a_failed_request_sets_the_span_status_to_error_with_the_engines_stamps(
+        make_engine, fork_ctx, call):
     eng = make_engine("fail", backend="helpers:failing", input_shape=(4,), output_shape=(4,))
-    facts = traced(fork_ctx, _submit_under_a_span, eng.name, -X - 1)
+    facts = traced(fork_ctx, _submit_under_a_span, eng.name, -X - 1, call)
     assert facts["answer"] == "BackendError"
     span = only_request(facts["spans"])
     assert span["status"] == "ERROR" and "negative input" in span["description"]
     assert span["attributes"]["shmbatch.outcome"] == "BackendError"
     assert span["parent"] == by_name(facts["spans"], "caller")["span_id"]
+    a = stamped(span)  # the batch (of one) that failed it: its stamps as an answer's
+    assert a["shmbatch.batch_size"] == 1 and a["shmbatch.queue_wait_ms"] >= 0
+    assert a["shmbatch.service_ms"] >= 0
 
 
 def test_a_future_settled_by_the_completion_thread_keeps_the_callers_parent(make_engine,
@@ -296,6 +326,7 @@ def test_infer_async_records_under_its_own_tasks_span(make_engine, fork_ctx, bac
     assert sorted(s["parent"] for s in requests) == sorted(tasks)  # one under each task's
     assert all(s["start_ns"] <= s["end_ns"] and s["attributes"]["shmbatch.outcome"] == "ok"
                for s in requests)
+    assert all(1 <= s["attributes"]["shmbatch.batch_size"] <= 6 for s in requests)
 
 
 def test_traced_infer_takes_the_answer_with_the_engines_stamps(make_engine, fork_ctx):
@@ -363,14 +394,22 @@ def test_a_stream_records_one_span_from_its_start_to_its_last_chunk(make_engine,
     assert span["parent"] == by_name(facts["spans"], "caller")["span_id"]
     assert span["attributes"]["shmbatch.outcome"] == "ok" and span["status"] == "UNSET"
     assert span["start_ns"] <= span["end_ns"]
+    a = stamped(span)  # a stream alone: its running batch at its first chunk is itself
+    assert a["shmbatch.batch_size"] == 1 and a["shmbatch.queue_wait_ms"] >= 0
+    assert a["shmbatch.service_ms"] >= 0
 
 
-def test_a_stream_left_early_records_a_cancelled_span(make_engine, fork_ctx, log):
-    eng = scripted(make_engine, "stream-left", log)
-    facts = traced(fork_ctx, _stream_under_a_span, eng.name, request(3, 20), 2)
+def test_a_stream_left_early_records_a_cancelled_span(make_engine, fork_ctx, log, gate):
+    eng = scripted(make_engine, "stream-left", log, gate)
+    # left after 2 chunks, while the step before its third is held: still running
+    facts = traced(fork_ctx, _stream_under_a_span, eng.name, request(3, 20, HOLD, bits(2)), 2,
+                   gate)
     assert facts["chunks"] == chunks(3, 20)[:2]
     span = only_request(facts["spans"])
     assert span["attributes"]["shmbatch.outcome"] == "CancelledError"
+    a = stamped(span)  # claimed and begun, never ended: no service time
+    assert a["shmbatch.batch_size"] == 1 and a["shmbatch.queue_wait_ms"] >= 0
+    assert "shmbatch.service_ms" not in a
 
 
 def test_a_failed_stream_records_an_error_span(make_engine, fork_ctx, log):
@@ -379,6 +418,7 @@ def test_a_failed_stream_records_an_error_span(make_engine, fork_ctx, log):
     assert facts["chunks"] == chunks(4, 9)[:3] + ["BackendError"]
     span = only_request(facts["spans"])
     assert span["status"] == "ERROR" and span["attributes"]["shmbatch.outcome"] == "BackendError"
+    assert set(stamped(span)) == set(STAMPED) and stamped(span)["shmbatch.batch_size"] == 1
 
 
 def test_async_streams_record_under_their_own_tasks_spans(make_engine, fork_ctx, log):
@@ -389,6 +429,8 @@ def test_async_streams_record_under_their_own_tasks_spans(make_engine, fork_ctx,
     requests = [s for s in spans if s["name"] == SPAN]
     tasks = {by_name(spans, f"task{tag}")["span_id"] for tag in (2, 3, 4)}
     assert sorted(s["parent"] for s in requests) == sorted(tasks)
+    for s in requests:  # each joined a running batch of one to three
+        assert set(stamped(s)) == set(STAMPED) and 1 <= stamped(s)["shmbatch.batch_size"] <= 3
 
 
 def test_an_http_generate_continues_the_callers_traceparent(make_engine, fork_ctx, log):
@@ -409,6 +451,54 @@ def test_a_span_carries_the_size_of_the_batch_that_answered_it(held, fork_ctx):
     # the held one alone; the three queued behind it, in the next batch together
     assert sorted(s["attributes"]["shmbatch.batch_size"] for s in requests) == [1, 3, 3, 3]
     assert all(set(stamped(s)) == set(STAMPED) for s in requests)
+
+
+def test_a_request_expired_in_the_engine_has_its_queue_wait_and_no_batch(held, fork_ctx):
+    eng, gate = held
+    facts = traced(fork_ctx, _behind_a_hold, eng.name, gate, [0.05])
+    assert facts["outcomes"] == ["RequestTimeout"]
+    late = next(s for s in facts["spans"] if s["name"] == SPAN
+                and s["attributes"]["shmbatch.outcome"] == "RequestTimeout")
+    a = stamped(late)  # waited in the queue past its deadline; failed unstarted by the claim
+    assert a["shmbatch.queue_wait_ms"] > 0 and a["shmbatch.service_ms"] == 0
+    assert "shmbatch.batch_size" not in a
+
+
+def test_a_request_whose_batcher_died_has_its_queue_wait_and_service_and_no_batch(
+        make_engine, fork_ctx):
+    eng = make_engine("died", backend="helpers:exits_on_negative", isolate_failures=False,
+                      input_shape=(4,), output_shape=(4,))
+    facts = traced(fork_ctx, _submit_under_a_span, eng.name, -X - 1)
+    assert facts["answer"] == "BackendError"
+    span = only_request(facts["spans"])
+    assert "BatcherDied" in span["description"]
+    a = stamped(span)  # claimed by the batcher that died, failed by the supervisor's reap
+    assert a["shmbatch.queue_wait_ms"] >= 0 and a["shmbatch.service_ms"] >= 0
+    assert "shmbatch.batch_size" not in a
+
+
+def test_every_call_of_a_several_output_engine_records_the_engines_stamps(make_engine,
+                                                                          fork_ctx):
+    eng = make_engine("named", backend="serve_backends:mixed",
+                      inputs={"x": ("float32", (4,)), "n": ("int64", (2,))},
+                      outputs={"s": ("float32", ()), "t": ("int64", (2,)),
+                               "flag": ("bool", ())})
+    x = {"x": X, "n": np.array([1, 2], np.int64)}
+    facts = traced(fork_ctx, _all_kinds_of_call, eng.name, x)
+    assert facts["answers"] == [{"s": 6.0, "t": [3, 6], "flag": True}] * 3
+    requests = [s for s in facts["spans"] if s["name"] == SPAN]
+    assert [stamped(s)["shmbatch.batch_size"] for s in requests] == [1, 1, 1]
+    assert all(set(stamped(s)) == set(STAMPED) for s in requests)
+
+
+def test_a_streams_batch_size_is_its_running_batch_at_its_first_chunk(make_engine, fork_ctx,
+                                                                      log, gate):
+    eng = scripted(make_engine, "joined", log, gate)
+    facts = traced(fork_ctx, _streams_joined_behind_a_hold, eng.name, log, gate)
+    assert facts["chunks"] == [chunks(1, 3), chunks(2, 2)]
+    requests = [s for s in facts["spans"] if s["name"] == SPAN]
+    # the first ran alone at its first chunk; the second joined it, held at its second
+    assert sorted(s["attributes"]["shmbatch.batch_size"] for s in requests) == [1, 2]
 
 
 def test_stamps_out_of_order_give_no_times():

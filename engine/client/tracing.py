@@ -4,25 +4,49 @@ With opentelemetry-api installed and a tracer provider set
 (opentelemetry.trace.set_tracer_provider), each request records one span
 `shmbatch.request` under the context that was current where the request was
 made (the caller's thread, or its asyncio task: captured then, since its
-answer may be taken in the completion thread), from the request's arrival to
-when its answer (or error) was taken, with the attributes
+answer may be taken in the completion thread), until its answer (or error)
+was taken, with the attributes
 
     shmbatch.engine         the engine's name
-    shmbatch.batch_size     requests in the batch that answered it    } the engine's stamps,
-    shmbatch.queue_wait_ms  arrival to the claim by a batcher          } where they are read
-    shmbatch.service_ms     claim to the end of its batch              } and in order
+    shmbatch.batch_size     requests in the batch that answered it; a stream's: its
+                            running batch at its first chunk
+    shmbatch.queue_wait_ms  arrival to the claim by a batcher
+    shmbatch.service_ms     claim to the end of its batch (a stream's: its end)
     shmbatch.outcome        "ok", or the error's class name (the span's status ERROR)
 
-The engine's stamps come with the answer of an engine of one output (one C
-call copies it out and reads them). With several outputs, in a stream, or
-when a request failed, none is read: the span then starts when the client
-handed the request over and has no queue wait, service time or batch size.
+The engine stamps a request in its slot: its arrival (publish), its claim,
+its end and its batch size (written by the batcher as it answers or fails
+it, a stream's at its first chunk). The client reads them as it takes the
+answer or the error, before it frees the slot: with one output in the same
+C call, otherwise (several outputs, a stream, a failure) in one more, made
+only when traced. So every outcome the engine settled carries them: an
+answer, a backend's error, a request expired in the engine (failed
+unstarted: no batch, a service of 0), one whose batcher died (no batch but
+a begun stream's). Where the engine stamped less, the span says less, by
+omitting:
+
+  - refused before it reached a batcher (QueueFull, Overloaded, invalid
+    input, an engine gone): no stamps at all (a blocking infer's span; the
+    other calls raise before their request exists);
+  - given up by its client before the engine settled it (its timeout, a
+    cancelled task or Future, a stream left early, the engine gone while it
+    waited): none, except a stream that had a chunk (its queue wait and batch
+    size: its claim is known, its end is not);
+  - a blocking infer of Client(retries=N): one span over every attempt,
+    without stamps.
+
+A stamp is data from the segment: the times are used only when ordered
+(arrival <= claim <= end <= now), the batch size only within the engine's
+max_batch_size (checked in C); anything else is omitted. The span starts at
+the earlier of the request's arrival and when the client handed it over.
+Client.infer_many records no spans.
 
 Without a provider a request pays one check: `TRACE_MODULE in sys.modules`,
 made where the request is (no call): opentelemetry.trace is never imported
 here, and a process that set a provider has imported it. Only once it is
 imported does a request call begin() (or context()), which reads its
-provider global.
+provider global. An untraced request reads no stamps beyond those its one
+C call returns anyway.
 """
 import logging
 import sys
