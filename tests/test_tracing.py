@@ -5,6 +5,7 @@ a forked child that sets one (an in-memory exporter), makes its requests on
 the test's engine, and sends back its facts and the spans it finished."""
 import asyncio
 import json
+import logging
 import time
 import traceback
 
@@ -229,6 +230,21 @@ def _streams_joined_behind_a_hold(tracer, spans, name, log, gate):
         got[0] += [int(k) for k in first]
         got[1] += [int(k) for k in second]
     return {"chunks": got, "spans": spans(2)}
+
+
+def _logged(scenario):
+    """scenario, with the messages logged meanwhile (any logger) in its facts."""
+    def logged(tracer, spans, name, *args):
+        messages = []
+        handler = logging.Handler(logging.WARNING)
+        handler.emit = lambda record: messages.append(record.getMessage())
+        logging.getLogger().addHandler(handler)
+        try:
+            facts = scenario(tracer, spans, name, *args)
+        finally:
+            logging.getLogger().removeHandler(handler)
+        return {**facts, "logged": messages}
+    return logged
 
 
 INFER_BODY = {"inputs": [{"name": "INPUT", "datatype": "FP32", "shape": [1, 4],
@@ -499,6 +515,30 @@ def test_a_streams_batch_size_is_its_running_batch_at_its_first_chunk(make_engin
     requests = [s for s in facts["spans"] if s["name"] == SPAN]
     # the first ran alone at its first chunk; the second joined it, held at its second
     assert sorted(s["attributes"]["shmbatch.batch_size"] for s in requests) == [1, 2]
+
+
+def test_an_oversized_baggage_header_is_dropped_unlogged(held, fork_ctx):
+    eng, _ = held
+    payload = b"k=" + b"v" * 20_000
+    facts = traced(fork_ctx, _logged(_http_post), eng.name, "infer", INFER_BODY,
+                   [(b"traceparent", TRACEPARENT.encode()), (b"baggage", payload)])
+    assert facts["status"] == 200
+    _, trace_id, parent_id, _ = TRACEPARENT.split("-")
+    span = only_request(facts["spans"])  # the traceparent still continued
+    assert span["trace_id"] == int(trace_id, 16) and span["parent"] == int(parent_id, 16)
+    assert all("v" * 100 not in m and len(m) < 1000 for m in facts["logged"]), facts["logged"]
+
+
+def test_trace_headers_are_bounded_and_baggage_members_checked_before_extraction():
+    fields = {"traceparent", "tracestate", "baggage"}
+    carrier = tracing.trace_carrier(
+        [(b"traceparent", TRACEPARENT.encode()), (b"cookie", b"c" * 100_000),
+         (b"tracestate", b"a=b"), (b"tracestate", b"x" * 9000),  # joined: over the bound
+         (b"baggage", b"a=1, not a member,b = 2;p;q=3,c=\xff")], fields)
+    assert carrier == {"traceparent": TRACEPARENT, "baggage": "a=1,b = 2;p;q=3"}
+    members = [f"k{j}=v{j}" for j in range(100)]
+    carrier = tracing.trace_carrier([(b"baggage", ",".join(members).encode())], fields)
+    assert carrier["baggage"].split(",") == members[:tracing.MAX_BAGGAGE_MEMBERS]
 
 
 def test_stamps_out_of_order_give_no_times():

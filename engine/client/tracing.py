@@ -41,6 +41,10 @@ max_batch_size (checked in C); anything else is omitted. The span starts at
 the earlier of the request's arrival and when the client handed it over.
 Client.infer_many records no spans.
 
+The HTTP front continues a caller's trace (continued()) from the headers
+the propagator reads, each bounded before it is decoded (trace_carrier): a
+refused value is dropped unlogged, where the propagator would log it whole.
+
 Without a provider a request pays one check: `TRACE_MODULE in sys.modules`,
 made where the request is (no call): opentelemetry.trace is never imported
 here, and a process that set a provider has imported it. Only once it is
@@ -49,9 +53,10 @@ provider global. An untraced request reads no stamps beyond those its one
 C call returns anyway.
 """
 import logging
+import re
 import sys
 import time
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from engine.shm import ring
 
@@ -152,17 +157,76 @@ def _names() -> tuple:
     return _api
 
 
+# -- an HTTP caller's trace ------------------------------------------------------------
+
+# What continued() hands the propagator of a caller's headers is bounded before
+# it is decoded: the propagator logs a value it refuses whole (a baggage header
+# over its 8192 bytes, each malformed member). W3C's bounds: tracestate and
+# baggage up to 8192 bytes, baggage up to 64 members.
+MAX_TRACE_HEADER_BYTES = 8192
+MAX_BAGGAGE_MEMBERS = 64
+# a W3C baggage member: key = value, then properties "; key [= value]"; every
+# quantifier possessive, so a match never backtracks (linear in its length)
+_OWS, _TOKEN = r"[ \t]*+", r"[!#$%&'*+\-.^_`|~0-9A-Za-z]++"
+_VALUE = r"[\x21\x23-\x2b\x2d-\x3a\x3c-\x5b\x5d-\x7e]*+"  # baggage-octets
+_BAGGAGE_MEMBER = re.compile(rf"{_OWS}{_TOKEN}{_OWS}={_OWS}{_VALUE}"
+                             rf"(?:{_OWS};{_OWS}{_TOKEN}(?:{_OWS}={_OWS}{_VALUE})?+)*+{_OWS}")
+_dropped_once = False
+
 
 def continued(headers) -> Any:
     """With a provider set: the context of a caller's W3C traceparent (and
     tracestate, baggage) among ASGI headers, made current; returns the token
-    to detach() it with. None without a provider."""
+    to detach() it with. None without a provider. Only the headers the
+    propagator reads are decoded, each bounded (trace_carrier)."""
     if context() is None:
         return None
     from opentelemetry import context as otel_context
     from opentelemetry import propagate
-    carrier = {name.decode("latin-1"): value.decode("latin-1") for name, value in headers}
+    carrier = trace_carrier(headers, propagate.get_global_textmap().fields)
     return otel_context.attach(propagate.extract(carrier))
+
+
+def trace_carrier(headers, fields) -> Dict[str, str]:
+    """The ASGI headers named in fields (a header repeated: its values joined
+    with ",", as RFC 9110 combines them), decoded. One over
+    MAX_TRACE_HEADER_BYTES is dropped whole, never decoded; baggage keeps its
+    first MAX_BAGGAGE_MEMBERS members that are well formed. What was dropped
+    is logged once a process, never its content."""
+    values: Dict[str, list] = {}
+    sizes: Dict[str, int] = {}
+    for name, value in headers:
+        key = name.decode("latin-1")
+        if key in fields:
+            sizes[key] = size = sizes.get(key, -1) + 1 + len(value)  # joined by ","
+            if size <= MAX_TRACE_HEADER_BYTES:  # past it: dropped, kept no longer
+                values.setdefault(key, []).append(value)
+    carrier: Dict[str, str] = {}
+    for key, size in sizes.items():
+        if size > MAX_TRACE_HEADER_BYTES:
+            _dropped(f"a {key} header of {size} bytes (at most {MAX_TRACE_HEADER_BYTES})")
+            continue
+        text = b",".join(values[key]).decode("latin-1")
+        carrier[key] = _baggage(text) if key == "baggage" else text
+    return carrier
+
+
+def _baggage(text: str) -> str:
+    """text's first MAX_BAGGAGE_MEMBERS members, less those that are not W3C
+    baggage members (the propagator would log each whole)."""
+    members = text.split(",", MAX_BAGGAGE_MEMBERS)
+    kept = [m for m in members[:MAX_BAGGAGE_MEMBERS] if _BAGGAGE_MEMBER.fullmatch(m)]
+    if len(kept) < len(members):
+        _dropped(f"baggage members past the first {MAX_BAGGAGE_MEMBERS} or malformed")
+    return ",".join(kept)
+
+
+def _dropped(what: str) -> None:
+    global _dropped_once
+    if not _dropped_once:
+        _dropped_once = True
+        log.warning("a caller's trace headers: %s dropped before extraction (logged once; "
+                    "their content is never logged)", what)
 
 
 def detach(token: Any) -> None:
