@@ -116,7 +116,9 @@ static int fail_unstarted(sb_ring *r, uint32_t batcher, uint32_t slot, uint64_t 
 	uint32_t gen = SB_CTL_GEN(seen);
 	if (!claim_exact(r, batcher, slot, gen, level))
 		return 0;
-	return complete_one(r, slot, gen, batcher, status, why, why_len, now) == SB_OK;
+	/* ours while CLAIMED: its queue wait ends here, unserved (no batch) */
+	sb_store_relaxed(&meta_at(r, slot)->claim_ns, now);
+	return complete_one(r, slot, gen, batcher, status, why, why_len, now, 0) == SB_OK;
 }
 
 /* Entries {level, arrival_ns, slot, bucket | gen << 32}: x before y when more

@@ -238,6 +238,50 @@ int sb_wait_slot(sb_ring *r, uint32_t slot, uint32_t gen, int64_t timeout_ns,
 	}
 }
 
+/* A held slot's stamps into times[SB_T_*] (0: not stamped): all of them once
+ * settled (DONE, FAILED); of a stream with a chunk, all but its end. Its
+ * batch size is data: one beyond max_batch is counted and reported as 0. */
+static void read_times(sb_ring *r, uint32_t slot, int settled, uint64_t *times)
+{
+	const sb_slot_meta *m = meta_at(r, slot);
+	uint32_t batch = 0;
+	int begun = 0;
+	if (r->steps) {
+		/* acquire: the batcher's claim and batch stores before its count */
+		begun = (sb_load_acquire(&stream_at(r, slot)->chunks) & SB_CHUNKS_COUNT) != 0;
+		if (begun)
+			batch = sb_load_relaxed(&stream_at(r, slot)->batch_size);
+	} else if (settled) {
+		batch = sb_load_relaxed(&m->batch_size);
+	}
+	if (batch > r->max_batch) {
+		corrupt(r);
+		batch = 0;
+	}
+	/* relaxed: the caller's acquire of the settled (or begun) slot orders them */
+	times[SB_T_ARRIVAL] = sb_load_relaxed(&m->arrival_ns);
+	times[SB_T_CLAIM] = settled || begun ? sb_load_relaxed(&m->claim_ns) : 0;
+	times[SB_T_DONE] = settled ? sb_load_relaxed(&m->done_ns) : 0;
+	times[SB_T_BATCH] = batch;
+}
+
+int sb_slot_times(sb_ring *r, uint32_t slot, uint32_t gen, uint64_t *times)
+{
+	times[SB_T_ARRIVAL] = times[SB_T_CLAIM] = times[SB_T_DONE] = times[SB_T_BATCH] = 0;
+	if (slot >= r->capacity)
+		return SB_EBADARG;
+	/* acquire: pairs with the release CAS that settled it */
+	uint64_t cur = sb_load_acquire(ctl_at(r, slot));
+	uint32_t st = SB_CTL_STATE(cur);
+	/* published and still its owner's: withdrawn (ABANDONED), its batcher
+	 * may free it, and a new request stamp it, while we read */
+	if (SB_CTL_GEN(cur) != gen || (st != SB_READY && st != SB_CLAIMED && st != SB_DONE &&
+				       st != SB_FAILED))
+		return SB_ESTALE;
+	read_times(r, slot, st == SB_DONE || st == SB_FAILED, times);
+	return SB_OK;
+}
+
 int sb_take(sb_ring *r, uint32_t slot, uint32_t gen, int64_t timeout_ns,
 	    uint64_t spin_ns, void *dst, uint64_t nbytes, uint64_t *times)
 {
@@ -249,12 +293,8 @@ int sb_take(sb_ring *r, uint32_t slot, uint32_t gen, int64_t timeout_ns,
 	/* DONE is ours until we release it: wait_slot's acquire load made the
 	 * row complete, and release's CAS keeps this read before a reuse */
 	memcpy(dst, tensor_row(r, r->inputs, slot), nbytes);
-	if (times) {
-		const sb_slot_meta *m = meta_at(r, slot);
-		times[SB_T_ARRIVAL] = sb_load_relaxed(&m->arrival_ns);
-		times[SB_T_CLAIM] = sb_load_relaxed(&m->claim_ns);
-		times[SB_T_DONE] = sb_load_relaxed(&m->done_ns);
-	}
+	if (times)
+		read_times(r, slot, 1, times);
 	return sb_release(r, slot, gen);
 }
 

@@ -21,12 +21,13 @@ void put_error(sb_ring *r, uint32_t slot, uint32_t status, const char *msg,
 		msg_len = SB_ERRMSG_BYTES;
 	memcpy(errmsg_at(r, slot), msg, msg_len);
 	/* relaxed: the release CAS to FAILED publishes them */
-	sb_store_relaxed(&m->errmsg_len, msg_len);
-	sb_store_relaxed(&m->status, status);
+	sb_store_relaxed(&m->errmsg_len, (uint16_t)msg_len);
+	sb_store_relaxed(&m->status, (uint16_t)status);
 }
 
 int complete_one(sb_ring *r, uint32_t slot, uint32_t gen, uint32_t batcher,
-		 uint32_t status, const char *msg, uint32_t msg_len, uint64_t now)
+		 uint32_t status, const char *msg, uint32_t msg_len, uint64_t now,
+		 uint32_t batch)
 {
 	sb_header *h = hdr(r);
 	if (slot >= r->capacity)
@@ -44,7 +45,9 @@ int complete_one(sb_ring *r, uint32_t slot, uint32_t gen, uint32_t batcher,
 		if (st == SB_CLAIMED) {
 			want = SB_CTL(gen, SB_CTL_PID(cur), 0,
 				      status == SB_STATUS_OK ? SB_DONE : SB_FAILED);
-			sb_store_relaxed(&meta_at(r, slot)->done_ns, now); /* ours while CLAIMED */
+			/* ours while CLAIMED: relaxed, the release CAS publishes them */
+			sb_store_relaxed(&meta_at(r, slot)->done_ns, now);
+			sb_store_relaxed(&meta_at(r, slot)->batch_size, batch);
 			if (status != SB_STATUS_OK)
 				put_error(r, slot, status, msg, msg_len);
 			end_stream(r, slot);
@@ -75,9 +78,12 @@ uint32_t sb_complete(sb_ring *r, uint32_t batcher, const uint32_t *slots,
 {
 	uint32_t delivered = 0;
 	uint64_t now = sb_now_ns();
+	/* the n were answered together: one-shot, their batch (a stream's
+	 * batch is its running one, recorded at its first chunk instead) */
+	uint32_t batch = r->steps ? 0 : n;
 	for (uint32_t k = 0; k < n; k++)
 		delivered += complete_one(r, slots[k], gens[k], batcher, status,
-					  msg, msg_len, now) == SB_OK;
+					  msg, msg_len, now, batch) == SB_OK;
 	return delivered;
 }
 
@@ -99,10 +105,10 @@ uint32_t sb_inherit(sb_ring *r, uint32_t batcher, uint64_t expire_ns, uint32_t m
 		const sb_slot_meta *m = meta_at(r, i);
 		uint64_t deadline = sb_load_relaxed(&m->deadline_ns);
 		if (st == SB_ABANDONED) { /* withdrawn while kept: completing frees it */
-			complete_one(r, i, gen, batcher, SB_STATUS_OK, NULL, 0, now);
+			complete_one(r, i, gen, batcher, SB_STATUS_OK, NULL, 0, now, 0);
 		} else if (deadline && deadline < expire_ns) {
 			settled += complete_one(r, i, gen, batcher, SB_STATUS_EXPIRED,
-						why, sizeof(why) - 1, now) == SB_OK;
+						why, sizeof(why) - 1, now, 0) == SB_OK;
 		} else {
 			if (n < max) {
 				slots[n] = i;

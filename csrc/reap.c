@@ -67,7 +67,7 @@ uint32_t sb_reap_batcher(sb_ring *r, uint32_t batcher, uint32_t retry,
 		/* as b would have: failed, or freed if withdrawn meanwhile */
 		failed += complete_one(r, i, SB_CTL_GEN(cur), batcher, SB_STATUS_BATCHER_DIED,
 				       begun ? begun_msg : msg, begun ? begun_len : msg_len,
-				       now) == SB_OK;
+				       now, 0) == SB_OK;
 	}
 	if (failed)
 		bump_done_seq(r);

@@ -57,7 +57,7 @@
  *          | stream[C]   sb_slot_stream, 64 B per slot (steps > 0):    |
  *          |             chunks written (the client's futex word: bits |
  *          |             0-28 the count, 29-31 how it ended), sleepers,|
- *          |             its max_steps                                 |
+ *          |             its max_steps, its batch at its first chunk   |
  *          +------------------------------------------- 4096-aligned --+
  *          | tensor 0    tensor_slot_bytes[0] per slot: ONE C-order    |
  *          |             array [C, *max_shape] of its dtype            |
@@ -167,8 +167,7 @@
  *   failed (SB_STATUS_CORRUPT), a stray bitmap bit cleared, a count beyond a
  *   caller's buffer cut to it. Caller buffers carry their capacity.
  *
- * FILES, from the bottom up: each includes only files listed before it,
- * so the includes have no cycle:
+ * FILES, from the bottom up (each includes only files listed before it):
  *   ring.h      this contract: the layout, the constants, the exported API
  *   atomics.h   the atomic wrappers, one per memory order
  *   futex.h/.c  the clock, futex calls, bounded spin, sequence words: on
@@ -185,10 +184,9 @@
  */
 #ifndef SB_RING_H
 #define SB_RING_H
-
 #include <stdint.h>
 /* --- cdef: everything from here to "cdef end" is read by cffi --------- */
-#define SB_LAYOUT_VERSION 11 /* 9: streamed answers; 10: how a stream ended; 11: words2, predicted_us */
+#define SB_LAYOUT_VERSION 12 /* 10: how a stream ended; 11: words2, predicted_us; 12: batch_size */
 #define SB_HEADER_BYTES 20480
 #define SB_CONFIG_BYTES 2048
 #define SB_OFF_CONFIG 128
@@ -362,10 +360,12 @@ int sb_abandon(sb_ring *r, uint32_t slot, uint32_t gen);
 /* fused, one call each way for a contiguous input: acquire + copy src into
  * tensor 0's row + publish (ticket = [slot, gen]); and wait + copy tensor I's
  * row to dst + release (on SB_OK only; a FAILED slot is left to the caller);
- * times, if not NULL, receives the request's SB_T_* stamps (ns) */
-#define SB_T_ARRIVAL 0
+ * times, if not NULL, receives its SB_T_* stamps (0: none), as sb_slot_times
+ * does before a ticket's release (a stream not yet settled: from its 1st chunk) */
+#define SB_T_ARRIVAL 0 /* ns, as the next two */
 #define SB_T_CLAIM 1
 #define SB_T_DONE 2
+#define SB_T_BATCH 3   /* its batch's requests (a stream's: at its first chunk) */
 /* with admit and a deadline, SB_EOVERLOADED (nothing taken, the predicted
  * wait in ms in ticket[0], counted in SB_W_OVERLOADED) when the predicted
  * wait would end after the deadline: the caller's admission by deadline,
@@ -375,6 +375,7 @@ int sb_submit(sb_ring *r, uint32_t pid, uint64_t start_ticks, const void *src,
 	      uint32_t priority, uint32_t admit, uint32_t *ticket);
 int sb_take(sb_ring *r, uint32_t slot, uint32_t gen, int64_t timeout_ns,
 	    uint64_t spin_ns, void *dst, uint64_t nbytes, uint64_t *times);
+int sb_slot_times(sb_ring *r, uint32_t slot, uint32_t gen, uint64_t *times);
 /* bulk: n requests in one call each (same real length), for Client.infer_many */
 uint32_t sb_acquire_many(sb_ring *r, uint32_t pid, uint64_t start_ticks,
 			 uint32_t n, uint32_t *slots, uint32_t *gens);
@@ -530,9 +531,8 @@ int sb_retry_alone(sb_ring *r, uint32_t batcher, uint32_t slot, uint32_t gen);
 /* figures (stats.c) */
 /* the batch's figures; with fit (else NULL), also sb_fit_add, and on a new
  * solve the fit is published in SB_W_FIT_*: returns 1 then */
-int sb_finish_batch(sb_ring *r, const uint32_t *slots, uint32_t n,
-		    uint64_t claim_ns, uint64_t done_ns, uint32_t zero_copy,
-		    sb_fit *fit);
+int sb_finish_batch(sb_ring *r, const uint32_t *slots, uint32_t n, uint64_t claim_ns,
+		    uint64_t done_ns, uint32_t zero_copy, sb_fit *fit);
 void sb_histogram(const sb_ring *r, int which, uint64_t *buckets);
 /* the queue wait of one priority level: histogram, sum and max (ns) */
 void sb_level_wait(const sb_ring *r, uint32_t level, uint64_t *buckets,
@@ -556,12 +556,12 @@ int sb_wait_chunks(sb_ring *r, uint32_t slot, uint32_t gen, uint32_t seen,
  * deadline (CLOCK_MONOTONIC ns, 0: none) */
 void sb_stream_limits(sb_ring *r, const uint32_t *slots, uint32_t n, uint32_t *max_steps,
 		      uint64_t *deadlines);
-/* the batcher, after a step wrote chunk counts[k] - 1 of slots[k]: publishes
- * the counts (a wake only for a client asleep) and their time figures, each
- * with ends[k]: 0, or SB_CHUNKS_END | SB_CHUNKS_STOP or | SB_CHUNKS_LIMIT
- * for a request this step completed (other bits are dropped); states[k]
- * receives the slot's state (SB_CLAIMED; SB_ABANDONED: withdrawn; -1: no
- * longer this batcher's). Returns how many were published. */
+/* the batcher, after a step of its n running slots wrote chunk counts[k] - 1
+ * of slots[k]: publishes the counts (a wake only for a client asleep), their
+ * time figures and n as each first chunk's batch, each with ends[k]: 0, or
+ * SB_CHUNKS_END | SB_CHUNKS_STOP or | SB_CHUNKS_LIMIT for one this step ended
+ * (other bits are dropped); states[k] receives the slot's state (SB_CLAIMED;
+ * SB_ABANDONED: withdrawn; -1: not this batcher's). Returns how many it put. */
 uint32_t sb_stream_put(sb_ring *r, uint32_t batcher, const uint32_t *slots,
 		       const uint32_t *gens, uint32_t n, const uint32_t *counts,
 		       const uint32_t *ends, int32_t *states);

@@ -90,7 +90,7 @@ typedef struct {
 	uint32_t chunks;      /* chunks written (SB_CHUNKS_COUNT), | how it ended */
 	uint32_t waiters;     /* clients asleep on chunks */
 	uint32_t max_steps;   /* the request's own bound (0: the engine's), set while WRITING */
-	uint32_t _pad;
+	uint32_t batch_size;  /* the batcher's: its running batch at the first chunk */
 	uint64_t last_ns;     /* the batcher's: when it wrote the last chunk (0: none yet) */
 	uint64_t _pad2[5];
 } sb_slot_stream;
@@ -101,8 +101,11 @@ typedef struct {
 	uint64_t claim_ns;    /* when a batcher claimed it */
 	uint32_t owner_pid;
 	uint32_t length;      /* real length of the variable dim, else 0 */
-	uint32_t status;      /* SB_STATUS_* of a FAILED slot */
-	uint32_t errmsg_len;
+	uint16_t status;      /* SB_STATUS_* of a FAILED slot */
+	uint16_t errmsg_len;  /* <= SB_ERRMSG_BYTES */
+	uint32_t batch_size;  /* requests answered with it, set before DONE/FAILED; 0: none
+			       * (failed unstarted, its batcher died, or a stream: see
+			       * sb_slot_stream) */
 	uint64_t done_ns;     /* when its batch finished, set before DONE/FAILED */
 	uint64_t deadline_ns; /* CLOCK_MONOTONIC; 0: none */
 	uint16_t priority;    /* its level: 0 is the most urgent */
@@ -140,6 +143,9 @@ _Static_assert(offsetof(sb_header, active) == 16448, "layout drawing");
 _Static_assert(offsetof(sb_header, stream_hist) == 16896, "layout drawing");
 _Static_assert(sizeof(sb_slot_stream) == 64, "one cache line per slot");
 _Static_assert(sizeof(sb_slot_meta) == 64, "one cache line per slot");
+_Static_assert(offsetof(sb_slot_meta, batch_size) == 36, "the offsets tests poke");
+_Static_assert(SB_ERRMSG_BYTES <= UINT16_MAX && SB_STATUS_CORRUPT <= UINT16_MAX,
+	       "errmsg_len and status are u16");
 _Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
 	       "the futex word is the low half of ctl at its own address");
 
@@ -288,9 +294,11 @@ static inline uint64_t sat_mul(uint64_t a, uint64_t b)
 /* every transition to FREE ends here */
 void slot_freed(sb_ring *r, uint32_t slot);
 /* a CLAIMED or ABANDONED slot of `batcher` answered (DONE or FAILED with
- * status and msg) or, withdrawn, freed; its waiter woken */
+ * status and msg, done_ns now, by a batch of `batch` requests, 0: none) or,
+ * withdrawn, freed; its waiter woken */
 int complete_one(sb_ring *r, uint32_t slot, uint32_t gen, uint32_t batcher,
-		 uint32_t status, const char *msg, uint32_t msg_len, uint64_t now);
+		 uint32_t status, const char *msg, uint32_t msg_len, uint64_t now,
+		 uint32_t batch);
 /* a FAILED slot's status and message, written before the CAS that fails it */
 void put_error(sb_ring *r, uint32_t slot, uint32_t status, const char *msg,
 	       uint32_t msg_len);

@@ -102,9 +102,11 @@ uint32_t sb_stream_put(sb_ring *r, uint32_t batcher, const uint32_t *slots,
 		uint64_t last = sb_load_relaxed(&s->last_ns);
 		if (last)
 			record_stream_time(r, SB_H_CHUNK, now > last ? now - last : 0);
-		else {
+		else { /* its first chunk: n is its running batch, kept for its client
+			* (relaxed: the chunk word's store below publishes it) */
 			uint64_t arrival = sb_load_relaxed(&meta_at(r, slot)->arrival_ns);
 			record_stream_time(r, SB_H_TTFT, now > arrival ? now - arrival : 0);
+			sb_store_relaxed(&s->batch_size, n);
 		}
 		sb_store_relaxed(&s->last_ns, now);
 		/* seq_cst, as seq_bump: publishes the rows written before it, and

@@ -113,9 +113,10 @@ def test_an_answered_future_carries_the_engines_stamps_in_order(make_engine):
         assert f.stamps_ns is None  # not answered yet (a 5 ms batch)
         f.result(timeout=30)
         after = ring.now_ns()
-    arrival, claim, done = f.stamps_ns
+    arrival, claim, done, batch_size = f.stamps_ns
     assert before <= arrival <= claim <= done <= after
     assert done - claim >= 5_000_000  # the batch's own 5 ms
+    assert batch_size == 1
 
 
 def test_an_answer_for_an_event_loop_that_has_closed_leaves_the_completion_thread_serving(

@@ -28,7 +28,8 @@ CAPACITY, MAX_BATCH, TENSORS, INPUTS, LEVELS = (24, 4), (28, 4), (32, 4), (36, 4
 OFF_CTL, OFF_META, OFF_ERRMSG, OFF_READY = (64, 8), (72, 8), (80, 8), (104, 8)
 OFF_TENSOR0, TENSOR_BYTES0 = (6720, 8), (6848, 8)
 # sb_slot_meta fields: (offset in the slot's 64 B, bytes)
-M_LENGTH, M_STATUS, M_ERRMSG_LEN, M_DEADLINE, M_PRIORITY = (28, 4), (32, 4), (36, 4), (48, 8), (56, 4)
+M_LENGTH, M_STATUS, M_ERRMSG_LEN, M_BATCH_SIZE = (28, 4), (32, 2), (34, 2), (36, 4)
+M_DEADLINE, M_PRIORITY = (48, 8), (56, 4)
 
 
 @pytest.fixture
@@ -238,6 +239,21 @@ def test_an_error_length_past_its_buffer_is_cut_and_counted(seg):
     status, text = seg.ring.slot_error(slot)
     assert status == codes.STATUS_BACKEND and len(text.encode()) <= codes.ERRMSG_BYTES
     assert seg.ring.corrupt_seen() == 1
+
+
+def test_a_batch_size_past_max_batch_is_no_batch_size_and_counted(seg):
+    tickets = [submit(seg, k) for k in range(3)]
+    b, n = claim(seg)
+    assert seg.ring.complete(0, b, n, codes.STATUS_OK, b"") == 3
+    (slot, gen), out = tickets[0], np.empty(4, np.float32)
+    assert seg.ring.slot_times(slot, gen)[codes.T_BATCH] == 3  # the batch that answered it
+    poke(seg, M_BATCH_SIZE, seg.config.max_batch_size + 1, meta(seg, slot))
+    code, stamps = seg.ring.take_timed(slot, gen, out)
+    assert code == codes.OK and stamps[codes.T_BATCH] == 0 and seg.ring.corrupt_seen() == 1
+    arrival, claim_ns, done = stamps[codes.T_ARRIVAL], stamps[codes.T_CLAIM], stamps[codes.T_DONE]
+    assert 0 < arrival <= claim_ns <= done  # the times are not the batch size's to spoil
+    for slot, gen in tickets[1:]:
+        assert seg.ring.take_timed(slot, gen, out)[1][codes.T_BATCH] == 3
 
 
 def test_a_status_no_batcher_writes_is_engine_corrupt(seg):

@@ -330,9 +330,9 @@ class Client:
     def _traced_infer(self, parent: Any, x: Any, timeout: Optional[float], priority: int,
                       max_steps: Optional[int], out: Any) -> Any:
         """infer(x, ...) recorded under parent (tracing.context()'s), when a
-        tracer provider is set: the wait leaves the answer in its slot, and one
-        take then copies it out with the engine's stamps. With retries=N the
-        span covers every attempt, without stamps."""
+        tracer provider is set: the wait leaves the answer (or the engine's
+        error) in its slot, and settle then takes it with the engine's stamps.
+        With retries=N the span covers every attempt, without stamps."""
         began = (parent, ring.now_ns())
         stamps, error = None, None
         try:
@@ -340,12 +340,12 @@ class Client:
                 return self._retry.infer(self, x, timeout, priority, max_steps, out)
             deadline = ticket.deadline_ns(timeout)
             seg, slot, gen, outs = self._enqueue(x, deadline, priority, max_steps, out)
-            ticket.await_answer(self, seg, slot, gen, deadline, timeout, outs, take=False)
-            code, stamps, outputs = ticket.take(seg, slot, gen, outs)
-            if code != codes.OK:  # answered and ours: only a corrupt slot gets here
-                stamps = None
-                raise ticket.failed(seg, slot, gen, code)
-            return seg.config.answer(outputs)
+            ticket.await_answer(self, seg, slot, gen, deadline, timeout, outs, take=False,
+                                leave_failed=True)
+            _, answer, failure, stamps = ticket.settle(seg, slot, gen, outs, None, True)
+            if failure is not None:
+                raise failure
+            return answer
         except BaseException as e:
             error = e
             raise

@@ -36,15 +36,17 @@ class Request(SettledHere):
         self._watched = False
         self._ref = weakref.ref(self)
         client.held[slot] = self._ref  # for room.sweep(), when the ring is full
-        # once answered: the engine's (arrival_ns, claim_ns, done_ns) of the request
-        # (CLOCK_MONOTONIC): its queue wait is claim - arrival, its batch done - claim
-        self.stamps_ns: Optional[Tuple[int, int, int]] = None
+        # once answered with one output (or traced: with several, or failed in the
+        # engine): the engine's (arrival_ns, claim_ns, done_ns, batch_size) of the
+        # request (CLOCK_MONOTONIC, codes.T_*; 0: not stamped): its queue wait is
+        # claim - arrival, its batch done - claim
+        self.stamps_ns: Optional[Tuple[int, int, int, int]] = None
         if TRACE_MODULE in sys.modules:  # a tracer provider may be set (engine.client.tracing)
             self._began = tracing.begin()
 
     def _outcome(self, error):
         settled, value, failure, self.stamps_ns = ticket.settle(
-            self.seg, self.slot, self.gen, self.outs, error)
+            self.seg, self.slot, self.gen, self.outs, error, self._began is not None)
         if settled and self.client.held.get(self.slot) is self._ref:
             del self.client.held[self.slot]
         return settled, value, failure

@@ -81,7 +81,7 @@ class Stream:
         """Withdraws the request unless its answer has ended (idempotent)."""
         if not self._open:
             return
-        self._ended(concurrent.futures.CancelledError())
+        self._ended(concurrent.futures.CancelledError(), self._stamps())
         ticket.withdraw(self.seg, self.slot, self.gen)  # settled meanwhile: freed
 
     def __enter__(self) -> "Stream":
@@ -114,11 +114,12 @@ class Stream:
         if code == codes.ETIMEOUT:  # the count is final, the slot settles an instant later
             code = self._await_settled()
         self._open = False
+        stamps = self._stamps()  # settled: read before the slot is freed
         if code == codes.OK:
             self.seg.ring.release_slot(self.slot, self.gen)
-            self._ended(None)
+            self._ended(None, stamps)
             raise StopIteration
-        raise self._ended(ticket.failed(self.seg, self.slot, self.gen, code))
+        raise self._ended(ticket.failed(self.seg, self.slot, self.gen, code), stamps)
 
     def take_ready(self) -> Any:
         """Every chunk written and not yet handed out, stacked as a whole
@@ -151,19 +152,26 @@ class Stream:
     def give_up(self, error: EngineError) -> None:
         """Withdraws the request and raises error, unless it was answered that
         instant (then the rest of its chunks are read as usual)."""
+        stamps = self._stamps()  # while the slot is still ours
         if ticket.give_up(self.seg, self.slot, self.gen, error) is not None:
-            raise self._ended(error)
+            raise self._ended(error, stamps)
         self._settled = True
         code, word = self.seg.ring.wait_chunks(self.slot, self.gen, self._word, 0)
         self._read_word(code, word)
 
-    def _ended(self, error: Optional[BaseException]) -> Any:
+    def _ended(self, error: Optional[BaseException], stamps: Optional[tuple] = None) -> Any:
         """The stream is over (answered, failed, or withdrawn: error), no
-        longer open; its span recorded. Returns error."""
+        longer open; its span recorded, with the engine's stamps if read.
+        Returns error."""
         self._open = False
         if self._began is not None:
-            tracing.record(self._began, self.seg.name, None, error)
+            tracing.record(self._began, self.seg.name, stamps, error)
         return error
+
+    def _stamps(self) -> Optional[tuple]:
+        """The engine's stamps of the request, for its span (traced only):
+        read while the slot is ours, settled or not (ring.slot_times)."""
+        return None if self._began is None else self.seg.ring.slot_times(self.slot, self.gen)
 
     def _chunk(self, k: int) -> Any:
         return self.seg.config.answer(tuple(region[self.slot, k, ...].copy()

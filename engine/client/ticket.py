@@ -88,11 +88,12 @@ def wait(wait_slice: Callable[[int], int], lives: Callable[[], bool],
 
 def await_answer(client: Handle, seg, slot: int, gen: int, deadline: Optional[int],
                  timeout: Optional[float], outs: Optional[tuple] = None,
-                 take: bool = True) -> Any:
+                 take: bool = True, leave_failed: bool = False) -> Any:
     """Waits for the ticket's answer and, with take, copies it out (into
     outs' arrays or new ones), frees the slot and returns it in the caller's
-    form; without, leaves it in the slot and returns None. Errors free the
-    slot and raise."""
+    form; without, leaves it in the slot and returns None (with
+    leave_failed, a failed request's error too: settle() takes either).
+    Errors free the slot and raise."""
     r = seg.ring
     into = None  # an array: the fused take copies the answer there and frees the slot
     if take and seg.fused_out:
@@ -114,7 +115,7 @@ def await_answer(client: Handle, seg, slot: int, gen: int, deadline: Optional[in
             if give_up(seg, slot, gen, error) is not None:
                 raise error
             code = wait_slice(0)  # answered at the last instant: take it
-    if code != codes.OK:
+    if code != codes.OK and not (leave_failed and code == codes.EFAILED):
         raise failed(seg, slot, gen, code)
     if not take:
         return None
@@ -158,17 +159,21 @@ def wait_over(client: Handle, seg, slot: int, gen: int, deadline: Optional[int],
 
 # -- taking ---------------------------------------------------------------------------
 
-def take(seg, slot: int, gen: int, outs: Optional[tuple]):
+def take(seg, slot: int, gen: int, outs: Optional[tuple], stamped: bool = False):
     """(code, stamps, outputs) of one take that does not wait: answered, its
-    outputs (into outs' arrays, or new ones) and, with one output, the
-    request's (arrival_ns, claim_ns, done_ns); else the code (ETIMEOUT: not
-    yet; EFAILED: the slot is left to failed())."""
+    outputs (into outs' arrays, or new ones) and the request's stamps
+    (arrival_ns, claim_ns, done_ns, batch_size: ring.take_timed's) with one
+    output, or with several when stamped (one more C call); else the code
+    (ETIMEOUT: not yet; EFAILED: the slot is left to failed())."""
     if seg.fused_out:
         into = outs[0] if outs is not None else np.empty(seg.out_shape, seg.out_dtype)
         code, stamps = seg.ring.take_timed(slot, gen, into)
         return code, stamps, (into,)
     code = seg.ring.wait_slot(slot, gen, 0, 0)
-    return code, None, read(seg, slot, gen, outs) if code == codes.OK else None
+    if code != codes.OK:
+        return code, None, None
+    stamps = seg.ring.slot_times(slot, gen) if stamped else None  # before read() frees it
+    return code, stamps, read(seg, slot, gen, outs)
 
 
 def read(seg, slot: int, gen: int, outs: Optional[tuple]) -> tuple:
@@ -198,22 +203,25 @@ def chunk_count(seg, slot: int, gen: int) -> int:
 
 
 def settle(seg, slot: int, gen: int, outs: Optional[tuple],
-           error: Optional[EngineError] = None):
+           error: Optional[EngineError] = None, stamped: bool = False):
     """A ticket's outcome without waiting: (settled, answer, error, stamps).
     Answered: its answer, in the caller's form, with the request's stamps
-    (None with several outputs). Not answered: with error, the request
-    abandoned and error returned (unless it was answered that instant);
-    without, (False, None, None, None)."""
-    code, stamps, outputs = take(seg, slot, gen, outs)
+    (take's); failed in the engine: its error, with its stamps when stamped.
+    Not answered: with error, the request abandoned and error returned
+    (unless it was answered that instant); without, (False, None, None,
+    None)."""
+    code, stamps, outputs = take(seg, slot, gen, outs, stamped)
     if code == codes.ETIMEOUT:
         if error is None:
             return False, None, None, None
         if give_up(seg, slot, gen, error) is not None:
             return True, None, error, None
-        code, stamps, outputs = take(seg, slot, gen, outs)
+        code, stamps, outputs = take(seg, slot, gen, outs, stamped)
     if code == codes.OK:
         return True, seg.config.answer(outputs), None, stamps
-    return True, None, failed(seg, slot, gen, code), None
+    if stamped and code == codes.EFAILED:  # read before failed() frees the slot
+        stamps = seg.ring.slot_times(slot, gen)
+    return True, None, failed(seg, slot, gen, code), stamps
 
 
 # -- awaiting in asyncio, through the completion thread --------------------------------
@@ -225,15 +233,16 @@ class Awaited:
     kind = ANSWER
 
     def __init__(self, seg, slot: int, gen: int, deadline: Optional[int],
-                 timeout: Optional[float], future, inbox: loops.Inbox) -> None:
+                 timeout: Optional[float], future, inbox: loops.Inbox,
+                 began: Optional[tracing.Began]) -> None:
         self.seg, self.slot, self.gen = seg, slot, gen
         self.deadline, self.timeout = deadline, timeout
         self.future, self.inbox = future, inbox
-        # made in the caller's task: its context
-        self.began = tracing.begin() if TRACE_MODULE in sys.modules else None
+        self.began = began  # made in the caller's task: its context
 
     def try_settle(self, error: Optional[EngineError] = None) -> bool:
-        settled, value, failure, stamps = settle(self.seg, self.slot, self.gen, None, error)
+        settled, value, failure, stamps = settle(self.seg, self.slot, self.gen, None, error,
+                                                 self.began is not None)
         if settled:  # a closed loop wants nothing
             self.inbox.post(loops.resolve, (self.future, value, failure))
             if self.began is not None:
@@ -248,18 +257,18 @@ async def answer_of(completer: Completion, seg, slot: int, gen: int, deadline: O
     """The answer of an enqueued request, awaited: at once if its engine
     answered already (publishing woke its batcher), else through an Awaited
     the completion thread settles. Cancelled, the request is withdrawn."""
-    settled, value, error, stamps = settle(seg, slot, gen, None)
+    # its span's context: the caller's task's, here
+    began = tracing.begin() if TRACE_MODULE in sys.modules else None
+    settled, value, error, stamps = settle(seg, slot, gen, None, None, began is not None)
     if settled:
-        if TRACE_MODULE in sys.modules:  # its span, in the context that made it
-            began = tracing.begin()
-            if began is not None:
-                tracing.record(began, seg.name, stamps, error)
+        if began is not None:
+            tracing.record(began, seg.name, stamps, error)
         if error is not None:
             raise error
         return value
     loop = asyncio.get_running_loop()
     future: "asyncio.Future[Any]" = loop.create_future()
-    completer.add(Awaited(seg, slot, gen, deadline, timeout, future, loops.inbox(loop)))
+    completer.add(Awaited(seg, slot, gen, deadline, timeout, future, loops.inbox(loop), began))
     try:
         return await future
     except asyncio.CancelledError:

@@ -122,6 +122,7 @@ STATUS_CORRUPT = lib.SB_STATUS_CORRUPT
 T_ARRIVAL = lib.SB_T_ARRIVAL
 T_CLAIM = lib.SB_T_CLAIM
 T_DONE = lib.SB_T_DONE
+T_BATCH = lib.SB_T_BATCH
 
 # bulk: n requests in one call each (same real length), for Client.infer_many
 

@@ -195,11 +195,19 @@ class Ring:
                            out.nbytes, ffi.NULL)
 
     def take_timed(self, slot: int, gen: int, out: np.ndarray):
-        """take() with no wait; (code, (arrival_ns, claim_ns, done_ns)) of the
-        request, the stamps valid when code is OK."""
-        times = self._buffer("times", "uint64_t[3]")
+        """take() with no wait; (code, (arrival_ns, claim_ns, done_ns,
+        batch_size)) of the request (T_*), the stamps valid when code is OK."""
+        times = self._buffer("times", "uint64_t[4]")
         code = lib.sb_take(self.r, slot, gen, 0, 0, ffi.from_buffer(out), out.nbytes, times)
-        return code, tuple(ffi.unpack(times, 3))  # [T_ARRIVAL, T_CLAIM, T_DONE]
+        return code, tuple(ffi.unpack(times, 4))  # [T_ARRIVAL, T_CLAIM, T_DONE, T_BATCH]
+
+    def slot_times(self, slot: int, gen: int):
+        """A published ticket's stamps (as take_timed's, 0 where not
+        stamped) read before its release; None when it is not the ticket's."""
+        times = self._buffer("times", "uint64_t[4]")
+        if lib.sb_slot_times(self.r, slot, gen, times) != codes.OK:
+            return None
+        return tuple(ffi.unpack(times, 4))
 
     def acquire_many(self, pid, start_ticks, n, slots, gens) -> int:
         """Takes up to n free slots into the uint32 arrays; returns how many."""
