@@ -15,6 +15,7 @@ import numpy as np
 
 from engine import spec, tensors
 from engine.errors import InvalidInput
+from engine.sampling import MAX_LOGPROBS, MAX_TOKEN_ID, RECORD_BYTES
 from engine.shm import codes
 from engine.tensors import TensorSpec, describe
 
@@ -67,6 +68,12 @@ class EngineConfig:
                            "leave the running batch at every step, answers stream in chunks")
     max_steps: int = knob(256, "int", "iterative: the most chunks (steps) one request's answer "
                           "holds")
+    sampling: bool = knob(False, "bool", "iterative: the step model returns logits and the "
+                          "engine samples each request's next token (engine.Sampling)")
+    max_logprobs: int = knob(5, "int", "sampling: the most top logprobs a request may ask "
+                             "(0..20); each chunk holds this many ids and logprobs")
+    eos_token_ids: Tuple = knob((), "ints", "sampling: the ids that end a request (stop), "
+                                "unless its ignore_eos")
     warmup: bool = knob(False, "bool", "before ready (and a reload's switch), each batcher calls "
                         "its model on zeros at every batch size and length bucket")
     if TYPE_CHECKING:  # derived by __post_init__, per instance: no fields
@@ -81,7 +88,10 @@ class EngineConfig:
         put("output_shape", tensors.shape_of(self.output_shape, "output_shape"))
         for key in ("input_dtype", "output_dtype"):
             put(key, tensors.dtype_name(getattr(self, key), key))
-        if (self.inputs is None) != (self.outputs is None):
+        if self.sampling and self.outputs is None and self.inputs is not None:
+            put("outputs", sampled_outputs(self.max_logprobs))  # its own (_check_sampling)
+        if (self.inputs is None) != (self.outputs is None) and not (
+                self.sampling and self.inputs is None):  # a sampling engine's outputs are named
             raise ValueError("inputs and outputs (named tensors) are given together")
         if self.inputs is not None:
             if self.max_input_shape is not None or None in self.input_shape:
@@ -123,6 +133,7 @@ class EngineConfig:
         if not 1 <= int(self.max_steps) <= codes.MAX_STEPS:
             raise ValueError(f"max_steps must be in 1..{codes.MAX_STEPS}, got {self.max_steps}")
         put("max_steps", int(self.max_steps))
+        outs = self._check_sampling(put, outs)
         if self.iterative:  # an output's row holds every chunk of an answer
             outs = tuple(dataclasses.replace(t, max_shape=(self.max_steps, *t.shape)) for t in outs)
         var = [t for t in ins if t.var_axis is not None]
@@ -161,7 +172,8 @@ class EngineConfig:
         put("_input_dtype", np.dtype(self.input_dtype))
         put("_out_shape", None if self.named else tuple(outs[0].shape))
         put("_out_dtype", np.dtype(outs[0].dtype))
-        put("_output_names", tuple(s.name for s in outs) if self.named else None)  # None: bare
+        named_out = self.named or self.sampling
+        put("_output_names", tuple(s.name for s in outs) if named_out else None)  # None: bare
 
     def _check_batch_shapes(self, put, var) -> None:
         """allowed_batch_sizes, length_buckets and max_batch_tokens, validated."""
@@ -208,7 +220,42 @@ class EngineConfig:
                                  f"length), got {self.max_batch_tokens}")
             put("max_batch_tokens", int(self.max_batch_tokens))
 
+    def _check_sampling(self, put, outs):
+        """sampling, max_logprobs and eos_token_ids, validated; a sampling
+        engine's outputs, which are its own (sampled_outputs)."""
+        put("sampling", bool(self.sampling))
+        k = self.max_logprobs
+        if type(k) is not int or not 0 <= k <= MAX_LOGPROBS:
+            raise ValueError(f"max_logprobs must be an int in 0..{MAX_LOGPROBS}, got {k!r}")
+        eos = tuple(self.eos_token_ids or ())
+        if not all(type(i) is int and 0 <= i <= MAX_TOKEN_ID for i in eos):
+            raise ValueError(f"eos_token_ids must be token ids in 0..{MAX_TOKEN_ID}, got "
+                             f"{list(eos)}")
+        put("eos_token_ids", eos)
+        if not self.sampling:
+            return outs
+        if not self.iterative:
+            raise ValueError("sampling=True needs iterative=True: the engine samples each step "
+                             "of a step model's running batch")
+        own = sampled_outputs(k)
+        given = (self.outputs if self.outputs is not None
+                 else {"": [self.output_dtype, list(self.output_shape)]})
+        if given not in (own, {"": ["int64", []]}, {"": ["float32", [16]]}):
+            raise ValueError(f"a sampling engine's outputs are its own: expected outputs "
+                             f"{own} (or none given), got {given}")
+        put("outputs", own)
+        put("output_shape", ())
+        put("output_dtype", "int64")
+        return tuple(TensorSpec(name, dtype, tuple(shape), tuple(shape))
+                     for name, (dtype, shape) in own.items())
+
     # -- derived ------------------------------------------------------------
+    @property
+    def slot_input_specs(self) -> Tuple[TensorSpec, ...]:
+        """The inputs a slot holds: the model's, and with sampling the
+        request's Sampling record after them (the model never sees it)."""
+        return self.input_specs + ((SAMPLING_RECORD,) if self.sampling else ())
+
     @property
     def named(self) -> bool:
         """Named tensors: requests and answers are dicts of arrays."""
@@ -217,7 +264,7 @@ class EngineConfig:
     @property
     def slot_bytes(self) -> Tuple[int, ...]:
         """One slot's row of each tensor, inputs first: the segment's regions."""
-        return tuple(t.slot_bytes for t in self.input_specs + self.output_specs)
+        return tuple(t.slot_bytes for t in self.slot_input_specs + self.output_specs)
 
     @property
     def var_axis(self) -> Optional[int]:
@@ -239,7 +286,7 @@ class EngineConfig:
 
     @property
     def input_slot_bytes(self) -> int:
-        return sum(t.slot_bytes for t in self.input_specs)
+        return sum(t.slot_bytes for t in self.slot_input_specs)
 
     @property
     def output_slot_bytes(self) -> int:
@@ -327,6 +374,18 @@ class EngineConfig:
 
 
 REAP_INTERVAL_S = 0.1
+
+# a sampling engine's hidden input: each request's engine.Sampling record, as bytes
+SAMPLING_RECORD = TensorSpec("sampling", "uint8", (RECORD_BYTES,), (RECORD_BYTES,))
+
+
+def sampled_outputs(max_logprobs: int) -> dict:
+    """A sampling engine's chunk: the token, its logprob, and with
+    max_logprobs K > 0 the top K ids and their logprobs."""
+    own = {"token": ["int64", []], "logprob": ["float32", []]}
+    if max_logprobs:
+        own.update(top_ids=["int64", [max_logprobs]], top_logprobs=["float32", [max_logprobs]])
+    return own
 
 
 _NO_LENGTH = (0,)  # one tensor of a fixed shape

@@ -48,7 +48,7 @@ def settings(mapping, where: str) -> EngineConfig:
 def check_geometry(cfg: EngineConfig, geo, where: str) -> None:
     """EngineCorrupt unless the settings and the checked geometry agree:
     the views made from one must fit the rows the C addresses by the other."""
-    n_in = len(cfg.input_specs)
+    n_in = len(cfg.slot_input_specs)
     expected = {"capacity": cfg.queue_capacity, "levels": cfg.priority_levels,
                 "max_batch": cfg.max_batch_size, "inputs": n_in,
                 "tensors": n_in + len(cfg.output_specs), "in_place": int(cfg.in_place),
@@ -112,9 +112,12 @@ class Segment:
         # one region per tensor, inputs first: [capacity, *max_shape] of its dtype
         regions = [np.ndarray((self.capacity, *t.max_shape), t.dtype, buffer=mapping,
                               offset=geo.off_tensor[k])
-                   for k, t in enumerate(cfg.input_specs + cfg.output_specs)]
-        n_in = len(cfg.input_specs)
-        self.in_regions, self.out_regions = regions[:n_in], regions[n_in:]  # in spec order
+                   for k, t in enumerate(cfg.slot_input_specs + cfg.output_specs)]
+        n_in = len(cfg.slot_input_specs)
+        n_model = len(cfg.input_specs)
+        self.in_regions, self.out_regions = regions[:n_model], regions[n_in:]  # in spec order
+        # a sampling engine's: each slot's Sampling record (written by clients: data)
+        self.records = regions[n_model] if cfg.sampling else None
         # each input's real length along its variable dim, per slot: written by
         # clients, so the batcher bounds what it reads
         self.lengths = np.ndarray((self.capacity, n_in), np.uint32, buffer=mapping,
@@ -124,7 +127,7 @@ class Segment:
                                       buffer=mapping, offset=geo.off_ready)
         # the fused calls: one C call copies a request in (one input of a fixed
         # shape, C-contiguous), one copies its answer out (one output)
-        self.fused_in = n_in == 1 and cfg.input_specs[0].var_axis is None
+        self.fused_in = n_in == 1 and cfg.slot_input_specs[0].var_axis is None
         self.fused_out = len(cfg.output_specs) == 1 and not cfg.iterative
         self.iterative = cfg.iterative  # a step model's engine: answers are chunk streams
         self.steps = cfg.steps  # an iterative engine's chunks per slot (0: one-shot)
@@ -139,7 +142,7 @@ class Segment:
         engine's segment of the same name is removed first (before the size
         check: the space it holds is this engine's to reuse), a live one refused."""
         name = segment_name(config.name)
-        n_in = len(config.input_specs)
+        n_in = len(config.slot_input_specs)
         size = ring.layout_bytes(config.queue_capacity, n_in, config.slot_bytes,
                                  config.in_place, config.priority_levels, config.steps)
         if size == 0:
@@ -322,7 +325,7 @@ class Segment:
         """Unmaps (views must be dropped first) and closes the fd (and its lock)."""
         if self._shm is None:
             return
-        self.in_regions = self.out_regions = self.words = self.words2 = None
+        self.in_regions = self.out_regions = self.words = self.words2 = self.records = None
         self.ready_words = self.lengths = None
         self._close_mapping()
         self._shm.close_fd()

@@ -28,7 +28,7 @@ from typing import Optional
 import numpy as np
 
 from engine import launch, spec
-from engine.batching import admission, aimd, iterative, policy, threads, warmup
+from engine.batching import admission, aimd, iterative, policy, sampled_steps, threads, warmup
 from engine.batching.loop import RETIRED, STOPPED, await_epoch, await_work, error_text, tell_death
 from engine.batching.model_call import ModelCall
 from engine.segment import Segment
@@ -319,7 +319,8 @@ def main(name: str, instance: int, backend, backend_args: dict, cpus, gpu, conn,
             if missing:
                 raise TypeError(f"an iterative engine's factory returns a step model with join, "
                                 f"step and leave; got {type(fn).__name__} without {missing}")
-            batcher = iterative.Stepper(segment, instance, fn, epoch)
+            kind = sampled_steps.SampledStepper if cfg.sampling else iterative.Stepper
+            batcher = kind(segment, instance, fn, epoch)
         else:
             batcher = Batcher(segment, instance, fn, epoch)
         # before ready: a reload's switch and the engine's start wait for it

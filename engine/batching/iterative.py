@@ -53,6 +53,11 @@ _STOP_MESSAGE = (b"the engine stopped (drain_timeout_s passed) before this reque
                  b"ended")
 
 
+def request_ids(slots: np.ndarray, gens: np.ndarray) -> np.ndarray:
+    """The step model's id of each request: unique among the active ones."""
+    return ((gens.astype(np.int64) & 0x7FFFFFFF) << 32) | slots
+
+
 class Stepper:
     """The loop of one batcher process of an iterative engine."""
 
@@ -211,7 +216,7 @@ class Stepper:
         self.ring.stream_limits(slots, limits, deadlines)
         top = max((bound for _, _, bound in self.var_inputs), default=0)
         tokens = np.minimum(lengths, top).astype(np.int64) + limits
-        ids = ((gens.astype(np.int64) & 0x7FFFFFFF) << 32) | slots
+        ids = request_ids(slots, gens)
         self.waiting.add(slots, gens, ids, limits, deadlines, tokens, levels, arrivals)
 
     def join_waiting(self) -> np.ndarray:
@@ -231,16 +236,23 @@ class Stepper:
         mask[take] = True
         slots, gens, ids = waiting.slots[take], waiting.gens[take], waiting.ids[take]
         try:
-            batch, lengths = self.gather(slots)
-            self.model.join(ids.copy(), *self.call.args(batch, lengths))
+            self.prefill(ids, *self.gather(slots))
         except Exception as e:
             self.leave(ids)  # whatever state the failed join made for them
             self.settle(waiting, mask, codes.STATUS_BACKEND, error_text(e), left=False)
             return _NONE
         active.add(slots, gens, ids, waiting.limits[take], waiting.deadlines[take],
                    waiting.tokens[take])
+        self.joined(ids)
         waiting.keep(~mask)
         return slots
+
+    def prefill(self, ids: np.ndarray, batch: list, lengths) -> None:
+        """The model's join of these requests (sampled_steps keeps its logits)."""
+        self.model.join(ids.copy(), *self.call.args(batch, lengths))
+
+    def joined(self, ids: np.ndarray) -> None:
+        """These requests joined, at the end of the active group (sampled_steps)."""
 
     def gather(self, slots: np.ndarray):
         """The joining requests' inputs (copies: a model may keep them), each

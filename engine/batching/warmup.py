@@ -102,7 +102,8 @@ def _one_round(s, k: int, length) -> int:
     ids = np.arange(k, dtype=np.int64)
     s.model.join(ids.copy(), *s.call.args(batch, lengths or None))
     start_ns = ring.now_ns()
-    result = s.model.step(ids.copy())
+    tokens = (np.zeros(k, np.int64),) if s.cfg.sampling else ()  # sampling: the last tokens
+    result = s.model.step(ids.copy(), *tokens)
     service_ns = ring.now_ns() - start_ns
     s.checked(result, k)
     s.model.leave(ids.copy())

@@ -10,6 +10,7 @@
     loops          answers handed to asyncio event loops, one wake a loop per pass
     streams        a request's chunks, read as its batcher writes them
     async_streams  those chunks followed by an event loop
+    sampled        a sampling engine's requests: their Sampling record, their chunks' cut
     room           making room in a full ring, and the evictor thread that gives it
     shares         the priority shares: how much of the queue each level may hold
     bulk           infer_many(): n requests enqueued, waited for and released in bulk

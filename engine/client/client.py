@@ -39,12 +39,13 @@ from typing import Any, AsyncIterator, Dict, Iterator, Optional, Tuple, TypeVar
 
 import numpy as np
 
-from engine.client import (async_streams, bulk, completion, retrying, room, shares, streams, ticket,
-                           tracing)
+from engine.client import (async_streams, bulk, completion, retrying, room, sampled, shares,
+                           streams, ticket, tracing)
 from engine.client.attach import attach
 from engine.client.future import Request
 from engine.client.lent import SlotRequest
 from engine.errors import EngineError, EngineUnavailable, InvalidInput, Overloaded
+from engine.sampling import Sampling
 from engine.segment import UNSERVED_WORD, Segment
 from engine.shm import codes, liveness, ring
 
@@ -72,7 +73,9 @@ class Client:
     process and engine (engine.client.retrying); ``retries_total`` counts them.
 
     Every request method takes ``(x, timeout=1.0, *, priority=0,
-    max_steps=None, out=None)``, or those of them it has, in that order.
+    max_steps=None, out=None)``, or those of them it has, in that order; on
+    an iterative engine also ``sampling=`` (an engine.Sampling, for an engine
+    with sampling=True: engine.client.sampled).
 
     The attributes name, pid, start_ticks, spin_ns, attached, held,
     futures_lock and futures_cond, and the methods completer() and
@@ -109,7 +112,8 @@ class Client:
 
     # -- public API ---------------------------------------------------------
     def infer(self, x: Tensors, timeout: Optional[float] = 1.0, *, priority: int = 0,
-              max_steps: Optional[int] = None, out: Optional[Tensors] = None) -> Tensors:
+              max_steps: Optional[int] = None, out: Optional[Tensors] = None,
+              sampling: Optional[Sampling] = None) -> Tensors:
         """Blocks until the answer to x comes; returns it as a new array, or
         in out (a writable C-contiguous array of the output's dtype and shape,
         reused by the caller: a large answer then lands in warm memory). The
@@ -117,39 +121,44 @@ class Client:
         is the most urgent. An iterative engine's answer is its chunks
         stacked, (steps, *chunk_shape), at most max_steps of them."""
         if tracing.TRACE_MODULE in sys.modules and (parent := tracing.context()) is not None:
-            return self._traced_infer(parent, x, timeout, priority, max_steps, out)
+            return self._traced_infer(parent, x, timeout, priority, max_steps, out, sampling)
         if self._retry is not None:
-            return self._retry.infer(self, x, timeout, priority, max_steps, out)
+            return self._retry.infer(self, x, timeout, priority, max_steps, out, sampling)
         deadline = ticket.deadline_ns(timeout)
-        seg, slot, gen, outs = self._enqueue(x, deadline, priority, max_steps, out)
-        return ticket.await_answer(self, seg, slot, gen, deadline, timeout, outs)
+        seg, slot, gen, outs = self._enqueue(x, deadline, priority, max_steps, out, sampling)
+        answer = ticket.await_answer(self, seg, slot, gen, deadline, timeout, outs)
+        return sampled.cut(answer, sampled.k_of(seg, sampling))
 
     def submit(self, x: Tensors, timeout: Optional[float] = 1.0, *, priority: int = 0,
-               max_steps: Optional[int] = None, out: Optional[Tensors] = None
-               ) -> "concurrent.futures.Future[Tensors]":
+               max_steps: Optional[int] = None, out: Optional[Tensors] = None,
+               sampling: Optional[Sampling] = None) -> "concurrent.futures.Future[Tensors]":
         """Enqueues x now; the Future resolves to its answer (or error), in
         out if given (as for infer). cancel() withdraws the request while no
         batch has answered it."""
         deadline = ticket.deadline_ns(timeout)
-        seg, slot, gen, outs = (self._enqueue(x, deadline, priority, max_steps, out)
-                                if self._retry is None else
-                                self._retry.enqueue(self, x, deadline, priority, max_steps, out))
+        seg, slot, gen, outs = (
+            self._enqueue(x, deadline, priority, max_steps, out, sampling) if self._retry is None
+            else self._retry.enqueue(self, x, deadline, priority, max_steps, out, sampling))
         if self._evictor is None:
             self._start_evictor()
-        return Request(self, seg, slot, gen, deadline, timeout, outs)
+        return Request(self, seg, slot, gen, deadline, timeout, outs,
+                       sampled.k_of(seg, sampling))
 
     async def infer_async(self, x: Tensors, timeout: Optional[float] = 1.0, *,
-                          priority: int = 0, max_steps: Optional[int] = None) -> Tensors:
+                          priority: int = 0, max_steps: Optional[int] = None,
+                          sampling: Optional[Sampling] = None) -> Tensors:
         """infer() for asyncio: awaits the answer without blocking the loop.
         Cancelled, it withdraws the request."""
         if self._retry is not None:
-            return await self._retry.infer_async(self, x, timeout, priority, max_steps)
+            return await self._retry.infer_async(self, x, timeout, priority, max_steps, sampling)
         deadline = ticket.deadline_ns(timeout)
-        seg, slot, gen, _ = self._enqueue(x, deadline, priority, max_steps)
-        return await ticket.answer_of(self.completer(), seg, slot, gen, deadline, timeout)
+        seg, slot, gen, _ = self._enqueue(x, deadline, priority, max_steps, None, sampling)
+        answer = await ticket.answer_of(self.completer(), seg, slot, gen, deadline, timeout)
+        return sampled.cut(answer, sampled.k_of(seg, sampling))
 
     def stream(self, x: Tensors, timeout: Optional[float] = 1.0, *, priority: int = 0,
-               max_steps: Optional[int] = None) -> Iterator[Tensors]:
+               max_steps: Optional[int] = None, sampling: Optional[Sampling] = None
+               ) -> Iterator[Tensors]:
         """The answer to x chunk by chunk as the engine writes them, each a new
         array (iterative engines: one per step, at most max_steps; a one-shot
         engine's answer comes once). timeout bounds the whole answer. Leaving
@@ -157,16 +166,18 @@ class Client:
         deadline = ticket.deadline_ns(timeout)
         seg = self._segment()
         if not seg.iterative:
-            return streams.Answered(self.submit(x, timeout, priority=priority))
-        seg, slot, gen, _ = self._enqueue(x, deadline, priority, max_steps)
-        return streams.Stream(self, seg, slot, gen, deadline, timeout)
+            return streams.Answered(self.submit(x, timeout, priority=priority, sampling=sampling))
+        seg, slot, gen, _ = self._enqueue(x, deadline, priority, max_steps, None, sampling)
+        return streams.Stream(self, seg, slot, gen, deadline, timeout,
+                              sampled.k_of(seg, sampling))
 
     async def stream_async(self, x: Tensors, timeout: Optional[float] = 1.0, *,
-                           priority: int = 0, max_steps: Optional[int] = None
-                           ) -> AsyncIterator[Tensors]:
+                           priority: int = 0, max_steps: Optional[int] = None,
+                           sampling: Optional[Sampling] = None) -> AsyncIterator[Tensors]:
         """stream() for asyncio: ``async for chunk in client.stream_async(x)``;
         the loop is never blocked."""
-        chunks = self.open_stream_async(x, timeout, priority=priority, max_steps=max_steps)
+        chunks = self.open_stream_async(x, timeout, priority=priority, max_steps=max_steps,
+                                        sampling=sampling)
         try:
             async for chunk in chunks:
                 yield chunk
@@ -174,7 +185,8 @@ class Client:
             await chunks.aclose()
 
     def open_stream_async(self, x: Tensors, timeout: Optional[float] = 1.0, *,
-                          priority: int = 0, max_steps: Optional[int] = None
+                          priority: int = 0, max_steps: Optional[int] = None,
+                          sampling: Optional[Sampling] = None
                           ) -> "async_streams.AsyncStream | async_streams.AsyncAnswered":
         """stream_async()'s stream as an object, enqueued now (in a running
         event loop): iterate it, read its finish_reason after its last chunk,
@@ -182,10 +194,12 @@ class Client:
         deadline = ticket.deadline_ns(timeout)
         seg = self._segment()
         if not seg.iterative:
-            return async_streams.AsyncAnswered(self.infer_async(x, timeout, priority=priority))
-        seg, slot, gen, _ = self._enqueue(x, deadline, priority, max_steps)
-        chunks = async_streams.AsyncStream(streams.Stream(self, seg, slot, gen, deadline, timeout),
-                                           asyncio.get_running_loop())
+            return async_streams.AsyncAnswered(self.infer_async(x, timeout, priority=priority,
+                                                                sampling=sampling))
+        seg, slot, gen, _ = self._enqueue(x, deadline, priority, max_steps, None, sampling)
+        stream = streams.Stream(self, seg, slot, gen, deadline, timeout,
+                                sampled.k_of(seg, sampling))
+        chunks = async_streams.AsyncStream(stream, asyncio.get_running_loop())
         self.completer().add(chunks)
         return chunks
 
@@ -276,9 +290,14 @@ class Client:
             raise
         return seg, arrays, lengths, outs
 
-    def _enqueue(self, x, deadline, priority=0, max_steps=None, out=None):
+    def _enqueue(self, x, deadline, priority=0, max_steps=None, out=None, sampling=None):
         """(segment, slot, generation, outs) of x enqueued."""
         seg, arrays, lengths, outs = self.validated(x, False, priority, max_steps, out, deadline)
+        try:
+            record, _ = sampled.record(seg, sampling, max_steps)
+        except EngineError:
+            seg.ring.add_word(codes.W_INVALID)
+            raise
         r = seg.ring
         if priority:
             self._check_share(seg, priority)
@@ -302,6 +321,8 @@ class Client:
         if code == codes.OK and not fused:
             try:
                 _write_rows(seg, slot, arrays, lengths)
+                if record is not None:  # beside the inputs, read by the batcher at join
+                    seg.records[slot] = record
                 if seg.iterative:
                     r.stream_open(slot, gen, max_steps or 0)
             except BaseException:
@@ -328,7 +349,7 @@ class Client:
         return Overloaded.predicted(wait_ms, (deadline - ring.now_ns()) / 1e6)
 
     def _traced_infer(self, parent: Any, x: Any, timeout: Optional[float], priority: int,
-                      max_steps: Optional[int], out: Any) -> Any:
+                      max_steps: Optional[int], out: Any, sampling: Any = None) -> Any:
         """infer(x, ...) recorded under parent (tracing.context()'s), when a
         tracer provider is set: the wait leaves the answer (or the engine's
         error) in its slot, and settle then takes it with the engine's stamps.
@@ -337,15 +358,15 @@ class Client:
         stamps, error = None, None
         try:
             if self._retry is not None:
-                return self._retry.infer(self, x, timeout, priority, max_steps, out)
+                return self._retry.infer(self, x, timeout, priority, max_steps, out, sampling)
             deadline = ticket.deadline_ns(timeout)
-            seg, slot, gen, outs = self._enqueue(x, deadline, priority, max_steps, out)
+            seg, slot, gen, outs = self._enqueue(x, deadline, priority, max_steps, out, sampling)
             ticket.await_answer(self, seg, slot, gen, deadline, timeout, outs, take=False,
                                 leave_failed=True)
             _, answer, failure, stamps = ticket.settle(seg, slot, gen, outs, None, True)
             if failure is not None:
                 raise failure
-            return answer
+            return sampled.cut(answer, sampled.k_of(seg, sampling))
         except BaseException as e:
             error = e
             raise

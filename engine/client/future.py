@@ -14,7 +14,7 @@ import sys
 import weakref
 from typing import Optional, Tuple
 
-from engine.client import ticket, tracing
+from engine.client import sampled, ticket, tracing
 from engine.client.handle import ANSWER, Handle
 from engine.client.stdfuture import SettledHere
 from engine.client.tracing import TRACE_MODULE
@@ -28,10 +28,12 @@ class Request(SettledHere):
     kind = ANSWER
 
     def __init__(self, client: Handle, seg, slot: int, gen: int, deadline: Optional[int],
-                 timeout: Optional[float], outs: Optional[tuple] = None) -> None:
+                 timeout: Optional[float], outs: Optional[tuple] = None,
+                 logprobs: Optional[int] = None) -> None:
         SettledHere.__init__(self, client.futures_cond, client.futures_lock)
         self.client, self.seg, self.slot, self.gen = client, seg, slot, gen
         self.deadline, self.timeout, self.outs = deadline, timeout, outs  # outs: in spec order
+        self.logprobs = logprobs  # a sampling engine's: the chunks' cut (engine.client.sampled)
         self._pid = client.pid
         self._watched = False
         self._ref = weakref.ref(self)
@@ -47,6 +49,8 @@ class Request(SettledHere):
     def _outcome(self, error):
         settled, value, failure, self.stamps_ns = ticket.settle(
             self.seg, self.slot, self.gen, self.outs, error, self._began is not None)
+        if value is not None and self.logprobs is not None:
+            value = sampled.cut(value, self.logprobs)
         if settled and self.client.held.get(self.slot) is self._ref:
             del self.client.held[self.slot]
         return settled, value, failure

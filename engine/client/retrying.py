@@ -35,7 +35,7 @@ import time
 import weakref
 from typing import Any, Dict, Optional, Protocol
 
-from engine.client import ticket
+from engine.client import sampled, ticket
 from engine.client.handle import Handle
 from engine.errors import QueueFull, RequestTimeout
 from engine.shm import ring
@@ -99,7 +99,7 @@ class Sender(Handle, Protocol):
     """A Client as the retries see it: a Handle that can enqueue."""
 
     def _enqueue(self, x: Any, deadline: Optional[int], priority: int = 0,
-                 max_steps: Optional[int] = None, out: Any = None) -> tuple:
+                 max_steps: Optional[int] = None, out: Any = None, sampling: Any = None) -> tuple:
         ...
 
 
@@ -154,14 +154,16 @@ class Retrying:
 
     # -- the calls that retry ---------------------------------------------------
     def infer(self, client: Sender, x, timeout: Optional[float], priority: int,
-              max_steps: Optional[int], out) -> Any:
+              max_steps: Optional[int], out, sampling=None) -> Any:
         deadline = ticket.deadline_ns(timeout)
         self.sent()
         attempt = 0
         while True:
             try:
-                seg, slot, gen, outs = client._enqueue(x, deadline, priority, max_steps, out)
-                return ticket.await_answer(client, seg, slot, gen, deadline, timeout, outs)
+                seg, slot, gen, outs = client._enqueue(x, deadline, priority, max_steps, out,
+                                                       sampling)
+                answer = ticket.await_answer(client, seg, slot, gen, deadline, timeout, outs)
+                return sampled.cut(answer, sampled.k_of(seg, sampling))
             except (QueueFull, RequestTimeout) as error:
                 wait_s = self.delay_s(error, attempt, deadline)
                 if wait_s is None:
@@ -170,13 +172,13 @@ class Retrying:
             attempt += 1
 
     def enqueue(self, client: Sender, x, deadline: Optional[int], priority: int,
-                max_steps: Optional[int] = None, out=None) -> tuple:
+                max_steps: Optional[int] = None, out=None, sampling=None) -> tuple:
         """client._enqueue(...), its refusals retried (submit())."""
         self.sent()
         attempt = 0
         while True:
             try:
-                return client._enqueue(x, deadline, priority, max_steps, out)
+                return client._enqueue(x, deadline, priority, max_steps, out, sampling)
             except QueueFull as error:
                 wait_s = self.delay_s(error, attempt, deadline)
                 if wait_s is None:
@@ -185,13 +187,14 @@ class Retrying:
             attempt += 1
 
     async def infer_async(self, client: Sender, x, timeout: Optional[float], priority: int,
-                          max_steps: Optional[int]) -> Any:
+                          max_steps: Optional[int], sampling=None) -> Any:
         deadline = ticket.deadline_ns(timeout)
         self.sent()
         attempt = 0
         while True:
             try:
-                return await _answer_async(client, x, deadline, timeout, priority, max_steps)
+                return await _answer_async(client, x, deadline, timeout, priority, max_steps,
+                                           sampling)
             except (QueueFull, RequestTimeout) as error:
                 wait_s = self.delay_s(error, attempt, deadline)
                 if wait_s is None:
@@ -201,10 +204,11 @@ class Retrying:
 
 
 async def _answer_async(client: Sender, x, deadline: Optional[int], timeout: Optional[float],
-                        priority: int, max_steps: Optional[int]) -> Any:
+                        priority: int, max_steps: Optional[int], sampling=None) -> Any:
     """One attempt of infer_async(), after its deadline."""
-    seg, slot, gen, _ = client._enqueue(x, deadline, priority, max_steps)
-    return await ticket.answer_of(client.completer(), seg, slot, gen, deadline, timeout)
+    seg, slot, gen, _ = client._enqueue(x, deadline, priority, max_steps, None, sampling)
+    answer = await ticket.answer_of(client.completer(), seg, slot, gen, deadline, timeout)
+    return sampled.cut(answer, sampled.k_of(seg, sampling))
 
 
 def _after_fork_in_child() -> None:

@@ -23,7 +23,7 @@ import os
 import sys
 from typing import Any, Optional
 
-from engine.client import ticket, tracing
+from engine.client import sampled, ticket, tracing
 from engine.client.handle import Handle
 from engine.client.tracing import TRACE_MODULE
 from engine.errors import EngineError
@@ -40,8 +40,9 @@ class Stream:
     the request if it has not ended."""
 
     def __init__(self, client: Handle, seg, slot: int, gen: int, deadline: Optional[int],
-                 timeout: Optional[float]) -> None:
+                 timeout: Optional[float], logprobs: Optional[int] = None) -> None:
         self.client, self.seg, self.slot, self.gen = client, seg, slot, gen
+        self.logprobs = logprobs  # a sampling engine's: each chunk's cut (engine.client.sampled)
         self.deadline, self.timeout = deadline, timeout
         self._word = 0        # the slot's chunk word as last read
         self._sent = 0        # chunks handed out
@@ -174,16 +175,19 @@ class Stream:
         return None if self._began is None else self.seg.ring.slot_times(self.slot, self.gen)
 
     def _chunk(self, k: int) -> Any:
-        return self.seg.config.answer(tuple(region[self.slot, k, ...].copy()
-                                            for region in self.seg.out_regions))
+        if self.logprobs == 0:  # a sampling engine's request without logprobs: the token
+            return self.seg.out_regions[0][self.slot, k, ...].copy()
+        return sampled.cut(self.seg.config.answer(tuple(region[self.slot, k, ...].copy()
+                                                        for region in self.seg.out_regions)),
+                           self.logprobs)
 
     def _chunks(self, first: int, end: int) -> Any:
         """Chunks first..end-1, stacked (each output (end - first, *chunk_shape))."""
         regions = self.seg.out_regions
         if len(regions) == 1:
             return self.seg.config.answer((regions[0][self.slot, first:end].copy(),))
-        return self.seg.config.answer(tuple(region[self.slot, first:end].copy()
-                                            for region in regions))
+        return sampled.cut(self.seg.config.answer(tuple(region[self.slot, first:end].copy()
+                                                        for region in regions)), self.logprobs)
 
     def _read_word(self, code: int, word: int) -> None:
         """A wait_chunks outcome: the new word, or the slot settled (the word

@@ -58,7 +58,7 @@ DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]{0,38}[a-z0-9])?\Z")
 def segment_bytes(cfg) -> int:
     """The bytes an engine's segment commits in /dev/shm (as Segment.create lays
     it out), or ValueError for one that cannot be made."""
-    size = ring.layout_bytes(cfg.queue_capacity, len(cfg.input_specs), cfg.slot_bytes,
+    size = ring.layout_bytes(cfg.queue_capacity, len(cfg.slot_input_specs), cfg.slot_bytes,
                              cfg.in_place, cfg.priority_levels, cfg.steps)
     if size == 0:
         raise ValueError(f"engine {cfg.name!r}: a segment of {cfg.queue_capacity} slots of "
