@@ -254,3 +254,39 @@ def test_each_request_keeps_its_own_tokens_as_others_join_and_leave(client):
     late = [client.submit(p, timeout=30, sampling=s, max_steps=m) for p, s, m in asks[:2]]
     for f, (p, s, m) in zip(futures + late, asks + asks[:2]):
         assert f.result(timeout=30).tolist() == alone(p, s, m)
+
+
+_BULK_CHILD = """
+import sys, numpy as np, engine
+c = engine.Client(sys.argv[1])
+xs = np.array([[9, 4, 1], [3, 5, 7], [11, 2, 6]], np.int64)
+each = [engine.Sampling(temperature=1.0, top_p=0.9, seed=1234),
+        engine.Sampling(temperature=0), engine.Sampling(temperature=0.7, seed=8, logprobs=2)]
+for y in c.infer_many(xs, timeout=30, sampling=each, max_steps=6):
+    print(" ".join(str(int(t)) for t in (y["token"] if isinstance(y, dict) else y)))
+for y in c.infer_many(xs, timeout=30, sampling=engine.Sampling(temperature=0)):
+    print(" ".join(str(int(t)) for t in y))
+"""
+
+
+def test_infer_many_writes_each_rows_sampling_from_another_process(eng, client):
+    xs = [[9, 4, 1], [3, 5, 7], [11, 2, 6]]
+    each = [engine.Sampling(temperature=1.0, top_p=0.9, seed=1234), GREEDY,
+            engine.Sampling(temperature=0.7, seed=8, logprobs=2)]
+    expected = [alone(x, s, 6) for x, s in zip(xs, each)] + [alone(x, GREEDY, 12) for x in xs]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", _BULK_CHILD, eng.name], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert [[int(t) for t in line.split()] for line in out.stdout.splitlines()] == expected
+    # each row's answer is cut to its own logprobs, as infer() cuts it
+    ys = client.infer_many(np.array(xs, np.int64), timeout=30, sampling=each, max_steps=6)
+    assert isinstance(ys[0], np.ndarray) and set(ys[2]) == {"token", "logprob", "top_ids",
+                                                          "top_logprobs"}
+    assert ys[2]["top_ids"].shape == (len(expected[2]), 2)
+    with pytest.raises(engine.InvalidInput, match=r"expected one per row \(3\), got 2"):
+        client.infer_many(np.array(xs, np.int64), timeout=30, sampling=each[:2])
+    with pytest.raises(engine.InvalidInput, match=r"sampling\[1\]: logprobs: expected at most 4"):
+        client.infer_many(np.array(xs[:2], np.int64), timeout=30,
+                          sampling=[GREEDY, engine.Sampling(logprobs=5)])
+    assert wait_until_no_slot_in_use(eng)

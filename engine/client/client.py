@@ -226,16 +226,20 @@ class Client:
         return SlotRequest(self, seg, slot, gen)
 
     def infer_many(self, xs: np.ndarray, timeout: Optional[float] = 1.0, *,
-                   priority: int = 0) -> np.ndarray:
+                   priority: int = 0, max_steps: Optional[int] = None,
+                   sampling: Any = None) -> Any:
         """Sends xs[0], xs[1], ... as len(xs) requests at once and blocks until all
-        are answered; returns the answers stacked, shape (n, *output_shape).
+        are answered; returns the answers stacked, shape (n, *output_shape). On an
+        iterative engine, a list of n answers, each as infer() returns it; on a
+        sampling engine sampling= is one engine.Sampling for every row or a
+        sequence of one per row (None: the default).
 
         The requests are enqueued, waited for and released in bulk (one C call
         each), in chunks of at most half the queue_capacity, so one bulk call
         leaves room for other clients. QueueFull if not one slot is free when a
         chunk starts; on any error no answer of the call is returned.
         """
-        return bulk.infer_many(self, xs, timeout, priority)
+        return bulk.infer_many(self, xs, timeout, priority, max_steps, sampling)
 
     @property
     def retries_total(self) -> int:

@@ -14,7 +14,7 @@ from typing import Any, Optional
 import numpy as np
 
 from engine.errors import InvalidInput
-from engine.sampling import Sampling
+from engine.sampling import RECORD_BYTES, Sampling
 
 DEFAULT = Sampling()
 
@@ -41,6 +41,32 @@ def record(seg, sampling: Optional[Sampling], max_steps: Optional[int]):
                            f"{sampling.prompt_logprobs}")
     sampling.check(cfg.max_logprobs, max_steps or cfg.max_steps)
     return np.frombuffer(sampling.encode(), np.uint8), sampling.logprobs
+
+
+def records(seg, sampling, n: int, max_steps: Optional[int]):
+    """(records as uint8[n, RECORD_BYTES] or None, each row's k) for a bulk
+    call of n rows: sampling is one Sampling (or None) for every row, or a
+    sequence of n of them, each checked as record() checks one."""
+    if sampling is None or isinstance(sampling, Sampling):
+        record_, k = record(seg, sampling, max_steps)
+        rows = None if record_ is None else np.broadcast_to(record_, (n, len(record_)))
+        return rows, [k] * n
+    if isinstance(sampling, (str, bytes, dict)) or not hasattr(sampling, "__len__"):
+        raise InvalidInput(f"sampling: expected an engine.Sampling, None, or a sequence of {n} "
+                           f"(one per row), got {type(sampling).__name__}")
+    if len(sampling) != n:
+        raise InvalidInput(f"sampling: expected one per row ({n}), got {len(sampling)}")
+    if not seg.config.sampling:
+        record(seg, sampling, max_steps)  # the refusal of sampling= on an engine without it
+    rows = np.empty((n, RECORD_BYTES), np.uint8)
+    ks = []
+    for i, s in enumerate(sampling):
+        try:
+            rows[i], k = record(seg, s, max_steps)
+        except InvalidInput as e:
+            raise InvalidInput(f"sampling[{i}]: {e}") from None
+        ks.append(k)
+    return rows, ks
 
 
 def k_of(seg, sampling: Optional[Sampling]) -> Optional[int]:
