@@ -15,7 +15,7 @@ import numpy as np
 
 from engine import spec, tensors
 from engine.errors import InvalidInput
-from engine.sampling import MAX_LOGPROBS, MAX_TOKEN_ID, RECORD_BYTES
+from engine.sampling import MAX_LOGPROBS, MAX_TOKEN_ID, RECORD_BYTES, prompt_specs
 from engine.shm import codes
 from engine.tensors import TensorSpec, describe
 
@@ -74,6 +74,9 @@ class EngineConfig:
                              "(0..20); each chunk holds this many ids and logprobs")
     eos_token_ids: Tuple = knob((), "ints", "sampling: the ids that end a request (stop), "
                                 "unless its ignore_eos")
+    prompt_logprobs: bool = knob(False, "bool", "sampling: requests may ask their prompt's "
+                                 "logprobs; each slot holds them (L x (1 + 2 max_logprobs) x 4 "
+                                 "B, L the prompt's bound)")
     warmup: bool = knob(False, "bool", "before ready (and a reload's switch), each batcher calls "
                         "its model on zeros at every batch size and length bucket")
     if TYPE_CHECKING:  # derived by __post_init__, per instance: no fields
@@ -232,6 +235,12 @@ class EngineConfig:
             raise ValueError(f"eos_token_ids must be token ids in 0..{MAX_TOKEN_ID}, got "
                              f"{list(eos)}")
         put("eos_token_ids", eos)
+        put("prompt_logprobs", bool(self.prompt_logprobs))
+        if self.prompt_logprobs and not (self.sampling and not self.named
+                                         and len(self.input_shape) == 1):
+            raise ValueError(f"prompt_logprobs=True needs sampling=True and one input of token "
+                             f"ids (input_shape of one dim), got sampling={self.sampling}, "
+                             f"inputs {self.inputs or self.input_shape}")
         if not self.sampling:
             return outs
         if not self.iterative:
@@ -257,6 +266,13 @@ class EngineConfig:
         return self.input_specs + ((SAMPLING_RECORD,) if self.sampling else ())
 
     @property
+    def hidden_output_specs(self) -> Tuple[TensorSpec, ...]:
+        """The rows a slot holds after the outputs: with prompt_logprobs, the
+        prompt's logprobs, which the batcher writes at join (sampling.prompt_specs)."""
+        return prompt_specs(self.padded_shape[0], self.max_logprobs) if self.prompt_logprobs \
+            else ()
+
+    @property
     def named(self) -> bool:
         """Named tensors: requests and answers are dicts of arrays."""
         return self.inputs is not None
@@ -264,7 +280,8 @@ class EngineConfig:
     @property
     def slot_bytes(self) -> Tuple[int, ...]:
         """One slot's row of each tensor, inputs first: the segment's regions."""
-        return tuple(t.slot_bytes for t in self.slot_input_specs + self.output_specs)
+        return tuple(t.slot_bytes for t in
+                     self.slot_input_specs + self.output_specs + self.hidden_output_specs)
 
     @property
     def var_axis(self) -> Optional[int]:
@@ -290,7 +307,7 @@ class EngineConfig:
 
     @property
     def output_slot_bytes(self) -> int:
-        return sum(t.slot_bytes for t in self.output_specs)
+        return sum(t.slot_bytes for t in self.output_specs + self.hidden_output_specs)
 
     @property
     def lends_rows(self) -> bool:
@@ -377,6 +394,7 @@ REAP_INTERVAL_S = 0.1
 
 # a sampling engine's hidden input: each request's engine.Sampling record, as bytes
 SAMPLING_RECORD = TensorSpec("sampling", "uint8", (RECORD_BYTES,), (RECORD_BYTES,))
+
 
 
 def sampled_outputs(max_logprobs: int) -> dict:

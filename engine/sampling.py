@@ -19,6 +19,7 @@ from typing import Optional, Tuple
 import numpy as np
 
 from engine.errors import InvalidInput
+from engine.tensors import TensorSpec
 
 MAX_LOGPROBS = 20          # the most top logprobs any engine offers (its max_logprobs is 0..this)
 MAX_STOP_TOKEN_IDS = 32    # the record's room for stop ids
@@ -49,6 +50,17 @@ HEAD_BYTES = 48  # the scalars; the stop ids follow
 RECORD_BYTES = RECORD_DTYPE.itemsize
 _RECORD = struct.Struct(f"<QdddIIBBBBB3x{MAX_STOP_TOKEN_IDS}i")  # RECORD_DTYPE, field by field
 assert RECORD_BYTES == _RECORD.size == HEAD_BYTES + 4 * MAX_STOP_TOKEN_IDS
+
+
+def prompt_specs(length: int, k: int) -> tuple:
+    """A prompt_logprobs engine's rows per slot after its outputs, for a
+    prompt bound `length` and max_logprobs k: row j (j >= 1) the logprob of
+    prompt token j then the top k logprobs at it (float32 [length, 1 + k]),
+    and their ids (int32 [length, k]: ids are < 2**31), written by the batcher
+    at join. (1 + 2k) * 4 B per prompt position."""
+    values = TensorSpec("prompt_logprobs", "float32", (length, 1 + k), (length, 1 + k))
+    ids = TensorSpec("prompt_top_ids", "int32", (length, k), (length, k))
+    return (values, ids) if k else (values,)
 
 
 def _is_int(v) -> bool:

@@ -51,7 +51,8 @@ def check_geometry(cfg: EngineConfig, geo, where: str) -> None:
     n_in = len(cfg.slot_input_specs)
     expected = {"capacity": cfg.queue_capacity, "levels": cfg.priority_levels,
                 "max_batch": cfg.max_batch_size, "inputs": n_in,
-                "tensors": n_in + len(cfg.output_specs), "in_place": int(cfg.in_place),
+                "tensors": n_in + len(cfg.output_specs) + len(cfg.hidden_output_specs),
+                "in_place": int(cfg.in_place),
                 "steps": cfg.steps}
     got = {k: getattr(geo, k) for k in expected}
     rows = [int(geo.tensor_slot_bytes[t]) for t in range(geo.tensors)]
@@ -112,10 +113,16 @@ class Segment:
         # one region per tensor, inputs first: [capacity, *max_shape] of its dtype
         regions = [np.ndarray((self.capacity, *t.max_shape), t.dtype, buffer=mapping,
                               offset=geo.off_tensor[k])
-                   for k, t in enumerate(cfg.slot_input_specs + cfg.output_specs)]
+                   for k, t in enumerate(cfg.slot_input_specs + cfg.output_specs
+                                         + cfg.hidden_output_specs)]
         n_in = len(cfg.slot_input_specs)
-        n_model = len(cfg.input_specs)
-        self.in_regions, self.out_regions = regions[:n_model], regions[n_in:]  # in spec order
+        n_model, n_out = len(cfg.input_specs), n_in + len(cfg.output_specs)
+        self.in_regions, self.out_regions = regions[:n_model], regions[n_in:n_out]  # spec order
+        # a prompt_logprobs engine's: (values [L, 1 + K] float32, ids [L, K] int32) per slot,
+        # written by the batcher at join; None without
+        hidden = regions[n_out:]
+        self.prompt_regions = ((hidden[0], hidden[1] if len(hidden) > 1 else None)
+                               if hidden else None)
         # a sampling engine's: each slot's Sampling record (written by clients: data)
         self.records = regions[n_model] if cfg.sampling else None
         # each input's real length along its variable dim, per slot: written by
@@ -326,6 +333,7 @@ class Segment:
         if self._shm is None:
             return
         self.in_regions = self.out_regions = self.words = self.words2 = self.records = None
+        self.prompt_regions = None
         self.ready_words = self.lengths = None
         self._close_mapping()
         self._shm.close_fd()

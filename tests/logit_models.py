@@ -6,6 +6,11 @@ generated so far are TABLE[last token] + TABLE[(sum(prompt) + pos) % V] / 2,
 pos the number generated. A prompt that starts with FORCE_EOS, n makes EOS
 dominate the logits at pos n (its chunk n is EOS under greedy); one that
 starts with DONE_AT, n is done (the model says so) at pos n.
+
+join(..., positions="all") gives every prompt position's logits: position j's
+are `prompt_logits(prompt[:j + 1])`, so the last is logits_of(prompt, []).
+With calls_log (a path) each join appends a line: "all" or "last", and how
+many requests joined (a test counts them: the model runs in the batcher).
 """
 import numpy as np
 
@@ -27,6 +32,11 @@ def logits_of(prompt, generated) -> np.ndarray:
     return x
 
 
+def prompt_logits(prefix) -> np.ndarray:
+    """float32[V]: the logits at the last position of prefix (predicting the next)."""
+    return logits_of(prefix, [])
+
+
 def done_at(prompt, pos: int) -> bool:
     return int(prompt[0]) == DONE_AT and len(prompt) > 1 and pos == int(prompt[1])
 
@@ -34,8 +44,9 @@ def done_at(prompt, pos: int) -> bool:
 class Logits:
     """join -> logits [k, V]; step(ids, tokens) -> (logits [n, V], done)."""
 
-    def __init__(self, torch_logits: bool = False):
+    def __init__(self, torch_logits: bool = False, calls_log=None):
         self.torch = torch_logits
+        self.calls_log = calls_log
         self.state: dict = {}  # id -> (prompt, generated)
 
     def out(self, rows: list):
@@ -45,13 +56,21 @@ class Logits:
             return torch.from_numpy(x)
         return x
 
-    def join(self, ids, x, lengths=None):
+    def join(self, ids, x, lengths=None, positions=None):
         lengths = lengths if lengths is not None else np.full(len(ids), x.shape[1])
+        if self.calls_log:
+            with open(self.calls_log, "a") as f:
+                f.write(f"{'all' if positions == 'all' else 'last'} {len(ids)}\n")
         rows = []
         for i, id_ in enumerate(ids.tolist()):
             prompt = x[i, :lengths[i]].tolist()
             self.state[id_] = (prompt, [])
-            rows.append(logits_of(prompt, []))
+            if positions == "all":  # padded positions past the prompt: zeros
+                every = np.zeros((x.shape[1], V), np.float32)
+                every[:len(prompt)] = [prompt_logits(prompt[:j + 1]) for j in range(len(prompt))]
+                rows.append(every)
+            else:
+                rows.append(logits_of(prompt, []))
         return self.out(rows)
 
     def step(self, ids, tokens):
@@ -68,5 +87,5 @@ class Logits:
             self.state.pop(id_, None)
 
 
-def logits(torch_logits: bool = False) -> Logits:
-    return Logits(torch_logits)
+def logits(torch_logits: bool = False, calls_log=None) -> Logits:
+    return Logits(torch_logits, calls_log)

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 from conftest import unique_name, wait_until_no_slot_in_use
-from logit_models import DONE_AT, EOS, FORCE_EOS, V, logits_of
+from logit_models import DONE_AT, EOS, FORCE_EOS, V, logits_of, prompt_logits
 
 import engine
 from engine.batching.sampler import Rows
@@ -24,8 +24,15 @@ GREEDY = engine.Sampling(temperature=0)
 
 
 @pytest.fixture(scope="module")
-def eng():
-    e = engine.Engine(unique_name("sampling"), **SPEC).start()
+def joins(tmp_path_factory):
+    """The file the engine's model logs each join to (logit_models.Logits)."""
+    return tmp_path_factory.mktemp("joins") / "joins.log"
+
+
+@pytest.fixture(scope="module")
+def eng(joins):
+    e = engine.Engine(unique_name("sampling"), **SPEC, prompt_logprobs=True,
+                      backend_args={"calls_log": str(joins)}).start()
     yield e
     e.stop()
 
@@ -185,8 +192,6 @@ def test_a_scribbled_record_fails_its_request_alone(eng, client, monkeypatch):
 
 def test_what_a_sampling_engine_refuses_at_the_client(client):
     prompt = np.array([1, 2], np.int64)
-    with pytest.raises(engine.InvalidInput, match="prompt_logprobs: not served yet"):
-        client.infer(prompt, timeout=30, sampling=engine.Sampling(prompt_logprobs=1))
     with pytest.raises(engine.InvalidInput, match="logprobs: expected at most 4"):
         client.infer(prompt, timeout=30, sampling=engine.Sampling(logprobs=5))
     with pytest.raises(engine.InvalidInput, match="engine.Sampling or None"):
@@ -254,3 +259,132 @@ def test_each_request_keeps_its_own_tokens_as_others_join_and_leave(client):
     late = [client.submit(p, timeout=30, sampling=s, max_steps=m) for p, s, m in asks[:2]]
     for f, (p, s, m) in zip(futures + late, asks + asks[:2]):
         assert f.result(timeout=30).tolist() == alone(p, s, m)
+
+
+_BULK_CHILD = """
+import sys, numpy as np, engine
+c = engine.Client(sys.argv[1])
+xs = np.array([[9, 4, 1], [3, 5, 7], [11, 2, 6]], np.int64)
+each = [engine.Sampling(temperature=1.0, top_p=0.9, seed=1234),
+        engine.Sampling(temperature=0), engine.Sampling(temperature=0.7, seed=8, logprobs=2)]
+for y in c.infer_many(xs, timeout=30, sampling=each, max_steps=6):
+    print(" ".join(str(int(t)) for t in (y["token"] if isinstance(y, dict) else y)))
+for y in c.infer_many(xs, timeout=30, sampling=engine.Sampling(temperature=0)):
+    print(" ".join(str(int(t)) for t in y))
+"""
+
+
+def test_infer_many_writes_each_rows_sampling_from_another_process(eng, client):
+    xs = [[9, 4, 1], [3, 5, 7], [11, 2, 6]]
+    each = [engine.Sampling(temperature=1.0, top_p=0.9, seed=1234), GREEDY,
+            engine.Sampling(temperature=0.7, seed=8, logprobs=2)]
+    expected = [alone(x, s, 6) for x, s in zip(xs, each)] + [alone(x, GREEDY, 12) for x in xs]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", _BULK_CHILD, eng.name], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert [[int(t) for t in line.split()] for line in out.stdout.splitlines()] == expected
+    # each row's answer is cut to its own logprobs, as infer() cuts it
+    ys = client.infer_many(np.array(xs, np.int64), timeout=30, sampling=each, max_steps=6)
+    assert isinstance(ys[0], np.ndarray) and set(ys[2]) == {"token", "logprob", "top_ids",
+                                                          "top_logprobs"}
+    assert ys[2]["top_ids"].shape == (len(expected[2]), 2)
+    with pytest.raises(engine.InvalidInput, match=r"expected one per row \(3\), got 2"):
+        client.infer_many(np.array(xs, np.int64), timeout=30, sampling=each[:2])
+    with pytest.raises(engine.InvalidInput, match=r"sampling\[1\]: logprobs: expected at most 4"):
+        client.infer_many(np.array(xs[:2], np.int64), timeout=30,
+                          sampling=[GREEDY, engine.Sampling(logprobs=5)])
+    assert wait_until_no_slot_in_use(eng)
+
+
+def assert_prompt_logprobs(entries, prompt, k):
+    """Each entry is log_softmax of the model's logits at the position before
+    it, for the actual prompt token, with the top k there."""
+    assert len(entries) == len(prompt) and entries[0] is None
+    for j in range(1, len(prompt)):
+        expected = log_softmax(prompt_logits(prompt[:j]))
+        logprob, top_ids, top = entries[j]
+        assert np.isclose(logprob, expected[prompt[j]], atol=1e-4)
+        assert top_ids.dtype == np.int64 and top_ids.tolist() == \
+            np.argsort(-expected, kind="stable")[:k].tolist()
+        assert top.dtype == np.float32 and np.allclose(top, expected[top_ids], atol=1e-4)
+
+
+def test_prompt_logprobs_come_before_the_first_chunk_alone_and_in_a_batch(client):
+    prompt = [3, 5, 7, 9, 2]
+    s = engine.Sampling(temperature=0, prompt_logprobs=2)
+    stream = client.stream(np.array(prompt, np.int64), timeout=30, sampling=s, max_steps=3)
+    assert stream.prompt_logprobs is None
+    first = next(stream)
+    assert_prompt_logprobs(stream.prompt_logprobs, prompt, 2)
+    assert [int(first)] + [int(t) for t in stream] == greedy_chain(prompt, 3)
+    # beside running requests that did not ask, and joined with another that asked
+    others = [client.submit(np.array([20 + i, 1], np.int64), timeout=30, sampling=GREEDY)
+              for i in range(3)]
+    asks = [([4, 1, 8], engine.Sampling(temperature=0.8, seed=3, prompt_logprobs=0, logprobs=1)),
+            ([6, 6, 2, 9, 9, 1, 3], engine.Sampling(temperature=0, prompt_logprobs=4))]
+    streams = [client.stream(np.array(p, np.int64), timeout=30, sampling=a) for p, a in asks]
+    for stream, (p, a) in zip(streams, asks):
+        chunks = list(stream)
+        assert_prompt_logprobs(stream.prompt_logprobs, p, a.prompt_logprobs)
+        tokens = [int(c["token"]) if isinstance(c, dict) else int(c) for c in chunks]
+        assert tokens == alone(p, a, 12)
+    assert all(len(f.result(timeout=30)) for f in others)
+
+
+def test_a_request_not_asking_gets_none_and_join_is_not_asked_for_every_position(client,
+                                                                                  joins):
+    prompt = np.array([3, 5, 7], np.int64)
+    before = joins.read_text().splitlines()
+    stream = client.stream(prompt, timeout=30, sampling=GREEDY)
+    assert len(list(stream)) and stream.prompt_logprobs is None
+    y = client.infer(prompt, timeout=30, sampling=engine.Sampling(temperature=0, logprobs=1))
+    after = joins.read_text().splitlines()[len(before):]
+    assert [line.split()[0] for line in after] == ["last", "last"]
+    # infer of one that asks: a dict, its chunks per key and its prompt's logprobs
+    s = engine.Sampling(temperature=0, logprobs=1, prompt_logprobs=1)
+    scored = client.infer(prompt, timeout=30, sampling=s)
+    assert [line.split()[0] for line in joins.read_text().splitlines()[len(before) + 2:]] == \
+        ["all"]
+    assert scored["token"].tolist() == y["token"].tolist()
+    assert np.array_equal(scored["top_ids"], y["top_ids"])
+    assert_prompt_logprobs(scored["prompt_logprobs"], prompt.tolist(), 1)
+    tokens = client.infer(prompt, timeout=30, sampling=engine.Sampling(temperature=0,
+                                                                        prompt_logprobs=0))
+    assert tokens["token"].tolist() == y["token"].tolist()
+
+
+def test_prompt_logprobs_through_asyncio(client):
+    prompt = [9, 4, 1, 1]
+    s = engine.Sampling(temperature=0, prompt_logprobs=3)
+
+    async def main():
+        chunks = client.open_stream_async(np.array(prompt, np.int64), timeout=30, sampling=s)
+        try:
+            got = [int(c) async for c in chunks]
+        finally:
+            await chunks.aclose()
+        return got, chunks.prompt_logprobs, await client.infer_async(
+            np.array(prompt, np.int64), timeout=30, sampling=s)
+    tokens, entries, y = asyncio.run(main())
+    assert_prompt_logprobs(entries, prompt, 3)
+    assert_prompt_logprobs(y["prompt_logprobs"], prompt, 3)
+    assert y["token"].tolist() == tokens == greedy_chain(prompt, len(tokens))
+
+
+def test_what_asks_for_prompt_logprobs_in_vain(client, make_engine):
+    prompt = np.array([1, 2], np.int64)
+    s = engine.Sampling(prompt_logprobs=1)
+    with pytest.raises(engine.InvalidInput, match=r"submit\(\) does not return them"):
+        client.submit(prompt, timeout=30, sampling=s)
+    with pytest.raises(engine.InvalidInput, match=r"infer_many\(\) does not return them"):
+        client.infer_many(np.stack([prompt, prompt]), timeout=30, sampling=s)
+    with pytest.raises(engine.InvalidInput, match=r"prompt_logprobs: expected at most 4"):
+        client.infer(prompt, timeout=30, sampling=engine.Sampling(prompt_logprobs=5))
+    eng = make_engine("noprompt", **SPEC)
+    with engine.Client(eng.name) as c:
+        with pytest.raises(engine.InvalidInput, match="has prompt_logprobs=False"):
+            c.infer(prompt, timeout=30, sampling=s)
+    with pytest.raises(ValueError, match="prompt_logprobs=True needs sampling=True"):
+        EngineConfig(name="k", input_shape=(None,), max_input_shape=(8,), input_dtype="int64",
+                     iterative=True, prompt_logprobs=True)

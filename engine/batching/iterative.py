@@ -236,7 +236,7 @@ class Stepper:
         mask[take] = True
         slots, gens, ids = waiting.slots[take], waiting.gens[take], waiting.ids[take]
         try:
-            self.prefill(ids, *self.gather(slots))
+            self.prefill(ids, slots, *self.gather(slots))
         except Exception as e:
             self.leave(ids)  # whatever state the failed join made for them
             self.settle(waiting, mask, codes.STATUS_BACKEND, error_text(e), left=False)
@@ -247,7 +247,7 @@ class Stepper:
         waiting.keep(~mask)
         return slots
 
-    def prefill(self, ids: np.ndarray, batch: list, lengths) -> None:
+    def prefill(self, ids: np.ndarray, slots: np.ndarray, batch: list, lengths) -> None:
         """The model's join of these requests (sampled_steps keeps its logits)."""
         self.model.join(ids.copy(), *self.call.args(batch, lengths))
 

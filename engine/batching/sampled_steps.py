@@ -29,7 +29,7 @@ import numpy as np
 
 from engine.batching.iterative import Stepper, request_ids
 from engine.batching.loop import error_text
-from engine.batching.sampler import Rows, device_logits, is_torch, numpy_logits
+from engine.batching.sampler import Rows, device_logits, is_torch, numpy_logits, score
 from engine.errors import InvalidInput
 from engine.sampling import Sampling
 from engine.shm import codes
@@ -72,14 +72,44 @@ class SampledStepper(Stepper):
 
     def decoded(self, record: bytes) -> Sampling:
         s = Sampling.decode(record).check(self.top)
-        if s.prompt_logprobs is not None:
-            raise InvalidInput(f"prompt_logprobs: not served yet by this engine; expected none, "
-                               f"got {s.prompt_logprobs}")
+        if s.prompt_logprobs is not None and self.seg.prompt_regions is None:
+            raise InvalidInput(f"prompt_logprobs: engine {self.cfg.name!r} has "
+                               f"prompt_logprobs=False; expected None, got {s.prompt_logprobs}")
         return s
 
-    def prefill(self, ids: np.ndarray, batch: list, lengths) -> None:
-        logits = self.model.join(ids.copy(), *self.call.args(batch, lengths))
-        self.fresh.append(checked_logits(logits, len(ids)))
+    def prefill(self, ids: np.ndarray, slots: np.ndarray, batch: list, lengths) -> None:
+        x, real = self.call.args(batch, lengths)
+        asks = [self.params[i].prompt_logprobs for i in ids.tolist()]
+        if all(k is None for k in asks):  # every position's logits only when one wants them
+            self.fresh.append(checked_logits(self.model.join(ids.copy(), x, real), len(ids)))
+            return
+        every = self.model.join(ids.copy(), x, real, positions="all")
+        real = np.full(len(ids), x.shape[1]) if real is None else real
+        every = checked_positions(every, len(ids), x.shape[1])
+        rows = np.arange(len(ids))
+        last = real - 1  # each one's last prompt position: its first token's logits
+        self.fresh.append(checked_logits(
+            every[rows, last] if not is_torch(every) else every[rows.tolist(), last.tolist()],
+            len(ids)))
+        for i, k in enumerate(asks):
+            if k is not None:
+                self.write_prompt(int(slots[i]), x[i, :real[i]], every[i, :real[i] - 1], k)
+
+    def write_prompt(self, slot: int, prompt: np.ndarray, logits, k: int) -> None:
+        """Row j (1 <= j < len(prompt)) of the slot's prompt region: the
+        logprob of prompt[j] from position j - 1's logits, the top k at it."""
+        values, ids = self.seg.prompt_regions
+        n = len(prompt)
+        values[slot, :n] = np.nan
+        if ids is not None:
+            ids[slot, :n] = -1
+        if n < 2:
+            return
+        chosen, top_ids, top = score(logits, prompt[1:], k)
+        values[slot, 1:n, 0] = chosen
+        values[slot, 1:n, 1:1 + k] = top[:, :k]
+        if k:
+            ids[slot, 1:n, :k] = top_ids[:, :k]
 
     def joined(self, ids: np.ndarray) -> None:
         n = self.active.n
@@ -189,6 +219,16 @@ def checked_logits(logits, n: int):
     """logits [n, V] as the sampler takes them: a torch tensor that stays on
     its device, else numpy float32; BadResult saying what came otherwise."""
     return logits if device_logits(logits, n) is not None else numpy_logits(logits, n)
+
+
+def checked_positions(logits, k: int, length: int):
+    """join(..., positions="all")'s logits [k, L, V], L at least the batch's
+    prompt length; BadResult saying what came otherwise."""
+    shape = tuple(getattr(logits, "shape", ()))
+    if not (len(shape) == 3 and shape[0] == k and shape[1] >= length and shape[2] >= 1):
+        got = f"{type(logits).__name__}{list(shape)}"
+        raise BadResult(f"join(positions='all'): expected logits [{k}, {length}, V], got {got}")
+    return logits if is_torch(logits) else np.asarray(logits)
 
 
 def concatenated(parts: list):

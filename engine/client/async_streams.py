@@ -91,6 +91,11 @@ class AsyncStream(_Waits):
         """How many chunks were handed out."""
         return self.stream.chunks_read
 
+    @property
+    def prompt_logprobs(self) -> Optional[list]:
+        """The prompt's logprobs (Stream.prompt_logprobs), before the first chunk."""
+        return self.stream.prompt_logprobs
+
     async def __anext__(self) -> Any:
         while True:
             item = self._step(self.stream.next_ready)

@@ -9,27 +9,39 @@ rows than its priority's share has room for (engine.client.shares: QueueFull
 when not one), and with admission by deadline its first row is admitted as a
 single submit is (Overloaded when refused); the next chunk starts once this
 one is answered, so the call never holds more of the queue than its share.
+
+On an iterative engine each request also opens its stream before its publish,
+and each answer is its own chunks stacked (infer's): a list, not one array.
+On a sampling engine each row's Sampling record is written beside its input
+(sampled.records: one Sampling for every row, or one per row).
 """
 from typing import Optional
 
 import numpy as np
 
-from engine.client import room, shares, ticket
+from engine.client import room, sampled, shares, ticket
 from engine.client.handle import Handle
-from engine.errors import EngineUnavailable, InvalidInput, Overloaded
+from engine.errors import EngineCorrupt, EngineUnavailable, InvalidInput, Overloaded
 from engine.shm import codes, ring
 
 
-def infer_many(client: Handle, xs, timeout: Optional[float], priority: int) -> np.ndarray:
-    """The answers to xs[0], xs[1], ... stacked (see Client.infer_many)."""
+def infer_many(client: Handle, xs, timeout: Optional[float], priority: int,
+               max_steps: Optional[int] = None, sampling=None):
+    """The answers to xs[0], xs[1], ... stacked, or on an iterative engine
+    listed (see Client.infer_many)."""
     deadline = ticket.deadline_ns(timeout)
     seg, (xs,), (length,), _ = client.validated(xs, many=True, priority=priority,
-                                                deadline=deadline)
-    if seg.iterative:
-        raise InvalidInput("infer_many: an iterative engine's answers have as many chunks as "
-                           "they take; expected infer(), submit() or stream() of each request")
+                                                max_steps=max_steps, deadline=deadline)
     cfg, n, r = seg.config, len(xs), seg.ring
-    out = np.empty((n, *cfg.output_shape), cfg.output_dtype)
+    try:
+        if max_steps is not None and not seg.iterative:
+            raise InvalidInput(f"max_steps: a one-shot engine answers once; expected None, got "
+                               f"{max_steps!r}")
+        records, ks = sampled.records(seg, sampling, n, max_steps)
+    except InvalidInput:
+        r.add_word(codes.W_INVALID)
+        raise
+    out = [] if seg.iterative else np.empty((n, *cfg.output_shape), cfg.output_dtype)
     chunk = min(n, max(1, seg.capacity // 2))
     slots, gens = np.empty(chunk, np.uint32), np.empty(chunk, np.uint32)
     outcomes = np.empty(chunk, np.int32)
@@ -57,6 +69,11 @@ def infer_many(client: Handle, xs, timeout: Optional[float], priority: int) -> n
         seg.in_regions[0][s] = rows
         if cfg.var_axis is not None:
             seg.lengths[s, 0] = length
+        if records is not None:  # beside the inputs, read by the batcher at join
+            seg.records[s] = records[done:done + k]
+        if seg.iterative:  # a stream is opened between its write and its publish
+            for slot, gen in zip(s.tolist(), g.tolist()):
+                r.stream_open(slot, gen, max_steps or 0)
         r.publish_many(s, g, k, length, deadline or 0, priority)
         _await_all(client, seg, s, g, k, deadline, timeout)
         r.poll(s, g, outcomes[:k])
@@ -65,10 +82,27 @@ def infer_many(client: Handle, xs, timeout: Optional[float], priority: int) -> n
             error = ticket.failed(seg, int(s[failed[0]]), int(g[failed[0]]), codes.EFAILED)
             r.release_many(s, g, k)
             raise error
-        out[done:done + k] = seg.out_regions[0][s]
-        r.release_many(s, g, k)
+        if seg.iterative:
+            out += _chunks_of(seg, s, g, ks[done:done + k])
+        else:
+            out[done:done + k] = seg.out_regions[0][s]
+            r.release_many(s, g, k)
         done += k
     return out
+
+
+def _chunks_of(seg, slots, gens, ks) -> list:
+    """Each answered iterative request's chunks stacked, as infer() returns
+    them; every slot freed, even when one's chunk count is corrupt."""
+    answers, error = [], None
+    for slot, gen, k in zip(slots.tolist(), gens.tolist(), ks):
+        try:
+            answers.append(sampled.cut(seg.config.answer(ticket.read(seg, slot, gen, None)), k))
+        except EngineCorrupt as e:  # read() freed its slot: the others still are ours
+            error = error or e
+    if error is not None:
+        raise error
+    return answers
 
 
 def _await_all(client: Handle, seg, slots, gens, k, deadline, timeout) -> None:

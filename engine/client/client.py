@@ -119,7 +119,10 @@ class Client:
         reused by the caller: a large answer then lands in warm memory). The
         timeout is also the request's deadline inside the engine; priority 0
         is the most urgent. An iterative engine's answer is its chunks
-        stacked, (steps, *chunk_shape), at most max_steps of them."""
+        stacked, (steps, *chunk_shape), at most max_steps of them (asked
+        prompt_logprobs: a dict with them too, engine.client.sampled.scored)."""
+        if sampled.asks_prompt(sampling):
+            return sampled.scored(self, x, timeout, priority, max_steps, sampling)
         if tracing.TRACE_MODULE in sys.modules and (parent := tracing.context()) is not None:
             return self._traced_infer(parent, x, timeout, priority, max_steps, out, sampling)
         if self._retry is not None:
@@ -135,6 +138,7 @@ class Client:
         """Enqueues x now; the Future resolves to its answer (or error), in
         out if given (as for infer). cancel() withdraws the request while no
         batch has answered it."""
+        sampled.refuse_prompt("submit()", sampling)
         deadline = ticket.deadline_ns(timeout)
         seg, slot, gen, outs = (
             self._enqueue(x, deadline, priority, max_steps, out, sampling) if self._retry is None
@@ -149,6 +153,8 @@ class Client:
                           sampling: Optional[Sampling] = None) -> Tensors:
         """infer() for asyncio: awaits the answer without blocking the loop.
         Cancelled, it withdraws the request."""
+        if sampled.asks_prompt(sampling):
+            return await sampled.scored_async(self, x, timeout, priority, max_steps, sampling)
         if self._retry is not None:
             return await self._retry.infer_async(self, x, timeout, priority, max_steps, sampling)
         deadline = ticket.deadline_ns(timeout)
@@ -169,7 +175,7 @@ class Client:
             return streams.Answered(self.submit(x, timeout, priority=priority, sampling=sampling))
         seg, slot, gen, _ = self._enqueue(x, deadline, priority, max_steps, None, sampling)
         return streams.Stream(self, seg, slot, gen, deadline, timeout,
-                              sampled.k_of(seg, sampling))
+                              sampled.k_of(seg, sampling), sampled.prompt_ask(seg, sampling, x))
 
     async def stream_async(self, x: Tensors, timeout: Optional[float] = 1.0, *,
                            priority: int = 0, max_steps: Optional[int] = None,
@@ -198,7 +204,7 @@ class Client:
                                                                 sampling=sampling))
         seg, slot, gen, _ = self._enqueue(x, deadline, priority, max_steps, None, sampling)
         stream = streams.Stream(self, seg, slot, gen, deadline, timeout,
-                                sampled.k_of(seg, sampling))
+                                sampled.k_of(seg, sampling), sampled.prompt_ask(seg, sampling, x))
         chunks = async_streams.AsyncStream(stream, asyncio.get_running_loop())
         self.completer().add(chunks)
         return chunks
@@ -225,17 +231,18 @@ class Client:
             raise EngineUnavailable(f"cannot enqueue on engine {self.name!r} (code {code})")
         return SlotRequest(self, seg, slot, gen)
 
-    def infer_many(self, xs: np.ndarray, timeout: Optional[float] = 1.0, *,
-                   priority: int = 0) -> np.ndarray:
+    def infer_many(self, xs: np.ndarray, timeout: Optional[float] = 1.0, *, priority: int = 0,
+                   max_steps: Optional[int] = None, sampling: Any = None) -> Any:
         """Sends xs[0], xs[1], ... as len(xs) requests at once and blocks until all
-        are answered; returns the answers stacked, shape (n, *output_shape).
+        are answered; returns the answers stacked, shape (n, *output_shape) (an iterative
+        engine's listed, each as infer()'s; sampling=: one, or one per row: sampled.records).
 
         The requests are enqueued, waited for and released in bulk (one C call
         each), in chunks of at most half the queue_capacity, so one bulk call
         leaves room for other clients. QueueFull if not one slot is free when a
         chunk starts; on any error no answer of the call is returned.
         """
-        return bulk.infer_many(self, xs, timeout, priority)
+        return bulk.infer_many(self, xs, timeout, priority, max_steps, sampling)
 
     @property
     def retries_total(self) -> int:

@@ -40,9 +40,13 @@ class Stream:
     the request if it has not ended."""
 
     def __init__(self, client: Handle, seg, slot: int, gen: int, deadline: Optional[int],
-                 timeout: Optional[float], logprobs: Optional[int] = None) -> None:
+                 timeout: Optional[float], logprobs: Optional[int] = None,
+                 prompt: Optional[tuple] = None) -> None:
         self.client, self.seg, self.slot, self.gen = client, seg, slot, gen
         self.logprobs = logprobs  # a sampling engine's: each chunk's cut (engine.client.sampled)
+        self._prompt = prompt  # (k, length) of a request that asked its prompt's logprobs
+        # its prompt's logprobs (sampled.prompt_entries), set before its first chunk is handed out
+        self.prompt_logprobs: Optional[list] = None
         self.deadline, self.timeout = deadline, timeout
         self._word = 0        # the slot's chunk word as last read
         self._sent = 0        # chunks handed out
@@ -107,6 +111,8 @@ class Stream:
             raise StopIteration
         count = self._word & COUNT_MASK
         if self._sent < count:
+            if self._prompt is not None:
+                self._read_prompt()
             self._sent += 1
             return self._chunk(self._sent - 1)
         if not (self._word & codes.CHUNKS_END or self._settled):
@@ -128,6 +134,8 @@ class Stream:
         count = self._word & COUNT_MASK
         if not self._open or self._sent >= count:
             return None
+        if self._prompt is not None:
+            self._read_prompt()
         got = self._chunks(self._sent, count)
         self._sent = count
         return got
@@ -173,6 +181,12 @@ class Stream:
         """The engine's stamps of the request, for its span (traced only):
         read while the slot is ours, settled or not (ring.slot_times)."""
         return None if self._began is None else self.seg.ring.slot_times(self.slot, self.gen)
+
+    def _read_prompt(self) -> None:
+        """The prompt's logprobs, once: the batcher wrote them at join, before
+        it published the first chunk, which this stream has seen."""
+        self.prompt_logprobs = sampled.prompt_entries(self.seg, self.slot, self._prompt)
+        self._prompt = None
 
     def _chunk(self, k: int) -> Any:
         if self.logprobs == 0:  # a sampling engine's request without logprobs: the token
