@@ -19,6 +19,9 @@ Tagged (named tensors: input_ids int64[None], seed int64[1], temperature
 float32[1]; output token int64) answers f"{seed}:{temperature:.2f}:" then its
 prompt as Echo does: the answer says which values came.
 
+Numbered answers f"{k}:" then its prompt as Echo does, k the requests its
+batcher joined before it: the order they joined in.
+
 embedder (one-shot: int64[None] -> float32[4]) answers each request's
 (length, sum, first, last) of its token ids.
 
@@ -204,6 +207,18 @@ class Tagged(Echo):
 
 def tagged(step_ms: float = 0.0):
     return Tagged(step_ms)
+
+
+class Numbered(Echo):
+    joined = 0
+
+    def prefix(self, rid, row) -> list:
+        self.joined += 1
+        return list(f"{self.joined - 1}:".encode())
+
+
+def numbered(step_ms: float = 0.0):
+    return Numbered(step_ms, marks=False)
 
 
 def embedding(ids) -> list:

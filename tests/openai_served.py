@@ -94,6 +94,16 @@ def withdrawn(engine: str) -> int:
         seg.close()
 
 
+def queued(engine: str) -> int:
+    """Requests of the engine waiting in its queue, at any priority (its levels
+    are read from the ready bitmaps, which a header-only attach leaves unmapped)."""
+    seg = Segment.attach(engine)
+    try:
+        return seg.ring.queued(seg.config.priority_levels - 1)
+    finally:
+        seg.close()
+
+
 def slot_comes_back(served) -> None:
     """A short request to the one-slot engine is answered once its slot is free."""
     def answered() -> bool:
