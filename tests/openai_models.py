@@ -23,7 +23,10 @@ Numbered answers f"{k}:" then its prompt as Echo does, k the requests its
 batcher joined before it: the order they joined in.
 
 embedder (one-shot: int64[None] -> float32[4]) answers each request's
-(length, sum, first, last) of its token ids.
+(length, sum, first, last) of its token ids. scorer (one-shot: int64[None] ->
+float32[]) answers a (query, document) pair of ids, joined by EOS (as the
+routes join Bytes' pairs), its relevance(): the share of the query's
+distinct bytes that the document holds.
 
 Counted is Bytes that says its vocabulary's size (257: EOS the last id);
 Gated's encode() of a text that begins "GATE:path:" makes path.entered, then
@@ -224,6 +227,20 @@ def numbered(step_ms: float = 0.0):
 def embedding(ids) -> list:
     """Its oracle: what embedder answers for these token ids."""
     return [float(len(ids)), float(sum(ids)), float(ids[0]), float(ids[-1])]
+
+
+def relevance(ids) -> float:
+    """Its oracle: what scorer answers for these ids (query, EOS, document)."""
+    split = ids.index(EOS) if EOS in ids else len(ids)
+    query, document = set(ids[:split]), set(ids[split + 1:])
+    return len(query & document) / len(query) if query else 0.0
+
+
+def scorer():
+    def run(batch, lengths):
+        return np.array([relevance(row[:n].tolist()) for row, n in zip(batch, lengths.tolist())],
+                        np.float32)
+    return run
 
 
 def embedder():

@@ -8,5 +8,6 @@ caller's text made token ids at a bounded cost, off the event loop when
 long; `text` the tokenizer hook, incremental decoding, stop strings;
 `replies` answers and errors in OpenAI's shape; `generate` completions and
 chat completions on iterative engines; `several` those of several prompts or
-choices; `embeddings` embeddings on one-shot engines.
+choices; `embeddings` embeddings on one-shot engines; `rerank` a query's
+documents scored by a one-shot reranker.
 """

@@ -25,7 +25,8 @@ from engine.http.openai.text import eos_of, id_list
 from engine.http.values import json_text
 
 # an embeddings request's inputs, at most, as OpenAI's API reference bounds them; a
-# completion's prompts too: each is an engine request, all enqueued at once (and never more than the engine's queue_capacity, which could not hold them)
+# completion's prompts and a rerank's documents too: each is an engine request, all
+# enqueued at once (and never more than the engine's queue_capacity, which could not hold them)
 MAX_INPUTS = 2048
 MAX_CHOICES = 128  # n, at most: OpenAI's bound
 DEFAULT_MAX_TOKENS = 16  # a completion's max_tokens when absent, as OpenAI's and vLLM's
@@ -110,7 +111,7 @@ class Served:
 
     @property
     def most_inputs(self) -> int:
-        """The most inputs (prompts) one request may have: each is an
+        """The most inputs (prompts, documents) one request may have: each is an
         engine request, all enqueued at once."""
         return min(MAX_INPUTS, self.config.queue_capacity)
 

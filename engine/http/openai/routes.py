@@ -12,13 +12,14 @@ fails fails the worker's start, naming the engine).
                                         several prompts or choices: .several)
     POST /v1/chat/completions           iterative engines, through the chat template
     POST /v1/embeddings                 one-shot engines (engine.http.openai.embeddings)
+    POST /v1/rerank, /rerank            one-shot engines of task "rerank" (.rerank)
 
 Every route takes vLLM's top-level `priority` as the engine requests'.
 A body is read under its route's limit (the largest that one of the route's
 models can need: body.HEADER_BYTES + BYTES_PER_TOKEN for each token its requests
 can hold, or a byte for each character of their max_prompt_chars if more, for
-each text it may carry (a completion's prompts, an embedding's inputs), or the
-server's http_max_body_bytes), refused with 413 from its
+each text it may carry (a completion's prompts, an embedding's inputs, a rerank's
+documents and query), or the server's http_max_body_bytes), refused with 413 from its
 Content-Length before it is read, then parsed as JSON where its size says
 (engine.http.server.parsing: a large one in the parser process, which hands
 back no text longer than the route's models take). Every refusal is in
@@ -35,10 +36,10 @@ from engine.http import body as bodies
 from engine.http.asgi import Receive, Scope, Send
 from engine.http.engines import Engines
 from engine.http.errors import BadRequest, Disconnected, allowed
-from engine.http.openai import embeddings, fields, generate, several, text, tokenizing
+from engine.http.openai import embeddings, fields, generate, rerank, several, text, tokenizing
 from engine.http.openai.fields import Served
 from engine.http.openai.replies import OpenAIError, bad, of_engine, send_error, send_json
-from engine.http.openai.settings import EMBED, GENERATE, OpenAISettings
+from engine.http.openai.settings import EMBED, GENERATE, RERANK, OpenAISettings
 from engine.http.server import parsing
 
 log = logging.getLogger("shmbatch")
@@ -49,9 +50,12 @@ BYTES_PER_TOKEN = 64      # a token's text (or id) in JSON, escapes included
 INLINE_PARSE_BYTES = parsing.PROCESS_BYTES
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 # each POST route: the task of the models it serves
-TASKS = {COMPLETIONS: GENERATE, CHAT: GENERATE, "/v1/embeddings": EMBED}
+TASKS = {COMPLETIONS: GENERATE, CHAT: GENERATE, "/v1/embeddings": EMBED, "/v1/rerank": RERANK,
+         "/rerank": RERANK}
+ROOT_PATHS = ("/rerank",)  # the routes outside /v1/ (vLLM's, Jina's) that the front sends here
 # the fields of each route's texts, checked by length where its body is parsed
-TEXTS = {COMPLETIONS: ("prompt",), CHAT: ("messages",), "/v1/embeddings": ("input",)}
+TEXTS = {COMPLETIONS: ("prompt",), CHAT: ("messages",), "/v1/embeddings": ("input",),
+         "/v1/rerank": ("query", "documents"), "/rerank": ("query", "documents")}
 
 
 class App:
@@ -64,12 +68,15 @@ class App:
         self.engines, self.parser = engines, parser
         self.created = int(time.time())
         self.served: Dict[str, Served] = {}
+        self.pairs: Dict[str, rerank.Pairing] = {}  # each reranker's (query, document) ids
         self.tokens_of = tokenizing.Tokenizing()
         for engine, table in tables.items():
             settings = OpenAISettings(**table)
             tokenizer = text.load(settings.tokenizer, engine)
             self.served[settings.model] = Served(settings, engines.configs[engine], tokenizer,
                                                  self.tokens_of)
+            if settings.task == RERANK:
+                self.pairs[settings.model] = rerank.pairing(tokenizer, engine)
         explicit = engines.max_body_bytes
         self.limits = {path: explicit or self._limit(path) for path in TASKS}
         # a text longer than every model of a route takes is dropped where the body is parsed
@@ -88,7 +95,7 @@ class App:
         def texts(s: Served) -> int:
             if path == CHAT:
                 return 1
-            return s.most_inputs
+            return s.most_inputs + (1 if TASKS[path] == RERANK else 0)  # and the query
         text = [max(s.bound * BYTES_PER_TOKEN, s.max_chars) * texts(s) for s in self._models(path)]
         return min(bodies.HEADER_BYTES + max(text, default=0), bodies.MAX_JSON_BYTES)
 
@@ -122,8 +129,8 @@ class App:
             return await send_json(send, 200, self._card(name))
         if path not in self.limits:
             raise OpenAIError(404, f"no route {scope['path']}: expected /v1/models, "
-                                   f"/v1/completions, /v1/chat/completions or /v1/embeddings",
-                              code="unknown_url")
+                                   f"/v1/completions, /v1/chat/completions, /v1/embeddings or "
+                                   f"/v1/rerank", code="unknown_url")
         allowed(method, "POST")
         body, overlong = await self._body(scope, receive, path)
         served = self._served(body.get("model"))
@@ -138,13 +145,16 @@ class App:
                       "model")
         client = self.engines.client(served.engine)
         timeout_s = self.engines.timeout_s
-        field = {GENERATE: "prompt", EMBED: "input"}[task]
+        field = {GENERATE: "prompt", EMBED: "input", RERANK: "documents"}[task]
         field = "messages" if path == CHAT else field
         priority = fields.priority(body, served.config.priority_levels)
         try:
             if task == EMBED:
                 return await embeddings.answer(client, served, body, timeout_s, priority,
                                                receive, send)
+            if task == RERANK:
+                return await rerank.answer(client, served, self.pairs[served.model], body,
+                                           timeout_s, priority, receive, send)
             request = await generate.Request(served, body, path == CHAT, priority).tokenize()
             answering = several if request.several else generate
             return await answering.answer(client, request, timeout_s, scope, receive, send)
@@ -183,7 +193,7 @@ class App:
 
 def read_body(raw: bytes, most_chars: int, texts: Tuple[str, ...]):
     """(a body's JSON object, None), or with a text of more than most_chars
-    characters (a prompt, an input, the messages' together)
+    characters (a prompt, an input, a document, the messages' together)
     taken out of its field (one of `texts`), (the object, (the field, its
     characters)): run where the body is parsed (engine.http.server.parsing),
     so that a text no model takes is never handed back. BadRequest for a
@@ -205,12 +215,13 @@ def read_body(raw: bytes, most_chars: int, texts: Tuple[str, ...]):
 
 def _text_chars(value) -> int:
     """The characters of a field's longest text: a string, or each of a list
-    of strings (each text its own request's)."""
+    of strings or of {"text": str} (each text its own request's)."""
     if isinstance(value, str):
         return len(value)
     if not isinstance(value, list):
         return 0
-    return max((len(v) for v in value if isinstance(v, str)), default=0)
+    return max((len(t) for t in (v.get("text") if isinstance(v, dict) else v for v in value)
+                if isinstance(t, str)), default=0)
 
 
 def _messages_chars(value) -> int:
