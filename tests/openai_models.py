@@ -19,8 +19,14 @@ Tagged (named tensors: input_ids int64[None], seed int64[1], temperature
 float32[1]; output token int64) answers f"{seed}:{temperature:.2f}:" then its
 prompt as Echo does: the answer says which values came.
 
+Numbered answers f"{k}:" then its prompt as Echo does, k the requests its
+batcher joined before it: the order they joined in.
+
 embedder (one-shot: int64[None] -> float32[4]) answers each request's
-(length, sum, first, last) of its token ids.
+(length, sum, first, last) of its token ids. scorer (one-shot: int64[None] ->
+float32[]) answers a (query, document) pair of ids, joined by EOS (as the
+routes join Bytes' pairs), its relevance(): the share of the query's
+distinct bytes that the document holds.
 
 Counted is Bytes that says its vocabulary's size (257: EOS the last id);
 Gated's encode() of a text that begins "GATE:path:" makes path.entered, then
@@ -206,9 +212,35 @@ def tagged(step_ms: float = 0.0):
     return Tagged(step_ms)
 
 
+class Numbered(Echo):
+    joined = 0
+
+    def prefix(self, rid, row) -> list:
+        self.joined += 1
+        return list(f"{self.joined - 1}:".encode())
+
+
+def numbered(step_ms: float = 0.0):
+    return Numbered(step_ms, marks=False)
+
+
 def embedding(ids) -> list:
     """Its oracle: what embedder answers for these token ids."""
     return [float(len(ids)), float(sum(ids)), float(ids[0]), float(ids[-1])]
+
+
+def relevance(ids) -> float:
+    """Its oracle: what scorer answers for these ids (query, EOS, document)."""
+    split = ids.index(EOS) if EOS in ids else len(ids)
+    query, document = set(ids[:split]), set(ids[split + 1:])
+    return len(query & document) / len(query) if query else 0.0
+
+
+def scorer():
+    def run(batch, lengths):
+        return np.array([relevance(row[:n].tolist()) for row, n in zip(batch, lengths.tolist())],
+                        np.float32)
+    return run
 
 
 def embedder():

@@ -19,6 +19,8 @@ TAGGED = dict(backend="openai_models:tagged", iterative=True, max_steps=128,
               max_input_shapes={"input_ids": [64]}, outputs={"token": ["int64", []]})
 EMBED = dict(backend="openai_models:embedder", input_shape=["none"], max_input_shape=[32],
              input_dtype="int64", output_shape=[4], output_dtype="float32")
+RANK = dict(backend="openai_models:scorer", input_shape=["none"], max_input_shape=[64],
+            input_dtype="int64", output_shape=[], output_dtype="float32")
 # one slot and 10 ms steps without end: a request holds the slot until it is withdrawn
 SLOW = dict(backend="openai_models:echo", backend_args={"step_ms": 10.0}, queue_capacity=1,
             max_batch_size=1, **{**STEPS, "max_steps": 65536})
@@ -53,10 +55,12 @@ def async_client(served) -> openai.AsyncOpenAI:
                               timeout=60)
 
 
-def post(served, path: str, body, headers=None, timeout_s: float = 60):
-    """(status, headers, the answer's bytes) of one POST of body (JSON, or bytes as they are)."""
+def post(served, path: str, body, headers=None, timeout_s: float = 60, root: bool = False):
+    """(status, headers, the answer's bytes) of one POST of body (JSON, or bytes as they
+    are) to path under /v1 (root: path from the server's root)."""
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(served.base_url + path, data=data, method="POST",
+    url = f"http://{served.url}{path}" if root else served.base_url + path
+    request = urllib.request.Request(url, data=data, method="POST",
                                      headers={"content-type": "application/json",
                                               **(headers or {})})
     try:
@@ -90,6 +94,16 @@ def withdrawn(engine: str) -> int:
     seg = Segment.attach(engine, header_only=True)
     try:
         return seg.ring.word(codes.W_WITHDRAWN)
+    finally:
+        seg.close()
+
+
+def queued(engine: str) -> int:
+    """Requests of the engine waiting in its queue, at any priority (its levels
+    are read from the ready bitmaps, which a header-only attach leaves unmapped)."""
+    seg = Segment.attach(engine)
+    try:
+        return seg.ring.queued(seg.config.priority_levels - 1)
     finally:
         seg.close()
 

@@ -21,6 +21,9 @@ from openai_served import (  # noqa: E402
     withdrawn,
 )
 
+from engine.http.openai import honoured  # noqa: E402
+from engine.http.openai.replies import OpenAIError  # noqa: E402
+
 BYTES = {"tokenizer": "openai_models:bytes_tokenizer"}
 
 
@@ -50,12 +53,34 @@ def test_an_unknown_model_is_404_in_openais_shape(server):
     assert "'nobody'" in body["message"] and "'echo'" in body["message"]
 
 
-@pytest.mark.parametrize("field, value", [("n", 2), ("best_of", 3), ("logprobs", 1),
-                                          ("echo", True)])
-def test_a_completion_field_that_changes_the_answers_form_is_refused(server, field, value):
-    with pytest.raises(openai.BadRequestError) as refused:
-        client(server).completions.create(model="echo", prompt="x", extra_body={field: value})
-    assert refused.value.body["param"] == field
+# each field that would change a greedy engine's answer, with a value that would
+UNHONOURED = [("temperature", 0.7), ("temperature", 2), ("top_p", 0.9), ("top_k", 40),
+              ("min_p", 0.1), ("n", 2), ("seed", 7), ("min_tokens", 4), ("ignore_eos", True),
+              ("stop_token_ids", [10]), ("logprobs", 1), ("logprobs", 0), ("top_logprobs", 2),
+              ("prompt_logprobs", 1), ("echo", True), ("presence_penalty", 0.5),
+              ("frequency_penalty", -1), ("repetition_penalty", 1.2), ("logit_bias", {"5": 1}),
+              ("allowed_token_ids", [1]), ("bad_words", ["x"]), ("use_beam_search", True),
+              ("include_stop_str_in_output", True), ("best_of", 3), ("suffix", "!"),
+              ("response_format", {"type": "json_object"})]
+
+
+@pytest.mark.parametrize("field, value", UNHONOURED)
+def test_a_completion_field_its_engine_cannot_honour_is_refused_naming_it(server, field, value):
+    before = requests_total(server.names["echo"])
+    status, _, body = post(server, "/completions", {"model": "echo", "prompt": "x", field: value})
+    error = error_of(body)
+    assert status == 400 and error["param"] == field, error
+    assert f"expected {field} " in error["message"] and json.dumps(value) in error["message"]
+    assert requests_total(server.names["echo"]) == before
+
+
+def test_values_that_leave_the_greedy_answer_as_it_is_are_taken(server):
+    c = client(server)
+    for fields in ({"temperature": 0, "n": 2, "seed": 3}, {"temperature": 1, "top_p": 1},
+                   {"top_k": -1, "min_p": 0, "min_tokens": 0, "ignore_eos": False,
+                    "stop_token_ids": [], "logprobs": None, "echo": False, "logit_bias": {}}):
+        done = c.completions.create(model="echo", prompt="ok", max_tokens=4, extra_body=fields)
+        assert {ch.text for ch in done.choices} == {"ok"}, fields
 
 
 @pytest.mark.parametrize("field, value", [
@@ -68,9 +93,21 @@ def test_a_chat_field_that_changes_the_answers_form_is_refused(server, field, va
     assert refused.value.body["param"] == field
 
 
+def test_a_sampling_engine_would_take_the_sampling_fields_and_no_others():
+    # the rule's table, read as it is for an engine whose config says sampling
+    class Sampling:
+        model, sampling, input_names = "s", True, frozenset()
+
+    honoured.refuse_unhonoured(Sampling(), {"temperature": 0.7, "top_p": 0.9, "n": 4, "seed": 1,
+                                            "logprobs": 2, "ignore_eos": True})
+    with pytest.raises(OpenAIError) as refused:
+        honoured.refuse_unhonoured(Sampling(), {"temperature": 0.7, "presence_penalty": 1})
+    assert refused.value.param == "presence_penalty"
+
+
 def test_other_fields_are_ignored(server):
     done = client(server).completions.create(model="echo", prompt="ok", n=1, user="someone",
-                                             presence_penalty=0.5, extra_body={"top_k": 3})
+                                             presence_penalty=0, extra_body={"top_k": -1})
     assert done.choices[0].text == "ok"
 
 
@@ -120,7 +157,7 @@ def test_a_prompt_longer_than_the_engine_takes_is_refused(server):
 
 def test_a_full_queue_is_503_with_retry_after(server):
     c = client(server)
-    holder = c.completions.create(model="slow", prompt="hold", stream=True)
+    holder = c.completions.create(model="slow", prompt="hold", max_tokens=60000, stream=True)
     try:
         assert next(iter(holder)).choices[0].text == "h"  # the one slot is held
         with pytest.raises(openai.InternalServerError) as refused:
@@ -135,7 +172,8 @@ def test_a_full_queue_is_503_with_retry_after(server):
 
 def test_a_streaming_caller_that_disconnects_withdraws_its_request(server):
     before = withdrawn(server.names["slow"])
-    stream = client(server).completions.create(model="slow", prompt="endless", stream=True)
+    stream = client(server).completions.create(model="slow", prompt="endless", max_tokens=60000,
+                                               stream=True)
     pieces = iter(stream)
     assert [next(pieces).choices[0].text for _ in range(3)] == ["e", "n", "d"]
     stream.close()  # 65536 steps of 10 ms would hold the slot for minutes
@@ -146,7 +184,8 @@ def test_a_streaming_caller_that_disconnects_withdraws_its_request(server):
 
 def test_a_caller_that_disconnects_before_its_whole_answer_withdraws_it(server):
     before, enqueued = withdrawn(server.names["slow"]), requests_total(server.names["slow"])
-    sock = raw_post(server, "/completions", {"model": "slow", "prompt": "endless"})
+    sock = raw_post(server, "/completions", {"model": "slow", "prompt": "endless",
+                                             "max_tokens": 60000})
     wait_for(lambda: requests_total(server.names["slow"]) == enqueued + 1,
              "the request enqueued", 60, every_s=0.05)
     sock.close()
@@ -177,7 +216,8 @@ def test_a_backend_error_mid_stream_ends_it_with_an_error_event_and_no_done(serv
 
 
 def test_a_body_over_the_limit_is_413_before_it_is_read(server):
-    status, _, body = post(server, "/completions", {"model": "echo", "prompt": "z" * (1 << 20)})
+    status, _, body = post(server, "/chat/completions", {
+        "model": "echo", "messages": [{"role": "user", "content": "z" * (1 << 20)}]})
     assert status == 413
     assert error_of(body)["type"] == "invalid_request_error"
 

@@ -26,7 +26,7 @@ def server(tmp_path_factory):
 
 
 def test_a_completion_through_a_transformers_tokenizer_answers_its_prompt(server):
-    done = client(server).completions.create(model="bpe", prompt=TEXT)
+    done = client(server).completions.create(model="bpe", prompt=TEXT, max_tokens=64)
     assert (done.choices[0].text, done.choices[0].finish_reason) == (TEXT, "stop")
     assert done.usage.prompt_tokens == len(hf_tokenizer().encode(TEXT))
 
@@ -34,7 +34,8 @@ def test_a_completion_through_a_transformers_tokenizer_answers_its_prompt(server
 def test_a_stream_through_a_byte_level_bpe_never_splits_a_character(server):
     async def pieces():
         async with async_client(server) as c:
-            stream = await c.completions.create(model="bpe", prompt=TEXT * 2, stream=True)
+            stream = await c.completions.create(model="bpe", prompt=TEXT * 2, max_tokens=128,
+                                                stream=True)
             return [chunk.choices[0].text async for chunk in stream]
 
     got = asyncio.run(pieces())

@@ -145,9 +145,14 @@ class AsyncStream(_Waits):
             self.over = True
             raise
 
-    async def aclose(self) -> None:
+    def close(self) -> None:
+        """Withdraws the request unless its answer has ended: aclose(), from
+        code that cannot await (a wake's callback)."""
         self.over = True
         self.stream.close()
+
+    async def aclose(self) -> None:
+        self.close()
 
     def __del__(self) -> None:
         self.over = True

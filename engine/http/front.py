@@ -2,7 +2,7 @@
 
 Run by each HTTP worker process of `shmbatch serve --http-port`
 (engine.http.worker), usable under any ASGI server, and by Ray
-Serve's replicas (engine.ray). Paths under /v1/ go to the OpenAI API
+Serve's replicas (engine.ray). Paths under /v1/ (and /rerank) go to the OpenAI API
 (engine.http.openai), for the engines that have an openai table; every
 other path to the Open Inference Protocol (engine.http.oip). Both reach
 the engines through one Engines (engine.http.engines), so the requests of
@@ -69,7 +69,8 @@ class Front:
         if scope["type"] != "http":
             return  # websockets are not served
         app: asgi.App = self.oip
-        if self.openai is not None and scope["path"].startswith("/v1/"):
+        if self.openai is not None and (scope["path"].startswith("/v1/") or
+                                        scope["path"] in openai_routes.ROOT_PATHS):
             app = self.openai
         if self.api_key is not None:
             why = self.api_key.refusal(scope)

@@ -2,9 +2,12 @@
 
 `routes` the /v1/ routes over the front's engines; `settings` an engine's
 openai table, checked against its tensors; `fields` a request's fields read
-against the engine that serves its model; `tokenizing` a caller's text made
-token ids at a bounded cost, off the event loop when long; `text` the
-tokenizer hook, incremental decoding, stop strings; `replies` answers and errors in
-OpenAI's shape; `generate` completions and chat completions on iterative
-engines; `embeddings` embeddings on one-shot engines.
+against the engine that serves its model; `honoured` which fields that would
+change an answer its engine honours, the rest refused; `tokenizing` a
+caller's text made token ids at a bounded cost, off the event loop when
+long; `text` the tokenizer hook, incremental decoding, stop strings;
+`replies` answers and errors in OpenAI's shape; `generate` completions and
+chat completions on iterative engines; `several` those of several prompts or
+choices; `embeddings` embeddings on one-shot engines; `rerank` a query's
+documents scored by a one-shot reranker.
 """

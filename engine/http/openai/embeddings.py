@@ -28,7 +28,7 @@ FORMATS = ("float", "base64")
 INLINE_VALUES = 4096  # an answer of more values is encoded in a thread
 
 
-async def answer(client, served: fields.Served, body: dict, timeout_s: float,
+async def answer(client, served: fields.Served, body: dict, timeout_s: float, priority: int,
                  receive: Receive, send: Send) -> None:
     """Answers the request through send (an error before that is raised)."""
     fmt = body.get("encoding_format") or "float"
@@ -45,7 +45,7 @@ async def answer(client, served: fields.Served, body: dict, timeout_s: float,
     requests = [served.request(ids, body, "input") for ids in inputs]
     watch = Watch(receive, timeout_s)
     try:
-        answers = await answers_of(client, requests, timeout_s)  # withdrawn if cut
+        answers = await answers_of(client, requests, timeout_s, priority)  # withdrawn if cut
     except asyncio.CancelledError:
         if watch.ours():  # their caller left
             return

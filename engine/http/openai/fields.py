@@ -9,9 +9,8 @@ and what came. A text is checked (valid Unicode, within its characters'
 bound) before it is tokenized, and tokenized at a bounded cost
 (engine.http.openai.tokenizing); token ids are checked against the
 vocabulary; a prompt over the model's bound is OpenAI's
-context_length_exceeded. Fields that would change the answer's form in ways the
-engine cannot honour (n > 1, logprobs, tools, ...) are refused; the rest are
-ignored, as OpenAI-compatible servers do.
+context_length_exceeded. Which fields that would change the answer an engine
+honours is engine.http.openai.honoured's rule.
 """
 import functools
 from typing import Dict, List, Optional, Tuple
@@ -25,23 +24,18 @@ from engine.http.openai.settings import OpenAISettings, input_array
 from engine.http.openai.text import eos_of, id_list
 from engine.http.values import json_text
 
-MAX_INPUTS = 2048  # an embeddings request's inputs, at most, as OpenAI's API reference bounds them
+# an embeddings request's inputs, at most, as OpenAI's API reference bounds them; a
+# completion's prompts and a rerank's documents too: each is an engine request, all
+# enqueued at once (and never more than the engine's queue_capacity, which could not hold them)
+MAX_INPUTS = 2048
+MAX_CHOICES = 128  # n, at most: OpenAI's bound
+DEFAULT_MAX_TOKENS = 16  # a completion's max_tokens when absent, as OpenAI's and vLLM's
 MAX_STOPS = 4  # OpenAI's bound: "up to 4 sequences where the API will stop generating"
 # OpenAI documents no bound on a stop's length; stops are delimiters ("\n\n", "</answer>",
 # "\nUser:"), far shorter. A stream holds back text that might begin a stop, so a stop's
 # length is how long a client may wait for text it could already have; 256 also caps a
 # request's stop automaton at 1024 nodes.
 MAX_STOP_CHARS = 256
-
-_ONE = (lambda v: v is None or (type(v) is int and v == 1), "1")
-_OFF = (lambda v: v is None or v is False, "false")
-_NONE = (lambda v: v is None or v == [], "[]")
-# field -> (whether a value leaves the answer's form as this server gives it, such a value)
-UNHONOURED = {"n": _ONE, "best_of": _ONE, "logprobs": _OFF, "echo": _OFF, "tools": _NONE,
-              "functions": _NONE,
-              "top_logprobs": (lambda v: v is None or (type(v) is int and v == 0), "0"),
-              "suffix": (lambda v: v is None or v == "", '""')}
-
 
 class Served:
     """One engine on the OpenAI API; its texts tokenized through `tokens_of`."""
@@ -62,26 +56,33 @@ class Served:
         self.max_chars = settings.max_prompt_chars or \
             self.bound * tokenizing.chars_per_token(tokenizer)
         self.others = [s for s in config.input_specs if s is not self.ids_spec]
+        # fields that the model takes as inputs (engine.http.openai.honoured: its to honour)
+        self.input_names = frozenset(s.name for s in self.others) if config.named else frozenset()
+        # whether a request's sampling fields reach the engine (engine.http.openai.honoured
+        # lifts their refusal): not yet, as the routes hand it no engine.Sampling; once they
+        # do, the engine's own flag: getattr(config, "sampling", False)
+        self.sampling = False
         self.defaults = {name: input_array(specs[name], value, f"defaults.{name}")
                          for name, value in settings.defaults.items()}
 
-    def request(self, ids: List[int], body: dict, field: str):
-        """The engine's request of these token ids (from `field`) and body's
-        other fields."""
+    def request(self, ids: List[int], body: dict, field: str, where: Optional[str] = None):
+        """The engine's request of these token ids (from `field`; `where` names
+        them in a refusal's message, `field` if not given) and body's other fields."""
+        where = where or field
         if not ids:
-            raise bad(f"{field}: expected at least 1 token, got none", field)
+            raise bad(f"{where}: expected at least 1 token, got none", field)
         if len(ids) > self.bound:
-            raise too_long(f"{field}: expected at most {self.bound} tokens (the model's "
+            raise too_long(f"{where}: expected at most {self.bound} tokens (the model's "
                            f"context), got {len(ids)}", field)
         if self.vocab is not None:
             outside = next((i for i in ids if not 0 <= i < self.vocab), None)
             if outside is not None:
-                raise bad(f"{field}: expected token ids in 0..{self.vocab - 1} (the "
+                raise bad(f"{where}: expected token ids in 0..{self.vocab - 1} (the "
                           f"tokenizer's vocabulary), got {outside}", field)
         try:
             x = np.asarray(ids, self.ids_spec.dtype)
         except (OverflowError, ValueError, TypeError):
-            raise bad(f"{field}: expected token ids that fit {self.ids_spec.dtype}, got "
+            raise bad(f"{where}: expected token ids that fit {self.ids_spec.dtype}, got "
                       f"{json_text(ids)}", field) from None
         if not self.config.named:
             return x
@@ -110,7 +111,8 @@ class Served:
 
     @property
     def most_inputs(self) -> int:
-        """The most inputs one embeddings request may have."""
+        """The most inputs (prompts, documents) one request may have: each is an
+        engine request, all enqueued at once."""
         return min(MAX_INPUTS, self.config.queue_capacity)
 
     def vector(self, answer) -> np.ndarray:
@@ -119,16 +121,19 @@ class Served:
     def check_text(self, text: str, field: str, chars: Optional[int] = None) -> None:
         """BadRequest-worthy text refused before it costs a tokenizer's time:
         one over the characters a prompt may hold (chars: a text's whole
-        length, for one made of parts), or one that is not valid Unicode."""
+        length, for one made of parts), or one that is not valid Unicode.
+        field may name one item of the field ("prompt[2]")."""
         chars = len(text) if chars is None else chars
+        param = field.partition("[")[0]
         if chars > self.max_chars:
             raise too_long(f"{field}: expected at most {self.max_chars} characters (what "
-                           f"{self.bound} tokens can hold), got {chars}", field)
-        utf8(text, field)
+                           f"{self.bound} tokens can hold), got {chars}", param)
+        utf8(text, field, param)
 
-    async def encode(self, text: str, field: str) -> List[int]:
-        """The token ids of a text (checked first: check_text)."""
-        self.check_text(text, field)
+    async def encode(self, text: str, field: str, where: Optional[str] = None) -> List[int]:
+        """The token ids of a text (checked first: check_text; where names it
+        in a refusal, field if not given)."""
+        self.check_text(text, where or field)
         ids = await self.tokens_of.run(len(text), self.tokenizer.encode, text)
         try:
             return id_list(ids, "encode")
@@ -136,21 +141,10 @@ class Served:
             raise OpenAIError(500, f"model {self.model!r}: {e}", field) from None
 
 
-def refuse_unhonoured(body: dict) -> None:
-    for field, (fine, example) in UNHONOURED.items():
-        value = body.get(field)
-        if not fine(value):
-            raise bad(f"{field}: this server gives one choice of text, without logprobs or "
-                      f"tool calls: expected {field} absent or {example}, got "
-                      f"{json_text(value)}", field)
-    form = body.get("response_format")
-    if form is not None and form != {"type": "text"}:
-        raise bad(f"response_format: expected {{\"type\": \"text\"}} or none, got "
-                  f"{json_text(form)}", "response_format")
-
-
-def max_steps(body: dict, fields: Tuple[str, ...], engine_max: int) -> Optional[int]:
-    """The request's max_steps: the first of `fields` given (None: the engine's)."""
+def max_steps(body: dict, fields: Tuple[str, ...], engine_max: int,
+              default: Optional[int] = None) -> Optional[int]:
+    """The request's max_steps: the first of `fields` given, else `default`
+    (at most the engine's; None: the engine's)."""
     for field in fields:
         value = body.get(field)
         if value is None:
@@ -159,7 +153,31 @@ def max_steps(body: dict, fields: Tuple[str, ...], engine_max: int) -> Optional[
             raise bad(f"{field}: expected an integer in [1, {engine_max}] (the engine's "
                       f"max_steps), got {json_text(value)}", field)
         return value
-    return None
+    return None if default is None else min(default, engine_max)
+
+
+def choices(body: dict) -> int:
+    """The request's `n`: how many choices each prompt gets, 1 to MAX_CHOICES."""
+    value = body.get("n")
+    if value is None:
+        return 1
+    if type(value) is not int or not 1 <= value <= MAX_CHOICES:
+        raise bad(f"n: expected an integer in [1, {MAX_CHOICES}], got {json_text(value)}", "n")
+    return value
+
+
+def priority(body: dict, levels: int) -> int:
+    """The engine's level of the request's `priority` (vLLM's: an integer,
+    lower the more urgent, 0 the default): 0 and below the most urgent, the
+    engine's last level and above the least."""
+    value = body.get("priority")
+    if value is None:
+        return 0
+    if type(value) is not int:
+        raise bad(f"priority: expected an integer, lower the more urgent (0 or less: the "
+                  f"engine's most urgent level, {levels - 1} or more: its least), got "
+                  f"{json_text(value)}", "priority")
+    return min(max(value, 0), levels - 1)
 
 
 def stops(body: dict) -> List[str]:
@@ -206,24 +224,45 @@ def token_ids(value) -> Optional[List[int]]:
     return None
 
 
-async def prompt_ids(served: Served, body: dict) -> List[int]:
-    """/v1/completions' prompt: a string or a list of token ids (or a list of
-    one of either), as token ids; "" completes from the model's start."""
+async def prompts_ids(served: Served, body: dict) -> List[List[int]]:
+    """/v1/completions' prompt: a string, a list of token ids, or a list of
+    either (several prompts), as token ids, one list per prompt; "" completes
+    from the model's start. Their count is checked before any is tokenized,
+    and every text before the first is."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
+    several = isinstance(prompt, list) and bool(prompt) and all(
+        isinstance(p, (str, list)) for p in prompt)
+    prompts = prompt if several else [prompt]
+    most = served.most_inputs
+    if len(prompts) > most:
+        raise bad(f"prompt: expected at most {most} prompts (each one engine request, all "
+                  f"enqueued at once: {MAX_INPUTS}, or the engine's queue_capacity if "
+                  f"smaller), got {len(prompts)}", "prompt")
+    for k, p in enumerate(prompts):
+        if isinstance(p, str):
+            served.check_text(p, _nth("prompt", k, several))
+    return [await _prompt_ids(served, p, _nth("prompt", k, several))
+            for k, p in enumerate(prompts)]
+
+
+def _nth(field: str, k: int, several: bool) -> str:
+    """How a refusal names the k-th of a field's items (the field itself when it has one)."""
+    return f"{field}[{k}]" if several else field
+
+
+async def _prompt_ids(served: Served, prompt, where: str) -> List[int]:
     if prompt == "":  # the model's start
         if served.start is None:
-            raise bad(f"prompt: expected a text of at least one character (model "
+            raise bad(f"{where}: expected a text of at least one character (model "
                       f"{served.model!r} has no start token to complete from), got \"\"",
                       "prompt")
         return [served.start]
     if isinstance(prompt, str):
-        return await served.encode(prompt, "prompt")
+        return await served.encode(prompt, "prompt", where)
     ids = token_ids(prompt)
     if ids is None:
-        raise bad(f"prompt: expected a string or a list of token ids (integers >= 0), one "
-                  f"prompt, got {json_text(prompt)}", "prompt")
+        raise bad(f"{where}: expected a string or a list of token ids (integers >= 0), or a "
+                  f"list of such prompts, got {json_text(prompt)}", "prompt")
     return ids
 
 
@@ -263,7 +302,7 @@ def too_long(message: str, field: str) -> OpenAIError:
     return OpenAIError(400, message, field, "context_length_exceeded")
 
 
-def utf8(text: str, field: str) -> None:
+def utf8(text: str, field: str, param: Optional[str] = None) -> None:
     """A 400 for text that is not valid Unicode (a lone surrogate that JSON's
     \\ud800 escape can carry and no encoder can write)."""
     if text.isascii():
@@ -272,7 +311,8 @@ def utf8(text: str, field: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         raise bad(f"{field}: expected valid Unicode text, got a lone surrogate "
-                  f"(U+{ord(text[e.start]):04X}) at character {e.start}", field) from None
+                  f"(U+{ord(text[e.start]):04X}) at character {e.start}",
+                  param or field) from None
 
 
 def _message(i: int, message) -> dict:

@@ -1,9 +1,13 @@
 """POST /v1/completions and /v1/chat/completions on an iterative engine.
 
-A request is one engine stream: its prompt's token ids (a completion's
-prompt, or a chat's messages through the tokenizer's chat template) and the
-engine's other inputs from its fields, max_tokens (chat: also
-max_completion_tokens) as its max_steps. Each step's token id is decoded
+A request of one prompt and one choice is one engine stream, answered here:
+its prompt's token ids (a completion's prompt, or a chat's messages through
+the tokenizer's chat template) and the engine's other inputs from its
+fields, max_tokens (chat: also max_completion_tokens) as its max_steps (a
+completion's absent: 16, OpenAI's and vLLM's default; a chat's absent: the
+engine's max_steps, as OpenAI's chat runs to the model's end), its
+`priority` the engine's (engine.http.openai.fields). Several prompts or
+choices are engine.http.openai.several's. Each step's token id is decoded
 incrementally (engine.http.openai.text); the answer ends at the engine's end
 (finish_reason "stop" when the model said done, "length" at max_steps), at
 the tokenizer's eos_token_id or at a stop string ("stop"): the stream is then
@@ -29,35 +33,52 @@ from typing import List, Optional
 
 from engine.errors import BackendError, EngineError, EngineUnavailable
 from engine.http import events
-from engine.http.openai import fields
+from engine.http.openai import fields, honoured
 from engine.http.openai.replies import DONE, of_engine, send_json
 from engine.http.openai.text import Detokenizer, Stops
 
 
 class Request:
     """A completion or chat request, read: its fields by the constructor (no
-    tokenizer's work), its text by tokenize()."""
+    tokenizer's work), its text by tokenize(): `prompts` the token ids of
+    each prompt, `xs` the engine's request of each, each to get `n` choices."""
 
-    def __init__(self, served: fields.Served, body: dict, chat: bool) -> None:
-        fields.refuse_unhonoured(body)
+    def __init__(self, served: fields.Served, body: dict, chat: bool, priority: int) -> None:
+        honoured.refuse_unhonoured(served, body)
         self.served, self.chat, self.body = served, chat, body
         self.field = "messages" if chat else "prompt"
         names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
-        self.max_steps = fields.max_steps(body, names, served.config.max_steps)
+        default = None if chat else fields.DEFAULT_MAX_TOKENS
+        self.max_steps = fields.max_steps(body, names, served.config.max_steps, default)
+        self.n = fields.choices(body)
+        self.priority = priority
         self.stops = fields.stops(body)
         self.stream = fields.flag(body, "stream")
         self.include_usage = self.stream and fields.include_usage(body)
-        self.ids: List[int] = []
-        self.x = None
+        self.prompts: List[List[int]] = []
+        self.xs: list = []
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
     async def tokenize(self) -> "Request":
+        """Every prompt tokenized and checked before any is enqueued."""
         served, body = self.served, self.body
-        self.ids = await (fields.chat_ids(served, body) if self.chat
-                          else fields.prompt_ids(served, body))
-        self.x = served.request(self.ids, body, self.field)
+        self.prompts = [await fields.chat_ids(served, body)] if self.chat \
+            else await fields.prompts_ids(served, body)
+        several = len(self.prompts) > 1
+        self.xs = [served.request(ids, body, self.field, f"{self.field}[{k}]" if several else None)
+                   for k, ids in enumerate(self.prompts)]
         return self
+
+    @property
+    def several(self) -> bool:
+        """Whether the answer has several choices (engine.http.openai.several's)."""
+        return len(self.prompts) > 1 or self.n > 1
+
+    def open(self, client, timeout_s: float, x):
+        """The engine stream of one of its prompts' requests, enqueued now."""
+        return client.open_stream_async(x, timeout_s, priority=self.priority,
+                                        max_steps=self.max_steps)
 
 
 class Text:
@@ -103,7 +124,7 @@ class Text:
 async def answer(client, request: Request, timeout_s: float, scope, receive, send) -> None:
     """Answers the request through send (EngineError and OpenAIError before
     anything was sent are raised, for the caller to answer)."""
-    chunks = client.open_stream_async(request.x, timeout_s, max_steps=request.max_steps)
+    chunks = request.open(client, timeout_s, request.xs[0])
     if request.stream:
         return await ChunkEvents(request, chunks, scope, receive, send, timeout_s).run()
     follower = events.Follower(chunks, receive)
@@ -123,14 +144,9 @@ async def answer(client, request: Request, timeout_s: float, scope, receive, sen
         return await send_json(send, 503, of_engine(EngineUnavailable(events.SHUTDOWN)).body())
     finally:
         await follower.close()  # withdraws the request unless it ended
-    content = "".join(pieces)
-    if request.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": content},
-                  "logprobs": None, "finish_reason": text.finish}
-    else:
-        choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": text.finish}
-    await send_json(send, 200, {**_head(request, False), "choices": [choice],
-                                "usage": _usage(request, text)})
+    await send_json(send, 200, {**head(request, False),
+                                "choices": [choice(request, "".join(pieces), text.finish)],
+                                "usage": usage(request, text.tokens)})
 
 
 class ChunkEvents(events.EventStream):
@@ -144,7 +160,7 @@ class ChunkEvents(events.EventStream):
         super().__init__(chunks, scope, receive, send, timeout_s)
         self.request, self.text = request, Text(request)
         self.first = request.chat  # the role chunk is still to come
-        sample = _event(_chunk(request, MARK))  # the event of a text chunk, its text MARK
+        sample = sse(chunk(request, MARK))  # the event of a text chunk, its text MARK
         # the text is the event's last string (a model named MARK comes before it)
         self.before, _, self.after = sample.rpartition(events.dumps(MARK))
 
@@ -152,14 +168,14 @@ class ChunkEvents(events.EventStream):
         request, text, out = self.request, self.text, []
         if self.first:
             self.first = False
-            out.append(_event(_chunk(request, {"role": "assistant", "content": ""})))
+            out.append(sse(chunk(request, ROLE)))
         for token in request.served.tokens(chunks):
             try:
                 piece = text.add(token)
             except Exception as e:  # the text so far goes out, then the error
                 raise events.Failed("".join(out).encode(), e) from None
             if text.finish:
-                out.append(_event(_chunk(request, piece, text.finish)))
+                out.append(sse(chunk(request, piece, text.finish)))
                 raise events.Finished("".join(out).encode(), text.finish)
             if piece:
                 out.append(self.before + events.dumps(piece) + self.after)
@@ -168,10 +184,10 @@ class ChunkEvents(events.EventStream):
     def end(self, finish_reason: str) -> bytes:
         request, text, out = self.request, self.text, []
         if not text.finish:  # the engine ended it: the text held back goes out
-            out.append(_event(_chunk(request, text.end(finish_reason), text.finish)))
+            out.append(sse(chunk(request, text.end(finish_reason), text.finish)))
         if request.include_usage:
-            out.append(_event({**_head(request, True), "choices": [],
-                               "usage": _usage(request, text)}))
+            out.append(sse({**head(request, True), "choices": [],
+                            "usage": usage(request, text.tokens)}))
         return "".join(out).encode() + DONE
 
     def error_body(self, error: EngineError) -> bytes:
@@ -179,33 +195,44 @@ class ChunkEvents(events.EventStream):
 
 
 MARK = "\u2603"  # a text that stands for a chunk's own in the event made once per request
+ROLE = {"role": "assistant", "content": ""}  # a chat's first delta
 
 
-def _event(obj) -> str:
+def sse(obj) -> str:
     return "data: " + events.dumps(obj) + "\n\n"
 
 
-def _head(request: Request, chunk: bool) -> dict:
+def head(request: Request, streamed: bool) -> dict:
     kind = ("chat.completion" if request.chat else "text_completion") + (
-        ".chunk" if chunk and request.chat else "")
+        ".chunk" if streamed and request.chat else "")
     return {"id": request.id, "object": kind, "created": request.created,
             "model": request.served.model}
 
 
-def _chunk(request: Request, piece, finish: Optional[str] = None) -> dict:
+def choice(request: Request, content: str, finish: Optional[str], index: int = 0) -> dict:
+    """A choice of a whole (not streamed) answer."""
+    if request.chat:
+        return {"index": index, "message": {"role": "assistant", "content": content},
+                "logprobs": None, "finish_reason": finish}
+    return {"index": index, "text": content, "logprobs": None, "finish_reason": finish}
+
+
+def chunk(request: Request, piece, finish: Optional[str] = None, index: int = 0) -> dict:
     """A streamed chunk of one choice: piece is its text (a chat's delta dict
     for the role chunk)."""
     if request.chat:
         delta = piece if isinstance(piece, dict) else ({"content": piece} if piece else {})
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
     else:
-        choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": finish}
-    out = {**_head(request, True), "choices": [choice]}
+        choice = {"index": index, "text": piece, "logprobs": None, "finish_reason": finish}
+    out = {**head(request, True), "choices": [choice]}
     if request.include_usage:
         out["usage"] = None
     return out
 
 
-def _usage(request: Request, text: Text) -> dict:
-    return {"prompt_tokens": len(request.ids), "completion_tokens": text.tokens,
-            "total_tokens": len(request.ids) + text.tokens}
+def usage(request: Request, completion_tokens: int) -> dict:
+    """The answer's usage: each prompt's tokens, and the completion_tokens of all its choices."""
+    prompt_tokens = sum(map(len, request.prompts))
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

@@ -8,14 +8,18 @@ Each engine's tokenizer is loaded here, once per worker (a factory that
 fails fails the worker's start, naming the engine).
 
     GET  /v1/models, /v1/models/MODEL   the engines with an openai table
-    POST /v1/completions                iterative engines (engine.http.openai.generate)
+    POST /v1/completions                iterative engines (engine.http.openai.generate;
+                                        several prompts or choices: .several)
     POST /v1/chat/completions           iterative engines, through the chat template
     POST /v1/embeddings                 one-shot engines (engine.http.openai.embeddings)
+    POST /v1/rerank, /rerank            one-shot engines of task "rerank" (.rerank)
 
+Every route takes vLLM's top-level `priority` as the engine requests'.
 A body is read under its route's limit (the largest that one of the route's
 models can need: body.HEADER_BYTES + BYTES_PER_TOKEN for each token its requests
-can hold, or a byte for each character of their max_prompt_chars if more, or
-the server's http_max_body_bytes), refused with 413 from its
+can hold, or a byte for each character of their max_prompt_chars if more, for
+each text it may carry (a completion's prompts, an embedding's inputs, a rerank's
+documents and query), or the server's http_max_body_bytes), refused with 413 from its
 Content-Length before it is read, then parsed as JSON where its size says
 (engine.http.server.parsing: a large one in the parser process, which hands
 back no text longer than the route's models take). Every refusal is in
@@ -25,17 +29,17 @@ server's http_timeout_s.
 import json
 import logging
 import time
-from typing import Dict
+from typing import Dict, List, Tuple
 
 from engine.errors import EngineError, EngineUnavailable, QueueFull
 from engine.http import body as bodies
 from engine.http.asgi import Receive, Scope, Send
 from engine.http.engines import Engines
 from engine.http.errors import BadRequest, Disconnected, allowed
-from engine.http.openai import embeddings, fields, generate, text, tokenizing
+from engine.http.openai import embeddings, fields, generate, rerank, several, text, tokenizing
 from engine.http.openai.fields import Served
 from engine.http.openai.replies import OpenAIError, bad, of_engine, send_error, send_json
-from engine.http.openai.settings import OpenAISettings
+from engine.http.openai.settings import EMBED, GENERATE, RERANK, OpenAISettings
 from engine.http.server import parsing
 
 log = logging.getLogger("shmbatch")
@@ -44,8 +48,14 @@ BYTES_PER_TOKEN = 64      # a token's text (or id) in JSON, escapes included
 # a body up to this size is parsed on the loop (a few ms at most); a larger one
 # in the parser process (engine.http.server.parsing)
 INLINE_PARSE_BYTES = parsing.PROCESS_BYTES
-GENERATE = ("/v1/completions", "/v1/chat/completions")
-EMBED = "/v1/embeddings"
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+# each POST route: the task of the models it serves
+TASKS = {COMPLETIONS: GENERATE, CHAT: GENERATE, "/v1/embeddings": EMBED, "/v1/rerank": RERANK,
+         "/rerank": RERANK}
+ROOT_PATHS = ("/rerank",)  # the routes outside /v1/ (vLLM's, Jina's) that the front sends here
+# the fields of each route's texts, checked by length where its body is parsed
+TEXTS = {COMPLETIONS: ("prompt",), CHAT: ("messages",), "/v1/embeddings": ("input",),
+         "/v1/rerank": ("query", "documents"), "/rerank": ("query", "documents")}
 
 
 class App:
@@ -58,27 +68,35 @@ class App:
         self.engines, self.parser = engines, parser
         self.created = int(time.time())
         self.served: Dict[str, Served] = {}
+        self.pairs: Dict[str, rerank.Pairing] = {}  # each reranker's (query, document) ids
         self.tokens_of = tokenizing.Tokenizing()
         for engine, table in tables.items():
             settings = OpenAISettings(**table)
             tokenizer = text.load(settings.tokenizer, engine)
             self.served[settings.model] = Served(settings, engines.configs[engine], tokenizer,
                                                  self.tokens_of)
+            if settings.task == RERANK:
+                self.pairs[settings.model] = rerank.pairing(tokenizer, engine)
         explicit = engines.max_body_bytes
-        self.limits = {path: explicit or self._limit(path) for path in (*GENERATE, EMBED)}
+        self.limits = {path: explicit or self._limit(path) for path in TASKS}
         # a text longer than every model of a route takes is dropped where the body is parsed
-        self.most_chars = {path: max((s.max_chars for s in self.served.values()
-                                      if s.config.iterative == (path != EMBED)), default=0)
-                           for path in (*GENERATE, EMBED)}
+        self.most_chars = {path: max((s.max_chars for s in self._models(path)), default=0)
+                           for path in TASKS}
 
     def close(self) -> None:
         self.tokens_of.close()
 
+    def _models(self, path: str) -> List[Served]:
+        return [s for s in self.served.values() if s.settings.task == TASKS[path]]
+
     def _limit(self, path: str) -> int:
-        # a text's bytes: its tokens' or, where a text may hold more, its characters'
-        text = [max(s.bound * BYTES_PER_TOKEN, s.max_chars) *
-                (s.most_inputs if path == EMBED else 1)
-                for s in self.served.values() if s.config.iterative == (path != EMBED)]
+        # a text's bytes: its tokens' or, where a text may hold more, its characters';
+        # times the texts a request may carry
+        def texts(s: Served) -> int:
+            if path == CHAT:
+                return 1
+            return s.most_inputs + (1 if TASKS[path] == RERANK else 0)  # and the query
+        text = [max(s.bound * BYTES_PER_TOKEN, s.max_chars) * texts(s) for s in self._models(path)]
         return min(bodies.HEADER_BYTES + max(text, default=0), bodies.MAX_JSON_BYTES)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -111,8 +129,8 @@ class App:
             return await send_json(send, 200, self._card(name))
         if path not in self.limits:
             raise OpenAIError(404, f"no route {scope['path']}: expected /v1/models, "
-                                   f"/v1/completions, /v1/chat/completions or /v1/embeddings",
-                              code="unknown_url")
+                                   f"/v1/completions, /v1/chat/completions, /v1/embeddings or "
+                                   f"/v1/rerank", code="unknown_url")
         allowed(method, "POST")
         body, overlong = await self._body(scope, receive, path)
         served = self._served(body.get("model"))
@@ -120,20 +138,28 @@ class App:
             field, chars = overlong
             raise fields.too_long(f"{field}: expected at most {served.max_chars} characters "
                                   f"(what {served.bound} tokens can hold), got {chars}", field)
-        if served.config.iterative != (path in GENERATE):
-            serves = "/v1/completions and /v1/chat/completions" if served.config.iterative \
-                else "/v1/embeddings"
-            raise bad(f"model {served.model!r} serves {serves}, got {path}", "model")
+        task = served.settings.task
+        if task != TASKS[path]:
+            serves = [p for p, t in TASKS.items() if t == task]
+            raise bad(f"model {served.model!r} serves {' and '.join(serves)}, got {path}",
+                      "model")
         client = self.engines.client(served.engine)
         timeout_s = self.engines.timeout_s
-        field = "input" if path == EMBED else "messages" if "chat" in path else "prompt"
+        field = {GENERATE: "prompt", EMBED: "input", RERANK: "documents"}[task]
+        field = "messages" if path == CHAT else field
+        priority = fields.priority(body, served.config.priority_levels)
         try:
-            if path == EMBED:
-                return await embeddings.answer(client, served, body, timeout_s, receive, send)
-            request = await generate.Request(served, body, chat="chat" in path).tokenize()
-            return await generate.answer(client, request, timeout_s, scope, receive, send)
+            if task == EMBED:
+                return await embeddings.answer(client, served, body, timeout_s, priority,
+                                               receive, send)
+            if task == RERANK:
+                return await rerank.answer(client, served, self.pairs[served.model], body,
+                                           timeout_s, priority, receive, send)
+            request = await generate.Request(served, body, path == CHAT, priority).tokenize()
+            answering = several if request.several else generate
+            return await answering.answer(client, request, timeout_s, scope, receive, send)
         except (QueueFull, EngineUnavailable) as e:  # 503: when to try again
-            retry_s = self.engines.retry_after_s(served.engine, e)
+            retry_s = self.engines.retry_after_s(served.engine, e, priority)
             raise of_engine(e, retry_after_s=retry_s) from None
         except EngineError as e:
             raise of_engine(e, field) from None
@@ -147,9 +173,10 @@ class App:
                f"{BYTES_PER_TOKEN} B per token their requests hold, or a byte per character "
                f"of their max_prompt_chars")
         raw = await bodies.read(scope, receive, limit, why)
+        most, texts = self.most_chars[path], TEXTS[path]
         if len(raw) <= INLINE_PARSE_BYTES:  # a thread would hold the GIL as long
-            return read_body(raw, self.most_chars[path])
-        return await self.parser.parse(len(raw), read_body, raw, self.most_chars[path])
+            return read_body(raw, most, texts)
+        return await self.parser.parse(len(raw), read_body, raw, most, texts)
 
     def _served(self, name) -> Served:
         if not isinstance(name, str):
@@ -164,20 +191,22 @@ class App:
         return {"id": name, "object": "model", "created": self.created, "owned_by": "shmbatch"}
 
 
-def read_body(raw: bytes, most_chars: int):
+def read_body(raw: bytes, most_chars: int, texts: Tuple[str, ...]):
     """(a body's JSON object, None), or with a text of more than most_chars
-    characters (a prompt, an input, a message's content) taken out of it,
-    (the object, (its field, its characters)): run where the body is parsed
-    (engine.http.server.parsing), so that a text no model takes is never
-    handed back. BadRequest for a body that is not a JSON object."""
+    characters (a prompt, an input, a document, the messages' together)
+    taken out of its field (one of `texts`), (the object, (the field, its
+    characters)): run where the body is parsed (engine.http.server.parsing),
+    so that a text no model takes is never handed back. BadRequest for a
+    body that is not a JSON object."""
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError) as e:
         raise BadRequest(f"expected a JSON object, got a body that is not JSON ({e})") from None
     if not isinstance(body, dict):
         raise BadRequest(f"expected a JSON object, got {type(body).__name__}")
-    for field in ("prompt", "input", "messages"):
-        chars = _text_chars(body.get(field))
+    for field in texts:
+        value = body.get(field)
+        chars = _messages_chars(value) if field == "messages" else _text_chars(value)
         if chars > most_chars:
             body[field] = None
             return body, (field, chars)
@@ -185,12 +214,21 @@ def read_body(raw: bytes, most_chars: int):
 
 
 def _text_chars(value) -> int:
-    """The characters of a field's texts: a string, a list of strings, or
-    messages whose content is a string or a list of text parts."""
+    """The characters of a field's longest text: a string, or each of a list
+    of strings or of {"text": str} (each text its own request's)."""
     if isinstance(value, str):
         return len(value)
     if not isinstance(value, list):
         return 0
+    return max((len(t) for t in (v.get("text") if isinstance(v, dict) else v for v in value)
+                if isinstance(t, str)), default=0)
+
+
+def _messages_chars(value) -> int:
+    """The characters of messages' texts together (one prompt): each content
+    a string or a list of text parts."""
+    if not isinstance(value, list):
+        return _text_chars(value)
     total = 0
     for item in value:
         if isinstance(item, str):

@@ -9,12 +9,15 @@
                                       #   lacks the field of that name
     max_prompt_chars = 200000         # a longer text is refused before it is tokenized
                                       #   (default: the input's bound x the longest token)
+    task = "rerank"                   # a one-shot engine's: "embed" (the default) or "rerank"
 
-An iterative engine serves /v1/completions and /v1/chat/completions: its token
-input is integers [None], one step's output an integer ([] or [1]). A one-shot
-engine serves /v1/embeddings: the same input, its output floats [d]. Every
-other input of a named-tensor engine is filled from the request's field of
-its name, else from `defaults`.
+An iterative engine serves /v1/completions and /v1/chat/completions (task
+"generate", its only one): its token input is integers [None], one step's
+output an integer ([] or [1]). A one-shot engine serves /v1/embeddings (task
+"embed"): the same input, its output floats [d]; or /v1/rerank (task
+"rerank"): a query and a document as one input, its output a score (a float
+[] or [1]). Every other input of a named-tensor engine is filled from the
+request's field of its name, else from `defaults`.
 
 Everything here is checked in serve's own process, before anything starts;
 nothing is imported (the tokenizer is loaded in each HTTP worker).
@@ -31,7 +34,8 @@ from engine.http.openai.replies import OpenAIError, bad
 from engine.http.values import datatype_of, value_array
 from engine.tensors import TensorSpec
 
-KEYS = ("tokenizer", "model", "input", "output", "defaults", "max_prompt_chars")
+KEYS = ("tokenizer", "model", "input", "output", "defaults", "max_prompt_chars", "task")
+GENERATE, EMBED, RERANK = "generate", "embed", "rerank"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +53,7 @@ class OpenAISettings:
     # before it is tokenized; None: the engine's bound times the tokenizer's
     # longest token (engine.http.openai.tokenizing)
     max_prompt_chars: Optional[int] = None
+    task: str = GENERATE  # what the engine does: GENERATE (iterative), EMBED or RERANK
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -74,15 +79,16 @@ def parse(engine: str, table, config: EngineConfig) -> OpenAISettings:
     if not isinstance(model, str) or not model or len(model) > 256:
         raise ValueError(f"{where}: expected model = a name of 1 to 256 characters, got "
                          f"{model!r}")
+    task = _task(where, table.get("task"), config)
     token_input = _token_input(where, table.get("input"), config)
-    output = _output(where, table.get("output"), config)
+    output = _output(where, table.get("output"), config, task)
     defaults = _defaults(where, table.get("defaults", {}), config, token_input)
     max_chars = table.get("max_prompt_chars")
     if max_chars is not None and (type(max_chars) is not int or max_chars < 1):
         raise ValueError(f"{where}: expected max_prompt_chars = an integer >= 1, got "
                          f"{max_chars!r}")
     return OpenAISettings(engine, model, tokenizer, token_input.name, output.name, defaults,
-                          max_chars)
+                          max_chars, task)
 
 
 def check_all(settings: List[OpenAISettings]) -> None:
@@ -93,6 +99,17 @@ def check_all(settings: List[OpenAISettings]) -> None:
             raise ValueError(f"[engines.{s.engine}.openai]: expected a model name of its own, got "
                              f"model = {s.model!r}, engine {seen[s.model]!r}'s too")
         seen[s.model] = s.engine
+
+
+def _task(where: str, task, config: EngineConfig) -> str:
+    tasks = (GENERATE,) if config.iterative else (EMBED, RERANK)
+    if task is None:
+        return tasks[0]
+    if task not in tasks:
+        kind = "an iterative" if config.iterative else "a one-shot"
+        raise ValueError(f"{where}: {kind} engine's task is one of {list(tasks)}, got "
+                         f"task = {task!r}")
+    return task
 
 
 def _token_input(where: str, name: Optional[str], config: EngineConfig) -> TensorSpec:
@@ -123,7 +140,7 @@ def _is_ids(spec: TensorSpec) -> bool:
     return np.dtype(spec.dtype).kind in "iu" and spec.shape == (None,)
 
 
-def _output(where: str, name: Optional[str], config: EngineConfig) -> TensorSpec:
+def _output(where: str, name: Optional[str], config: EngineConfig, task: str) -> TensorSpec:
     specs = config.output_specs
     if name is not None and not config.named:
         raise ValueError(f"{where}: output names a named tensor; engine {config.name!r} has one "
@@ -137,7 +154,10 @@ def _output(where: str, name: Optional[str], config: EngineConfig) -> TensorSpec
     if config.iterative and not (kind in "iu" and spec.shape in ((), (1,))):
         raise ValueError(f"{where}: an iterative engine's step gives one token id: expected its "
                          f"output to be an integer [] or [1], got {spec.dtype}{list(spec.shape)}")
-    if not config.iterative and not (kind == "f" and len(spec.shape) == 1):
+    if task == RERANK and not (kind == "f" and spec.shape in ((), (1,))):
+        raise ValueError(f"{where}: a reranker answers a score: expected its output to be a "
+                         f"float [] or [1], got {spec.dtype}{list(spec.shape)}")
+    if task == EMBED and not (kind == "f" and len(spec.shape) == 1):
         raise ValueError(f"{where}: a one-shot engine answers an embedding: expected its output "
                          f"to be floats [d], got {spec.dtype}{list(spec.shape)}")
     return spec
