@@ -145,6 +145,8 @@ def _engine_settings(settings: dict, args, where) -> dict:
         if knob.metadata["cli"] == "gpus" and isinstance(settings.get(knob.name), str):
             settings[knob.name] = [g.strip() for g in settings[knob.name].split(",") if g.strip()]
     spec = ("inputs", "outputs") if "inputs" in settings else ("input_shape", "output_shape")
+    if settings.get("sampling"):  # a sampling engine's outputs are its own (the engine's)
+        spec = spec[:1]
     missing = [k for k in ("name", "backend", *spec) if k not in settings]
     if missing and args is None:
         raise ValueError(f"{where}: missing key(s) {', '.join(missing)}")
