@@ -260,7 +260,7 @@ def sampled(model: dict, ids: list, sampling, max_steps: int, eos: int) -> list:
 
 
 def lines(text: str) -> str:
-    """text as a pipe read in text mode gives it (a model's \r is a newline there)."""
+    """text as a pipe read in text mode gives it (a carriage return a model makes reads as a newline)."""
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
