@@ -25,7 +25,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 TEXT = (ROOT / "README.md").read_text()
 SHMBATCH = str(pathlib.Path(sys.executable).with_name("shmbatch"))  # the console script
 ENV = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # as a user's shell has it
-NAMES = ("digits", "encoder", "count", "embed", "gpt2")  # the engine names the examples use
+NAMES = ("digits", "encoder", "count", "embed", "tinygpt", "greedy", "tinyembed")  # the engine names the examples use
 
 
 def blocks(lang: str) -> list:
@@ -223,25 +223,19 @@ def test_the_models_file_serves_both_engines_to_the_triton_and_curl_examples(gui
         assert json.loads(out.stdout)["OUTPUT"] == [2.0 * v + 1 for v in range(4)]
 
 
-# The hub cannot be reached from a test: GPT-2's tokenizer stands in as openai_models'
-# byte-level BPE, its ids filled up to GPT-2's vocabulary (the model may answer any).
-STANDIN = f"""\
-import sys
-sys.path.insert(0, {str(ROOT / "tests")!r})
-from openai_models import hf_tokenizer
-
-def from_pretrained():
-    tok = hf_tokenizer()
-    tok.add_tokens([f"<{{i}}>" for i in range(len(tok), 50257)])
-    return tok
-"""
-HUB = 'AutoTokenizer.from_pretrained("openai-community/gpt2")'
+EXAMPLES = ROOT / "examples"
 CLIENT_PROMPT, CHAT, MAX_TOKENS = "Hello, my name is", [{"role": "user", "content": "Hi!"}], 16
+SAMPLE_STEPS = 32  # sample.py's max_steps
 
 
-def greedy(gpt2: dict, tok, ids: list, max_tokens: int) -> tuple:
-    """(text, finish_reason, completion tokens) of the model alone, as the API answers them."""
-    steps, one = gpt2["Greedy"](), np.array([0])
+def test_the_examples_config_is_the_readmes():
+    readme = next(code for code in blocks("toml") if code.startswith("# tinygpt.toml"))
+    assert (EXAMPLES / "tinygpt.toml").read_text() == readme
+
+
+def greedy(model: dict, tok, ids: list, max_tokens: int) -> tuple:
+    """(text, finish_reason, completion tokens) of the Greedy model alone, as the API answers."""
+    steps, one = model["Greedy"](), np.array([0])
     steps.join(one, np.array([ids]), np.array([len(ids)]))
     out: list = []
     while len(out) < max_tokens and tok.eos_token_id not in out:
@@ -251,45 +245,81 @@ def greedy(gpt2: dict, tok, ids: list, max_tokens: int) -> tuple:
     return tok.decode(out), "length", len(out)
 
 
-def test_the_gpt2_example_answers_the_openai_client_as_the_model_alone_does(guide, monkeypatch):
-    for module in ("torch", "transformers", "tokenizers", "uvicorn"):
-        pytest.importorskip(module)
+def sampled(model: dict, ids: list, sampling, max_steps: int, eos: int) -> list:
+    """The tokens the engine's sampler draws from TinyGPT's logits, the request alone."""
+    from engine.batching.sampler import Rows
+    steps, one = model["TinyGPT"](), np.array([0])
+    rows = Rows(1, [eos])
+    rows.add([sampling])
+    logits, out = steps.join(one, np.array([ids]), np.array([len(ids)])), []
+    while True:
+        out.append(int(rows.sample(logits).tokens[0]))
+        if len(out) == max_steps or rows.stops(np.array(out[-1:]))[0]:
+            return out
+        logits = steps.step(one, np.array(out[-1:]))[0]
+
+
+def lines(text: str) -> str:
+    """text as a pipe read in text mode gives it (a carriage return a model makes reads as a newline)."""
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def test_the_tinygpt_example_answers_as_the_model_alone_does(guide, monkeypatch):
+    pytest.importorskip("uvicorn")
     openai = pytest.importorskip("openai")
+    import engine
     folder, tag = guide
-    model, client_py = folder / "gpt2.py", folder / "openai_client.py"
-    assert HUB in model.read_text()
-    assert f'prompt="{CLIENT_PROMPT}", max_tokens={MAX_TOKENS}' in client_py.read_text()
-    (folder / "standin.py").write_text(STANDIN)
-    model.write_text("import standin\n" + model.read_text().replace(HUB, "standin.from_pretrained()"))
+    for path in EXAMPLES.glob("*.py"):
+        (folder / path.name).write_text(path.read_text())
     monkeypatch.syspath_prepend(str(folder))
-    gpt2 = runpy.run_path(str(model))
-    tok = gpt2["tokenizer"]()
-    chat_ids = tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True)
-    chat_ids = chat_ids["input_ids"] if hasattr(chat_ids, "keys") else chat_ids
-    with serving(folder, "serve", "--config", "gpt2.toml", "--http-port", "0",
-                 start_s=300) as proc:
+    model = runpy.run_path(str(folder / "tinygpt.py"))
+    tok = runpy.run_path(str(folder / "bytetok.py"))["ByteTokenizer"]()
+    client_py = folder / "openai_client.py"
+    assert f'prompt="{CLIENT_PROMPT}", max_tokens={MAX_TOKENS}' in client_py.read_text()
+    with serving(folder, "serve", "--config", "tinygpt.toml", "--http-port", "0",
+                 start_s=120) as proc:
         url = re.search(r"http://(\S+)$", proc.ready_line.strip()).group(1)
         client_py.write_text(client_py.read_text().replace("localhost:8000", url))
-        first, rest = run_python(folder, "openai_client.py", timeout_s=300).split("\n", 1)
+        first, count, chat = run_python(folder, "openai_client.py").split("\n", 2)
         text, finish, tokens = first.rsplit(" ", 2)
-        want = greedy(gpt2, tok, tok.encode(CLIENT_PROMPT), MAX_TOKENS)
-        assert (ast.literal_eval(text), finish, int(tokens)) == want
-        assert rest == greedy(gpt2, tok, chat_ids, MAX_TOKENS)[0]  # the streamed chat
+        assert (ast.literal_eval(text), finish, int(tokens)) == \
+            greedy(model, tok, tok.encode(CLIENT_PROMPT), MAX_TOKENS)
+        chat_ids = tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True)
+        assert chat == lines(greedy(model, tok, chat_ids, MAX_TOKENS)[0])  # streamed
+        assert count == "2"
 
-        # several at once (batched, left-padded), each answered as if alone
+        # several at once (one running batch), each answered as if alone
         client = openai.OpenAI(base_url=f"http://{url}/v1", api_key="unused", max_retries=0,
-                               timeout=300)
+                               timeout=120)
         prompts = ["Hi!", "Once upon a time there was a café", "€5"]
         with ThreadPoolExecutor(len(prompts)) as pool:
             done = list(pool.map(lambda p: client.completions.create(
-                model=f"{tag}-gpt2", prompt=p, max_tokens=8), prompts))
+                model=f"{tag}-greedy", prompt=p, max_tokens=8), prompts))
         for prompt, answer in zip(prompts, done):
             ids = tok.encode(prompt)
-            text, finish, tokens = greedy(gpt2, tok, ids, 8)
+            text, finish, tokens = greedy(model, tok, ids, 8)
             assert (answer.choices[0].text, answer.choices[0].finish_reason) == (text, finish)
-            usage = answer.usage
-            assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == \
-                (len(ids), tokens, len(ids) + tokens)
+            assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == \
+                (len(ids), tokens)
+        vectors = client.embeddings.create(model=f"{tag}-tinyembed", input=prompts).data
+        embed = model["embedder"]()
+        for prompt, vector in zip(prompts, vectors):
+            ids = np.array([tok.encode(prompt)])
+            want = embed(ids, np.array([ids.shape[1]]))[0]
+            np.testing.assert_allclose(vector.embedding, want, rtol=1e-4, atol=1e-5)
+
+        # the sampling engine: sample.py's draws are the sampler's on the model's logits
+        seeded = engine.Sampling(temperature=0.8, seed=1)
+        want = sampled(model, tok.encode(CLIENT_PROMPT), seeded, SAMPLE_STEPS, tok.eos_token_id)
+        assert ast.literal_eval(run_python(folder, "sample.py").strip()) == tok.decode(want)
+        with engine.Client(f"{tag}-tinygpt") as c:  # greedy and seeded, batched together
+            first = engine.Sampling(temperature=0.0)
+            futures = [c.submit(tok.encode(p), timeout=60.0, max_steps=8, sampling=s)
+                       for p in prompts for s in (first, seeded)]
+            for k, future in enumerate(futures):
+                prompt, s = prompts[k // 2], (first, seeded)[k % 2]
+                want = sampled(model, tok.encode(prompt), s, 8, tok.eos_token_id)
+                assert future.result().tolist() == want
 
 
 def post(port: int, x: np.ndarray):

@@ -388,3 +388,21 @@ def test_what_asks_for_prompt_logprobs_in_vain(client, make_engine):
     with pytest.raises(ValueError, match="prompt_logprobs=True needs sampling=True"):
         EngineConfig(name="k", input_shape=(None,), max_input_shape=(8,), input_dtype="int64",
                      iterative=True, prompt_logprobs=True)
+
+
+def test_a_serve_config_of_a_sampling_engine_needs_no_outputs(tmp_path):
+    import argparse
+    from engine.cli import commands
+    path = tmp_path / "sampling.toml"
+    path.write_text('[engines.s]\nbackend = "logit_models:Logits"\niterative = true\n'
+                    'sampling = true\ninput_shape = ["none"]\nmax_input_shape = [8]\n'
+                    'input_dtype = "int64"\n')
+    (settings,), _ = commands.serve_plan(argparse.Namespace(config=str(path), backend_arg=None))
+    assert "output_shape" not in settings and settings["sampling"] is True
+    model = {k: v for k, v in settings.items() if k not in ("backend", "backend_args")}
+    assert [s.name for s in EngineConfig(**model).output_specs] == \
+        ["token", "logprob", "top_ids", "top_logprobs"]  # the engine's own
+    path.write_text('[engines.g]\nbackend = "logit_models:Logits"\niterative = true\n'
+                    'input_shape = ["none"]\nmax_input_shape = [8]\ninput_dtype = "int64"\n')
+    with pytest.raises(ValueError, match="missing key.*output_shape"):  # one without sampling
+        commands.serve_plan(argparse.Namespace(config=str(path), backend_arg=None))

@@ -158,3 +158,16 @@ def test_tune_of_a_serve_config_of_one_engine_needs_no_engine_flag(tmp_path, cap
     assert commands.main(["tune", "--config", str(config), "--tpot-ms", "50",
                           "--max-batch", "2"]) == 0
     assert "step model tune_models:steps" in capsys.readouterr().out
+
+
+def test_tune_of_a_sampling_engine_feeds_its_model_the_argmax_of_its_logits(tmp_path, capsys):
+    config = tmp_path / "models.toml"
+    config.write_text('[engines.s]\nbackend = "tune_models:logits"\niterative = true\n'
+                      'sampling = true\nmax_steps = 8\ninput_shape = ["none"]\n'
+                      'max_input_shape = [4]\ninput_dtype = "int64"\n')
+    assert commands.main(["tune", "--config", str(config), "--tpot-ms", "1000",
+                          "--max-batch", "4"]) == 0
+    model = tune_models.MADE[-1]
+    assert isinstance(model, tune_models.Logits) and set(model.step_sizes) == {1, 2, 4}
+    assert not model.wrong and not model.argmax  # each fed its argmax; every one left
+    assert "fed its argmax (sampling)" in capsys.readouterr().out

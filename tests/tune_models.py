@@ -7,7 +7,10 @@ record of how the tuner called them (it measures in the test's own process).
   prompts whose step of n takes step_us + n x per_request_us, and whose
   requests say they are done after `length` steps. It records every breach
   of the step model's protocol (a step of an id not joined, or already
-  done; a join of an id already joined) and the size of every step.
+  done; a join of an id already joined) and the size of every step;
+- logits(vocab): a sampling engine's step model (join and step give logits
+  [n, vocab], step(ids, tokens)) that records every token it is fed that is
+  not the argmax of the logits it gave that request last.
 """
 import numpy as np
 
@@ -58,4 +61,34 @@ class Steps:
 
 def steps(step_us=200.0, per_request_us=20.0, join_us=50.0, length=1000):
     MADE.append(Steps(float(step_us), float(per_request_us), float(join_us), length))
+    return MADE[-1]
+
+
+class Logits:
+    def __init__(self, vocab):
+        self.rng, self.vocab = np.random.default_rng(0), int(vocab)
+        self.argmax = {}  # id -> the argmax of the logits it was given last
+        self.wrong, self.step_sizes = [], []
+
+    def logits(self, ids):
+        x = self.rng.normal(size=(len(ids), self.vocab)).astype(np.float32)
+        self.argmax.update(zip(ids.tolist(), x.argmax(1).tolist()))
+        return x
+
+    def join(self, ids, batch, lengths=None):
+        return self.logits(ids)
+
+    def step(self, ids, tokens):
+        self.wrong += [(rid, t) for rid, t in zip(ids.tolist(), np.asarray(tokens).tolist())
+                       if self.argmax.get(rid) != t]
+        self.step_sizes.append(len(ids))
+        return self.logits(ids), np.zeros(len(ids), bool)
+
+    def leave(self, ids):
+        for rid in ids.tolist():
+            self.argmax.pop(rid, None)
+
+
+def logits(vocab=7):
+    MADE.append(Logits(vocab))
     return MADE[-1]

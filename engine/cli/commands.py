@@ -101,8 +101,7 @@ def serve_plan(args):
         table = dict(table)
         if "openai" in table:  # [engines.NAME.openai]: this engine also on the OpenAI API
             openai[name] = table.pop("openai")
-        engines.append(_engine_settings({**table, "name": name}, None,
-                                        f"{where}: engine {name!r}"))
+        engines.append(_engine_settings({**table, "name": name}, None, f"{where}: engine {name!r}"))
     if openai:
         serve["openai"] = openai
     return engines, serve
@@ -145,6 +144,7 @@ def _engine_settings(settings: dict, args, where) -> dict:
         if knob.metadata["cli"] == "gpus" and isinstance(settings.get(knob.name), str):
             settings[knob.name] = [g.strip() for g in settings[knob.name].split(",") if g.strip()]
     spec = ("inputs", "outputs") if "inputs" in settings else ("input_shape", "output_shape")
+    spec = spec[:1] if settings.get("sampling") else spec  # a sampling engine's outputs: its own
     missing = [k for k in ("name", "backend", *spec) if k not in settings]
     if missing and args is None:
         raise ValueError(f"{where}: missing key(s) {', '.join(missing)}")

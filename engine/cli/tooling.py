@@ -163,7 +163,7 @@ def cmd_bench(args) -> int:
 
 TUNE_KEYS = ("backend", "backend_args", "input_shape", "input_dtype", "max_input_shape",
              "output_shape", "output_dtype", "inputs", "outputs", "max_input_shapes",
-             "length_buckets", "iterative", "max_steps")
+             "length_buckets", "iterative", "max_steps", "sampling")
 
 
 def tune_parser(sub):
@@ -224,7 +224,7 @@ def tune_config(settings: dict):
     serve would (tune reads no output: named inputs without outputs are given
     a stand-in)."""
     from engine.config import EngineConfig
-    shape_keys = ("iterative", "max_steps", "length_buckets")
+    shape_keys = ("iterative", "max_steps", "length_buckets", "sampling")
     knobs_given = {k: settings[k] for k in shape_keys if settings.get(k) is not None}
     if settings.get("inputs") is not None:
         return EngineConfig(name="tune", inputs=settings["inputs"],
@@ -275,7 +275,8 @@ def cmd_tune(args) -> int:
         if args.tpot_ms is None:
             print(f"reading --slo-ms {tpot_ms:g} as the time per output token (--tpot-ms)")
         tune_steps.run(backend, backend_args, cfg.input_specs, tpot_ms, ttft_ms,
-                       limit=args.max_batch, max_steps=cfg.max_steps, out_dir=args.out)
+                       limit=args.max_batch, max_steps=cfg.max_steps, out_dir=args.out,
+                       sampling=cfg.sampling)
         return 0
     tune.run(backend, backend_args, cfg.input_specs, slo_ms, limit=args.max_batch,
              out_dir=args.out, buckets=cfg.length_buckets)

@@ -11,7 +11,10 @@ Measured in this process, for each running batch size n: n requests join
 with random prompts of the input's padded shape (the longest: the slowest),
 a few steps of the n are timed, and they leave; a request that says it is
 done (or reaches max_steps) ends its group early, and n fresh ones join, so
-every step timed has n. Medians of the repeats; fit T(n) = F + n c.
+every step timed has n. Medians of the repeats; fit T(n) = F + n c. A
+sampling engine's model (sampling=True: join and step give logits) is fed
+each row's argmax, as at temperature 0; picking it is not timed (the
+sampler's own cost per step: bench/sampler_cost.py).
 Recommends:
 
 - max_batch_size: the largest measured n with T(n) + margin <= TPOT (and,
@@ -47,9 +50,11 @@ def step_model_of(backend, backend_args: dict):
     return model
 
 
-def measure(model, specs, sizes: Sequence[int], max_steps: int = 256, repeats: int = 15):
+def measure(model, specs, sizes: Sequence[int], max_steps: int = 256, repeats: int = 15,
+            sampling: bool = False):
     """({n: T(n) ms}, {n: J(n) ms}): the median of `repeats` steps of n
-    requests, and of the joins of n at once (after one untimed group)."""
+    requests, and of the joins of n at once (after one untimed group);
+    sampling: the model gives logits and is fed tokens (module doc)."""
     rng = np.random.default_rng(0)
     per_group = max(1, min(int(max_steps), STEPS_PER_GROUP))
     next_id = 1
@@ -62,13 +67,15 @@ def measure(model, specs, sizes: Sequence[int], max_steps: int = 256, repeats: i
             next_id += n
             batch, lengths = tune.random_batch(specs, n, rng)
             t = time.perf_counter_ns()
-            model.join(ids.copy(), batch, lengths)
+            logits = model.join(ids.copy(), batch, lengths)
             joined = time.perf_counter_ns() - t
             took = []
             try:
                 for _ in range(per_group if warm else 1):
+                    tokens = greedy_tokens(logits, n) if sampling else None
                     t = time.perf_counter_ns()
-                    _, done = model.step(ids.copy())
+                    logits, done = model.step(ids.copy(), tokens) if sampling else \
+                        model.step(ids.copy())
                     took.append(time.perf_counter_ns() - t)
                     done = np.asarray(done, bool)
                     if done.shape != (n,):
@@ -85,6 +92,18 @@ def measure(model, specs, sizes: Sequence[int], max_steps: int = 256, repeats: i
         steps_ms[n] = float(np.median(steps[:repeats])) / 1e6
         joins_ms[n] = float(np.median(joins)) / 1e6
     return steps_ms, joins_ms
+
+
+def greedy_tokens(logits, n: int) -> np.ndarray:
+    """int64[n]: each row's argmax of a sampling model's logits [n, V] (numpy,
+    or a torch tensor on any device); ValueError for another shape."""
+    shape = tuple(getattr(logits, "shape", ()))
+    if len(shape) != 2 or shape[0] != n:
+        raise ValueError(f"a sampling model's join and step give logits [n, V]: expected "
+                         f"[{n}, V], got {type(logits).__name__} of shape {list(shape)}")
+    tokens = logits.argmax(-1)
+    tokens = tokens.cpu().numpy() if hasattr(tokens, "cpu") else np.asarray(tokens)
+    return tokens.astype(np.int64)
 
 
 def recommend(steps_ms: Dict[int, float], joins_ms: Dict[int, float], tpot_ms: float,
@@ -131,16 +150,17 @@ def _fit_limit(f_ms, c_ms, tpot_room, ttft_room, join_1) -> Optional[int]:
 
 
 def run(backend, backend_args, specs, tpot_ms, ttft_ms=None, limit=64, max_steps=256,
-        out_dir=None, log=print):
+        out_dir=None, log=print, sampling=False):
     """Measures, fits and recommends (module doc); specs: the engine's input
-    specs (EngineConfig.input_specs), the prompt's."""
+    specs (EngineConfig.input_specs), the prompt's; sampling: the engine's."""
     sizes = tune.batch_sizes(limit)
     model = step_model_of(backend, backend_args)
-    steps_ms, joins_ms = measure(model, specs, sizes, max_steps)
+    steps_ms, joins_ms = measure(model, specs, sizes, max_steps, sampling=sampling)
     f_ms, c_ms = tune.fit(steps_ms)
     rec = recommend(steps_ms, joins_ms, tpot_ms, ttft_ms)
     shown = ", ".join(f"{t.name + ': ' if t.name else ''}{t.dtype}{list(t.max_shape)}" for t in specs)
-    log(f"step model {backend}{f' {backend_args}' if backend_args else ''}, prompt {shown} (the longest)")
+    log(f"step model {backend}{f' {backend_args}' if backend_args else ''}, prompt {shown} (the longest)"
+        + (", fed its argmax (sampling)" if sampling else ""))
     log(f"{'n':>5} {'T(n) ms':>9} {'fit ms':>9} {'J(n) ms':>9} {'TTFT~ ms':>9} {'tokens/s':>10}")
     for n in sizes:
         log(f"{n:>5} {steps_ms[n]:>9.3f} {f_ms + n * c_ms:>9.3f} {joins_ms[n]:>9.3f} "
