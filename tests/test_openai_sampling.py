@@ -93,7 +93,7 @@ def test_a_seeded_requests_choices_are_the_engines_draws_each_with_its_choices_s
     for c, choice in enumerate(first["choices"]):
         s = engine.Sampling(seed=sampled.choice_seed(seed, c), **fields)
         assert choice["index"] == c and choice["text"] == text(alone(ids("dfh"), s, 8))
-    # choice 0 is what the seed answers alone; a seed past 2**64 is taken mod 2**64
+    # choice 0 is what that seed answers alone; a seed past 2**64 is taken mod 2**64
     one = complete(server, **{**body, "n": 1, "seed": 2**64 - 7})
     assert one["choices"][0]["text"] == texts[0]
 

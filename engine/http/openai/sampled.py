@@ -37,7 +37,7 @@ _PERSON = b"shmbatch-choice"
 
 
 def choice_seed(seed: int, choice: int) -> int:
-    """The seed of a prompt's choice `choice` (0..n-1), seed already in 0..2**64-1."""
+    """A prompt's choice `choice` (0..n-1): its seed, from the request's (in 0..2**64-1)."""
     if choice == 0:
         return seed
     digest = hashlib.blake2b(seed.to_bytes(8, "little") + choice.to_bytes(8, "little"),
