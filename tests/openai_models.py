@@ -28,6 +28,9 @@ float32[]) answers a (query, document) pair of ids, joined by EOS (as the
 routes join Bytes' pairs), its relevance(): the share of the query's
 distinct bytes that the document holds.
 
+Letters is a tokenizer whose ids are texts, one letter each, for the V = 50
+logit model of tests/logit_models.py (a sampling engine's).
+
 Counted is Bytes that says its vocabulary's size (257: EOS the last id);
 Gated's encode() of a text that begins "GATE:path:" makes path.entered, then
 waits until the file path exists (a tokenizer as slow as a test needs); Broken's decode() raises at
@@ -141,6 +144,32 @@ def hf_tokenizer():
     tok.chat_template = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
                          "{% if add_generation_prompt %}<|assistant|>{% endif %}")
     return tok
+
+
+LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWX"  # one per id of a V = 50 model
+
+
+class Letters:
+    """A tokenizer whose ids are texts: id i is the letter LETTERS[i] (50 ids,
+    the vocabulary of tests/logit_models.py), id 0 ("a") its eos. Its chat
+    template writes each message's content, then "X"."""
+
+    eos_token_id = 0
+    vocab_size = len(LETTERS)
+
+    def encode(self, text: str) -> list:
+        return [LETTERS.index(c) for c in text]
+
+    def decode(self, ids) -> str:
+        return "".join(LETTERS[i] for i in ids)
+
+    def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=True):
+        text = "".join(m["content"] for m in messages) + ("X" if add_generation_prompt else "")
+        return self.encode(text) if tokenize else text
+
+
+def letters_tokenizer():
+    return Letters()
 
 
 def rendered(messages) -> str:

@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from engine.config import EngineConfig
-from engine.http.openai import tokenizing
+from engine.http.openai import logprobs, tokenizing
 from engine.http.openai.replies import OpenAIError, bad
 from engine.http.openai.settings import OpenAISettings, input_array
 from engine.http.openai.text import eos_of, id_list
@@ -58,10 +58,10 @@ class Served:
         self.others = [s for s in config.input_specs if s is not self.ids_spec]
         # fields that the model takes as inputs (engine.http.openai.honoured: its to honour)
         self.input_names = frozenset(s.name for s in self.others) if config.named else frozenset()
-        # whether a request's sampling fields reach the engine (engine.http.openai.honoured
-        # lifts their refusal): not yet, as the routes hand it no engine.Sampling; once they
-        # do, the engine's own flag: getattr(config, "sampling", False)
-        self.sampling = False
+        # whether the engine samples: each request then carries its engine.Sampling
+        # (engine.http.openai.sampled), and engine.http.openai.honoured lifts the refusal
+        # of the fields it honours
+        self.sampling = bool(config.sampling)
         self.defaults = {name: input_array(specs[name], value, f"defaults.{name}")
                          for name, value in settings.defaults.items()}
 
@@ -99,9 +99,18 @@ class Served:
         return request
 
     def tokens(self, chunks) -> List[int]:
-        """The token ids of a block of chunks (n, *chunk shape): one each."""
-        value = chunks[self.settings.output] if self.config.named else chunks
+        """The token ids of a block of chunks (n, *chunk shape): one each (a
+        sampling engine's: the tokens alone, or a dict with their logprobs)."""
+        if self.config.sampling:
+            value = chunks["token"] if isinstance(chunks, dict) else chunks
+        else:
+            value = chunks[self.settings.output] if self.config.named else chunks
         return value.reshape(len(value)).tolist()
+
+    @functools.cached_property
+    def token_text(self):
+        """A token id's text, for logprobs (engine.http.openai.logprobs)."""
+        return logprobs.texts_of(self.tokenizer, self.vocab)
 
     @functools.cached_property
     def vector_size(self) -> int:
@@ -229,10 +238,8 @@ async def prompts_ids(served: Served, body: dict) -> List[List[int]]:
     either (several prompts), as token ids, one list per prompt; "" completes
     from the model's start. Their count is checked before any is tokenized,
     and every text before the first is."""
-    prompt = body.get("prompt")
-    several = isinstance(prompt, list) and bool(prompt) and all(
-        isinstance(p, (str, list)) for p in prompt)
-    prompts = prompt if several else [prompt]
+    prompts = prompt_items(body)
+    several = prompts is body.get("prompt")  # a list of prompts, not one
     most = served.most_inputs
     if len(prompts) > most:
         raise bad(f"prompt: expected at most {most} prompts (each one engine request, all "
@@ -243,6 +250,15 @@ async def prompts_ids(served: Served, body: dict) -> List[List[int]]:
             served.check_text(p, _nth("prompt", k, several))
     return [await _prompt_ids(served, p, _nth("prompt", k, several))
             for k, p in enumerate(prompts)]
+
+
+def prompt_items(body: dict) -> list:
+    """/v1/completions' prompts as the caller sent them, not yet checked: a
+    list of several, or [the prompt]."""
+    prompt = body.get("prompt")
+    several = isinstance(prompt, list) and bool(prompt) and all(
+        isinstance(p, (str, list)) for p in prompt)
+    return prompt if several else [prompt]  # type: ignore[return-value]
 
 
 def _nth(field: str, k: int, several: bool) -> str:

@@ -5,7 +5,8 @@ refused with a 400 naming it, never silently ignored: a client asking for
 sampling (temperature 0.7, top_p, seed, ...) from an engine that answers
 greedily is told so. FIELDS holds each such field with the values that leave
 the answer as this server gives it (a greedy answer in text choices), and
-whether an engine that samples (its config's `sampling`) honours it. A field
+whether an engine that samples (its config's `sampling`) honours it
+(engine.http.openai.sampled builds its requests' Sampling of them). A field
 that names one of a named-tensor engine's inputs is passed to the model
 (engine.http.openai.fields) and so is the model's to honour: never refused
 here. temperature 1 is allowed, being OpenAI's and vLLM's default that
@@ -70,7 +71,8 @@ FIELDS: Dict[str, Rule] = {
     "stop_token_ids": Rule(_is([]), "absent or []"),
     "logprobs": Rule(_is(False), "absent or false", why="gives no logprobs"),
     "top_logprobs": Rule(_is(0), "absent or 0", why="gives no logprobs"),
-    "prompt_logprobs": Rule(_is(0), "absent or 0", why="gives no logprobs"),
+    "prompt_logprobs": Rule(_is(), "absent", sampled=False,
+                            why="gives a prompt's logprobs through echo with logprobs alone"),
     "echo": Rule(_is(False), "absent or false", why=FORM),
     "presence_penalty": Rule(_is(0), "absent or 0", sampled=False),
     "frequency_penalty": Rule(_is(0), "absent or 0", sampled=False),

@@ -13,11 +13,12 @@
 
 An iterative engine serves /v1/completions and /v1/chat/completions (task
 "generate", its only one): its token input is integers [None], one step's
-output an integer ([] or [1]). A one-shot engine serves /v1/embeddings (task
-"embed"): the same input, its output floats [d]; or /v1/rerank (task
-"rerank"): a query and a document as one input, its output a score (a float
-[] or [1]). Every other input of a named-tensor engine is filled from the
-request's field of its name, else from `defaults`.
+output an integer ([] or [1]; a sampling engine's, its own "token"). A
+one-shot engine serves /v1/embeddings (task "embed"): the same input, its
+output floats [d]; or /v1/rerank (task "rerank"): a query and a document as
+one input, its output a score (a float [] or [1]). Every other input of a
+named-tensor engine is filled from the request's field of its name, else
+from `defaults`.
 
 Everything here is checked in serve's own process, before anything starts;
 nothing is imported (the tokenizer is loaded in each HTTP worker).
@@ -142,6 +143,11 @@ def _is_ids(spec: TensorSpec) -> bool:
 
 def _output(where: str, name: Optional[str], config: EngineConfig, task: str) -> TensorSpec:
     specs = config.output_specs
+    if config.sampling:  # its outputs are the engine's own: the token, then its logprobs
+        if name not in (None, "token"):
+            raise ValueError(f"{where}: a sampling engine's token is its output \"token\"; "
+                             f"expected no output, got output = {name!r}")
+        return specs[0]
     if name is not None and not config.named:
         raise ValueError(f"{where}: output names a named tensor; engine {config.name!r} has one "
                          f"unnamed output, got output = {name!r}")

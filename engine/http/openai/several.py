@@ -3,9 +3,10 @@
 Each prompt is one engine request (a run), all enqueued at once from the
 event loop so that they batch with everyone's; if one is refused, those
 enqueued are withdrawn (as embeddings' inputs are). A run's tokens make each
-of its prompt's n choices: the engine answers greedily, so every choice is
-the one greedy answer, as vLLM gives n choices at temperature 0. A choice's
-`index` is prompt x n + choice.
+of its prompt's n choices where they are one greedy answer (an engine that
+does not sample, or temperature 0, as vLLM gives n choices there); a
+sampling engine's choices at temperature > 0 are a run each, seeded apart
+(engine.http.openai.sampled). A choice's `index` is prompt x n + choice.
 
 The runs are followed as one stream (Runs): each wake reads every run that
 moved. A run that ends at eos or a stop string is withdrawn at once, the
@@ -13,7 +14,8 @@ others go on; an error of any run ends the whole answer (a stream's with an
 error event). Not streamed, the answer lists the choices in index order,
 usage summed (each prompt's tokens once, each choice's completion tokens).
 Streamed, each chunk carries one choice and its index, as OpenAI and vLLM
-stream several, a chat's role chunk first for each; once every choice has
+stream several, a chat's role chunk first for each (with logprobs or echo,
+a run's chunk per wake, as generate.ChunkEvents's); once every choice has
 finished, the usage chunk if asked, then [DONE].
 """
 import asyncio
@@ -29,20 +31,21 @@ from engine.http.openai.replies import DONE, of_engine, send_json
 class Run:
     """One engine request: the text its tokens make, and the choices it answers."""
 
-    def __init__(self, request: Request, prompt: int) -> None:
-        self.request, self.text = request, Text(request)
-        self.choices = range(prompt * request.n, (prompt + 1) * request.n)
+    def __init__(self, request: Request, prompt: int, choices: range, sampling) -> None:
+        self.request, self.text = request, Text(request, prompt)
+        self.prompt, self.choices, self.sampling = prompt, choices, sampling
         self.pieces: List[str] = []  # its text so far, when not streamed
 
-    def take(self, blocks: list, ended: bool, reason: Optional[str]) -> List[str]:
+    def take(self, blocks: list, ended: bool, reason: Optional[str],
+             prompt_logprobs: Optional[list] = None) -> List[str]:
         """The pieces of text that these blocks of chunks let out, the last one
-        the answer's end if they end it (text.finish is then set)."""
+        the answer's end if they end it (text.finish is then set);
+        prompt_logprobs its stream's (an echoed prompt's)."""
         pieces, text = [], self.text
         for block in blocks:
-            for token in self.request.served.tokens(block):
-                pieces.append(text.add(token))
-                if text.finish:
-                    return pieces
+            pieces += text.feed(block, prompt_logprobs)
+            if text.finish:
+                return pieces
         if ended:
             pieces.append(text.end(reason))  # the engine ended it (reason None: cut short)
         return pieces
@@ -63,6 +66,10 @@ class Runs:
         self._waiter: Optional[asyncio.Future] = None
         for stream in streams:
             stream.on_wake = self.wake
+
+    def prompt_logprobs(self, i: int) -> Optional[list]:
+        """Run i's prompt's logprobs, once its first chunk came (if it asked them)."""
+        return self.streams[i].prompt_logprobs
 
     @property
     def finish_reason(self) -> Optional[str]:
@@ -126,13 +133,13 @@ class Runs:
             stream.close()
 
 
-def opened(client, request: Request, timeout_s: float) -> Runs:
-    """Every prompt's engine request enqueued now; if one is refused, those
+def opened(client, request: Request, runs: List[Run], timeout_s: float) -> Runs:
+    """Every run's engine request enqueued now; if one is refused, those
     enqueued before it are withdrawn."""
     streams: list = []
     try:
-        for x in request.xs:
-            streams.append(request.open(client, timeout_s, x))
+        for run in runs:
+            streams.append(request.open(client, timeout_s, request.xs[run.prompt], run.sampling))
     except BaseException:
         for stream in streams:
             stream.close()
@@ -143,8 +150,8 @@ def opened(client, request: Request, timeout_s: float) -> Runs:
 async def answer(client, request: Request, timeout_s: float, scope, receive, send) -> None:
     """Answers the request through send (EngineError and OpenAIError before
     anything was sent are raised, for the caller to answer)."""
-    runs = [Run(request, prompt) for prompt in range(len(request.xs))]
-    streams = opened(client, request, timeout_s)
+    runs = [Run(request, *run) for run in request.runs()]
+    streams = opened(client, request, runs, timeout_s)
     if request.stream:
         return await ChoiceEvents(request, runs, streams, scope, receive, send, timeout_s).run()
     follower = events.Follower(streams, receive)
@@ -156,7 +163,7 @@ async def answer(client, request: Request, timeout_s: float, scope, receive, sen
                 return
             for i, blocks, ended, reason in got:
                 run = runs[i]
-                run.pieces += run.take(blocks, ended, reason)
+                run.pieces += run.take(blocks, ended, reason, streams.prompt_logprobs(i))
                 if run.text.finish:
                     left -= 1
                     streams.drop(i)
@@ -164,8 +171,9 @@ async def answer(client, request: Request, timeout_s: float, scope, receive, sen
         return await send_json(send, 503, of_engine(EngineUnavailable(events.SHUTDOWN)).body())
     finally:
         await follower.close()  # withdraws the runs that have not ended
-    choices = [choice(request, "".join(run.pieces), run.text.finish, index)
-               for run in runs for index in run.choices]
+    choices = sorted((choice(request, "".join(run.pieces), run.text.finish, index, logprobs)
+                      for run in runs for logprobs in (run.text.take(),)
+                      for index in run.choices), key=lambda c: c["index"])
     await send_json(send, 200, {**head(request, False), "choices": choices,
                                 "usage": usage(request, _completion_tokens(runs))})
 
@@ -181,6 +189,7 @@ class ChoiceEvents(events.EventStream):
         self.request, self.runs, self.streams = request, runs, streams
         self.left = len(runs)  # the runs not finished
         self.first = request.chat  # the role chunks are still to come
+        self.blocks = request.logprobs is not None or request.echo  # a run's chunk per wake
 
     def events(self, items, finish_reason) -> bytes:
         request, out = self.request, []
@@ -190,9 +199,15 @@ class ChoiceEvents(events.EventStream):
         for i, blocks, ended, reason in items:
             run = self.runs[i]
             try:
-                pieces = run.take(blocks, ended, reason)
+                pieces = run.take(blocks, ended, reason, self.streams.prompt_logprobs(i))
             except Exception as e:  # the text so far goes out, then the error
                 raise events.Failed("".join(out).encode(), e) from None
+            if self.blocks:
+                out += self.block(run, pieces)
+                if run.text.finish:
+                    self.left -= 1
+                    self.streams.drop(i)
+                continue
             last = pieces.pop() if run.text.finish else None
             out += [sse(chunk(request, piece, index=c)) for piece in pieces if piece
                     for c in run.choices]
@@ -203,6 +218,14 @@ class ChoiceEvents(events.EventStream):
         if not self.left:
             raise events.Finished("".join(out).encode(), "stop")
         return "".join(out).encode()
+
+    def block(self, run: Run, pieces: List[str]) -> List[str]:
+        """A run's chunk of these pieces, with their logprobs, for each of its choices."""
+        text = run.text
+        if not (text.finish or any(pieces) or (text.logprobs and text.logprobs.ids)):
+            return []
+        piece, logprobs = "".join(pieces), text.take()
+        return [sse(chunk(self.request, piece, text.finish, c, logprobs)) for c in run.choices]
 
     def end(self, finish_reason: str) -> bytes:
         if not self.request.include_usage:
