@@ -11,9 +11,11 @@ C in the tens or thousands where V is 50,000:
   is monotone in x, so the k-th largest p is among them, and every p that
   ties it is too unless the largest p below t could equal it (then the row
   reads its whole row: a tie at the cut keeps every id on it).
-- top_p rows without top_k: p over the row, the mass at each p level (4 a
-  octave, float32 bits >> LEVEL_SHIFT), and the ids at or above the highest
-  level whose mass above holds top_p of the row's: they hold the nucleus.
+- top_p rows without top_k: p over the row, and the ids at or above a p
+  level (4 an octave, float32 bits >> LEVEL_SHIFT) whose mass holds top_p of
+  the row's, so the nucleus: the level is guessed from every SAMPLE-th id's
+  mass by level, checked by the mass gathered, and a row short of it guesses
+  again below (what it gathered is exact), then reads its whole row.
 - rows that neither top_k nor top_p truncate keep every id with p >= min_p:
   the inverse CDF runs over the row, in two levels (inverse_cdf).
 
@@ -33,6 +35,8 @@ GROUP = 64  # ids per group of a top_k threshold's group maxima
 GROUPS_PER_ID = 4  # groups at least 4 times the ids a row needs: few groups hold 2 of them
 LEVEL_SHIFT = 21  # float32 bits >> 21: 4 p levels an octave
 LEVELS = (0x3F800000 >> LEVEL_SHIFT) + 1  # p in [0, 1]
+SAMPLE = 8  # a nucleus's level masses are guessed from every 8th id of its row ...
+REACH = 0.25  # ... with room: a guess short of the mass costs another gather
 TIE_SLACK = 1 + 2.0**-20  # a bound on p within an ulp or two of the cut counts as a tie
 
 
@@ -84,9 +88,9 @@ def top_k_tokens(x, k, top_p, min_p, temperature, uniforms, mask_rows, mask_ids,
     broken = ~np.isfinite(largest)  # NaN or +inf in the row (or all -inf)
     t[broken] = np.nan  # gathers nothing
     ids, values = gathered(x, t, -np.inf, int(k.max()) + 1)
-    if len(mask_rows):
-        values[np.isin(np.arange(m)[:, None] * vocab + ids, mask_rows * vocab + mask_ids)] = \
-            -np.inf
+    if len(mask_rows):  # a few pairs: each compared with its row's candidates
+        pair, at = np.nonzero(ids[mask_rows] == mask_ids[:, None])
+        values[mask_rows[pair], at] = -np.inf
     top = values.max(axis=1)  # the largest unmasked logit: k + 1 unmasked ids are at or over t
     broken |= ~np.isfinite(top)
     top[broken] = 0
@@ -122,25 +126,44 @@ def threshold(x, need):
 def nucleus_tokens(x, k, top_p, min_p, temperature, uniforms, mask_rows, mask_ids):
     m = len(x)
     p, broken = probabilities(x, temperature, min_p, mask_rows, mask_ids)
-    edge = np.zeros(m, np.int32)  # each row's candidate level: its bits << LEVEL_SHIFT
-    total = np.zeros(m, np.float64)
-    for i in np.flatnonzero(~broken).tolist():
-        mass = np.bincount(p[i].view(np.int32) >> LEVEL_SHIFT, weights=p[i], minlength=LEVELS)
-        total[i] = mass.sum()
-        above = np.cumsum(mass[::-1])  # the mass at or above each level, the top first
-        # a hair over the need: its sums, in another order, may round below it
-        enough = np.flatnonzero(above >= top_p[i] * total[i] * (1 + 1e-12))
-        edge[i] = (LEVELS - 1 - enough[0]) << LEVEL_SHIFT if len(enough) else 0
-    t = edge.view(np.float32)
-    t[broken] = np.nan
-    ids, values = gathered(p, t, np.float32(-1), 1)  # -1: below any cut
-    tokens, _, covered = drawn(ids, values, k, top_p, min_p, uniforms, total)
-    short = np.flatnonzero(~covered & ~broken & (t > 0))  # rounding: read the whole row
-    if len(short):
-        ids, values = gathered(p[short], np.zeros(len(short), np.float32), np.float32(-1), 1)
-        tokens[short], _, _ = drawn(ids, values, k[short], top_p[short], min_p[short],
-                                    uniforms[short], total[short])
+    total = p.sum(axis=1).astype(np.float64)  # float32, pairwise: ample for top_p's share
+    # a hair over the need: the kept mass, summed in another order, may round below it
+    need = top_p * total * (1 + 1e-9)
+    tokens = np.zeros(m, np.int64)
+    t = np.full(m, np.nan, np.float32)  # each row's candidates: its ids with p >= t
+    got = np.zeros(m, np.float64)  # the mass at or above t
+    rows = np.flatnonzero(~broken)
+    for attempt in range(3):  # a guess, a guess at what is missing, then the whole row
+        if not len(rows):
+            break
+        for i in rows.tolist():
+            t[i] = 0 if attempt == 2 else level_under(p[i], t[i], total[i] - got[i],
+                                                       need[i] - got[i])
+        ids, values = gathered(p if len(rows) == m else p[rows], t[rows], np.float32(-1), 1)
+        got[rows] = np.maximum(values, 0).sum(axis=1, dtype=np.float64)  # -1: padding
+        done = (got[rows] >= need[rows]) | (t[rows] == 0)
+        if done.any():
+            d = rows[done]
+            tokens[d], _, _ = drawn(ids[done], values[done], k[d], top_p[d], min_p[d],
+                                    uniforms[d], total[d])
+        rows = rows[~done]
     return finished(x, tokens, np.flatnonzero(broken), mask_rows, mask_ids)
+
+
+def level_under(p, above, rest: float, missing: float) -> float:
+    """The lower edge of the highest p level under `above` (nan: none yet)
+    whose ids, with those between it and `above`, hold the missing mass and
+    REACH of the rest past it, as guessed from every SAMPLE-th id of the row
+    (their mass by level, scaled to the rest under `above`); 0: the whole row."""
+    q = p[::SAMPLE]
+    if not np.isnan(above):
+        q = q[q < above]
+    levels = np.bincount(q.view(np.int32) >> LEVEL_SHIFT, weights=q, minlength=LEVELS)
+    held = np.cumsum(levels[::-1])  # at or above each level, the top first
+    if held[-1] <= 0 or missing >= rest:
+        return 0.0
+    at = int(np.argmax(held * (rest / held[-1]) >= missing + REACH * (rest - missing)))
+    return float(np.array((LEVELS - 1 - at) << LEVEL_SHIFT, np.int32).view(np.float32))
 
 
 # -- neither -------------------------------------------------------------------------------
@@ -181,8 +204,9 @@ def gathered(values, t, fill, least: int):
     at = np.arange(len(flat)) - (np.cumsum(counts) - counts)[rows]
     ids = np.full((m, width), -1, np.int64)
     out = np.full((m, width), fill, values.dtype)
-    ids[rows, at] = cols
-    out[rows, at] = values[rows, cols]
+    into = rows * width + at
+    ids.reshape(-1)[into] = cols
+    out.reshape(-1)[into] = values.reshape(-1)[flat]  # a copy first if values is strided
     return ids, out
 
 
