@@ -24,8 +24,7 @@ the first id whose float64 cumulative sum of kept p exceeds u * total. A
 row's candidates, cuts and sums depend on its own values only, and every
 candidate superset gives the same sums (sorted p summed in order; zeros
 between kept ids add nothing), so a row draws the same alone and in any
-batch. p is float32 (each value rounds once); the sums that decide a cut or
-a draw are float64. A row whose largest logit is NaN or +inf, or whose every
+batch. p is float32; the sums that decide a cut or a draw are float64. A row whose largest logit is NaN or +inf, or whose every
 id is masked, takes its argmax.
 """
 import numpy as np
@@ -308,24 +307,24 @@ def score(logits: np.ndarray, ids: np.ndarray, k: int, scale=None):
 
 
 def top_logits(logits, top, s, wide: int):
-    """(ids [m, wide], (x - max) / s at them): each row's largest, by value
+    """(ids [m, wide], (x - max) / s at them): each row's largest, by x / s
     then by id."""
-    m, vocab = logits.shape
+    m = len(logits)
     t, largest = threshold(logits, np.full(m, wide))
-    # ids below t: (x - max) / s at most bound, which may tie the wide-th in rounding
-    whole = ~np.isfinite(largest)
-    t[whole] = -np.inf
-    ids, x = gathered(logits, t, -np.inf, wide)
-    z = (x - top[:, None]) / s[:, None]
-    order = np.lexsort((ids, -z), axis=1)[:, :wide]
-    ids, z = np.take_along_axis(ids, order, axis=1), np.take_along_axis(z, order, axis=1)
-    bound = (np.nextafter(t, np.float32(-np.inf)) - top) / s
-    again = np.flatnonzero(~whole & np.isfinite(t) & (bound >= z[:, -1]))
+    t[~np.isfinite(largest)] = -np.inf  # NaN or +inf in the row: every id
+    ids, x = ranked(logits, t, s, wide)
+    # ids below t have x / s at most bound: one that may tie the wide-th is not gathered
+    bound = np.nextafter(t, np.float32(-np.inf)) / s
+    again = np.flatnonzero(np.isfinite(t) & (bound >= x[:, -1] / s))
     if len(again):
-        more = np.full(len(again), -np.inf, np.float32)
-        ids_a, x_a = gathered(logits[again], more, -np.inf, wide)
-        z_a = (x_a - top[again, None]) / s[again, None]
-        order = np.lexsort((ids_a, -z_a), axis=1)[:, :wide]
-        ids[again] = np.take_along_axis(ids_a, order, axis=1)
-        z[again] = np.take_along_axis(z_a, order, axis=1)
-    return ids, z
+        ids[again], x[again] = ranked(logits[again], np.full(len(again), -np.inf, np.float32),
+                                      s[again], wide)
+    return ids, (x - top[:, None]) / s[:, None]
+
+
+def ranked(logits, t, s, wide: int):
+    """(ids, x at them) of each row's wide largest ids at or above t, by x /
+    s then by id."""
+    ids, x = gathered(logits, t, -np.inf, wide)
+    order = np.lexsort((ids, -(x / s[:, None])), axis=1)[:, :wide]
+    return np.take_along_axis(ids, order, axis=1), np.take_along_axis(x, order, axis=1)
