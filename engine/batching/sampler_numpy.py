@@ -47,6 +47,8 @@ def sample(x: np.ndarray, plan) -> np.ndarray:
         tokens[plan.greedy] = argmax(x, plan.greedy,
                                      *subset(plan.mask_rows, plan.mask_ids, plan.greedy))
     s = plan.sampled
+    if not len(s):
+        return tokens
     top_k, top_p = plan.top_k[s], plan.top_p[s]
     for part, draw in ((top_k > 0, top_k_tokens),
                        ((top_k == 0) & (top_p < 1), nucleus_tokens),
@@ -67,9 +69,8 @@ def argmax(x, rows, mask_rows, mask_ids) -> np.ndarray:
     xs = x if len(rows) == len(x) else x[rows]
     tokens = xs.argmax(axis=1)
     if len(mask_rows):
-        vocab = xs.shape[1]
-        hit = np.isin(mask_rows * vocab + mask_ids, mask_rows * vocab + tokens[mask_rows])
-        for r in np.unique(mask_rows[hit]).tolist():
+        hit = mask_ids == tokens[mask_rows]  # the pairs that mask their row's argmax
+        for r in np.unique(mask_rows[hit]).tolist() if hit.any() else ():
             row = xs[r].copy()
             row[mask_ids[mask_rows == r]] = -np.inf
             tokens[r] = row.argmax()
