@@ -11,8 +11,8 @@ numpy float32 logits and, where torch is installed, on torch CPU tensors
 (which the numpy path reads through a view) and on the same made to take the
 torch path (as tensors on a GPU do; here torch's CPU kernels). Rows: greedy;
 temperature 0.8 + top_p 0.9 + top_k 50; top_p 0.9 alone (its nucleus, ~2,300
-ids here, is past the first 1,024 candidates: 4,096 are read); the second
-with logprobs=5. "The step itself": the LM head's matmul, [n, 768] @ [768,
+ids here: numpy gathers ~3,700 by a p threshold, torch reads 1,024 candidates,
+then 4,096); the second with logprobs=5. "The step itself": the LM head's matmul, [n, 768] @ [768,
 50257] float32, numpy and torch. Logits are N(0, 1) * 3, about as peaked as a
 small LM's. Medians of --repeat calls of wall time, after one unmeasured.
 """

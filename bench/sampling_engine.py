@@ -12,6 +12,8 @@ once (max_steps --steps, ignore_eos: every one runs its full length) and
 their answers awaited: tokens/s = B * steps / wall time. Rounds alternate
 greedy (temperature 0) and sampled (temperature 0.8, top_p 0.95, top_k 50)
 in the one engine; the medians are reported, with the sampled/greedy ratio.
+Beside them, the engine's processes' CPU time per token (user + system, from
+psutil), whose ratio a shared machine's load moves far less than wall time's.
 """
 import argparse
 import os
@@ -19,6 +21,7 @@ import statistics
 import time
 
 import numpy as np
+import psutil
 
 import engine
 
@@ -56,12 +59,26 @@ def head(seed: int = 0) -> Head:
     return Head(seed)
 
 
-def tokens_per_s(c, batch: int, steps: int, sampling) -> float:
+def engine_cpu_s() -> float:
+    """User + system CPU seconds of this process's children (the engine's)."""
+    total = 0.0
+    for child in psutil.Process().children(recursive=True):
+        try:
+            times = child.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
+
+
+def tokens_per_s(c, batch: int, steps: int, sampling):
+    """(tokens/s, the engine's CPU ms per token) of batch requests at once."""
     prompts = [np.array([7 + i, 11 * i + 3, 5], np.int64) for i in range(batch)]
-    t0 = time.perf_counter()
+    cpu0, t0 = engine_cpu_s(), time.perf_counter()
     futures = [c.submit(p, timeout=600, max_steps=steps, sampling=sampling) for p in prompts]
     got = sum(len(f.result(timeout=600)) for f in futures)
-    return got / (time.perf_counter() - t0)
+    wall, cpu = time.perf_counter() - t0, engine_cpu_s() - cpu0
+    return got / wall, cpu * 1e3 / got
 
 
 def main() -> None:
@@ -79,15 +96,18 @@ def main() -> None:
                        queue_capacity=max(64, 2 * max(batches)), max_delay_ms=20.0,
                        eos_token_ids=[50256]) as eng, engine.Client(eng.name) as c:
         tokens_per_s(c, 1, 2, greedy)  # warm: the head's pages, the first join
-        print(f"| running batch | greedy tokens/s | sampled tokens/s | sampled / greedy |")
-        print("|---:|---:|---:|---:|")
+        print("| running batch | greedy tokens/s | sampled tokens/s | sampled / greedy "
+              "| greedy CPU ms/token | sampled CPU ms/token | sampled / greedy |")
+        print("|---:|---:|---:|---:|---:|---:|---:|")
         for batch in batches:
             runs = {"greedy": [], "sampled": []}
             for _ in range(a.rounds):
                 runs["greedy"].append(tokens_per_s(c, batch, a.steps, greedy))
                 runs["sampled"].append(tokens_per_s(c, batch, a.steps, sampled))
-            g, s = statistics.median(runs["greedy"]), statistics.median(runs["sampled"])
-            print(f"| {batch} | {g:.1f} | {s:.1f} | {s / g:.2f} |", flush=True)
+            (g, gc), (s, sc) = ([statistics.median(r[i] for r in runs[k]) for i in (0, 1)]
+                                for k in ("greedy", "sampled"))
+            print(f"| {batch} | {g:.1f} | {s:.1f} | {s / g:.2f} | {gc:.2f} | {sc:.2f} "
+                  f"| {sc / gc:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -108,14 +108,53 @@ def test_a_nucleus_wider_than_the_candidates_reads_more(backend, vocab, past):
     assert kept[seen].all() and seen.max() > past  # and with too few read, 10 % past the nucleus
 
 
+def large_case(name):
+    """(logits [1024], Sampling, the kept ids' p): rows where the candidates
+    are found by threshold, at the edges of what they must hold."""
+    vocab = 1024
+    x = np.random.default_rng(8).uniform(-6, -4, vocab).astype(np.float32)
+    if name == "tie at the cut, one group":  # ids 7 + 64 j: all in group 7 (id mod 16)
+        x[5], x[7:7 + 5 * 64:64] = 2.0, 1.0
+        return x, Sampling(top_k=2), {5: 1.0, **{i: math.exp(-1) for i in range(7, 327, 64)}}
+    if name == "p tied in rounding past t":  # x in [0, 0.029): (x - 1e6) / 1e6 rounds to -1
+        x[:] = -1e6
+        x[3] = 1e6
+        x[[100, 300, 500, 700, 900]] = [0.025, 0.0, 0.02, 0.01, 0.005]
+        return x, Sampling(top_k=2, temperature=1e6), {
+            3: 1.0, **{i: math.exp(-1) for i in (100, 300, 500, 700, 900)}}
+    # top_p alone, its heavy ids where the guess reads (ids 8 j), one where it does not
+    x = np.full(vocab, np.log(0.05 / vocab), np.float32)
+    x[[0, 8, 3]] = np.log([1.0, 0.5, 0.45])
+    return x, Sampling(top_p=0.9), {0: 1.0, 8: 0.5, 3: 0.45}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["tie at the cut, one group", "p tied in rounding past t",
+                                  "top_p's guess short"])
+def test_a_large_vocabulary_keeps_what_the_rule_keeps(backend, case):
+    x, params, kept = large_case(case)
+    draws = 1500
+    rows = Rows(draws, seed=99)
+    rows.add([params] * draws)
+    tokens = rows.sample(on(backend, np.tile(x, (draws, 1)))).tokens
+    expected = np.zeros(len(x))
+    expected[list(kept)] = list(kept.values())
+    statistic, df = chi_square(tokens, expected / expected.sum())
+    assert statistic < CHI2_CRITICAL_001[df], (statistic, df)
+
+
 def steps_of_logits(steps, n, vocab, seed):
     rng = np.random.default_rng(seed)
     return [(rng.standard_normal((n, vocab)) * 3).astype(np.float32) for _ in range(steps)]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_seeded_row_draws_the_same_alone_and_among_63_others(backend):
-    vocab, steps, mine = 1000, 12, Sampling(temperature=0.8, top_p=0.9, top_k=50, seed=2**63 + 5)
+@pytest.mark.parametrize("mine", [  # top_k's candidates, top_p's alone, and neither
+    Sampling(temperature=0.8, top_p=0.9, top_k=50, seed=2**63 + 5),
+    Sampling(top_p=0.8, seed=2**63 + 5), Sampling(temperature=1.3, min_p=0.02, seed=2**63 + 5)],
+    ids=["top_k", "top_p", "min_p"])
+def test_a_seeded_row_draws_the_same_alone_and_among_63_others(backend, mine):
+    vocab, steps = 1000, 12
     my_logits = steps_of_logits(steps, 1, vocab, seed=3)
     neighbours = steps_of_logits(steps, 64, vocab, seed=4)
     alone = Rows(1)
@@ -236,6 +275,18 @@ def test_logprobs_are_log_softmax_at_the_chosen_and_top_ids(backend, mode):
         assert out.top_ids[i, :k].tolist() == np.argsort(-want, kind="stable")[:k].tolist()
         np.testing.assert_allclose(out.top_logprobs[i, :k], want[out.top_ids[i, :k]], atol=2e-5)
         assert (out.top_ids[i, k:] == -1).all() and np.isnan(out.top_logprobs[i, k:]).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_top_logprobs_tied_at_the_last_place_are_the_smallest_ids(backend):
+    logits = np.zeros((2, 3000), np.float32)
+    logits[1, 2000] = 1.0
+    rows = Rows(2)
+    rows.add([Sampling(temperature=0, logprobs=5)] * 2)
+    assert rows.sample(on(backend, logits)).top_ids.tolist() == [[0, 1, 2, 3, 4],
+                                                                 [2000, 0, 1, 2, 3]]
+    _, top_ids, _ = score(on(backend, logits), np.array([0, 0]), 3)
+    assert top_ids.tolist() == [[0, 1, 2], [2000, 0, 1]]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

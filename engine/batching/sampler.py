@@ -6,9 +6,9 @@ Group's mask as they leave), and calls `Rows.sample(logits)` once a step:
 logits [n, V], numpy float16/32/64 or a torch tensor on any device. A tensor
 on an accelerator is sampled there by sampler_torch (only [n]-sized arrays
 cross to or from the host); one in host memory is read by the numpy path
-through a view, no copy (numpy's kernels are the faster on a CPU). This
-module never imports torch; sampler_torch does, and is imported only for
-torch logits. Per row, in vLLM's order:
+(sampler_numpy) through a view, no copy (numpy's kernels are the faster on a
+CPU). This module never imports torch; sampler_torch does, and is imported
+only for torch logits. Per row, in vLLM's order:
 
 1. min_tokens masks eos and the row's stop ids until that many tokens were
    sampled; ignore_eos masks eos always (as llama.cpp; vLLM samples it and
@@ -19,11 +19,12 @@ torch logits. Per row, in vLLM's order:
    the fewest largest p, among those kept so far, holding top_p of their mass.
    Each is a threshold on p, so ties at the cut are all kept and a row's result
    depends on its own values only. top_k and top_p read a sorted set of
-   candidates: the max(top_k, 1024) largest p (np.partition / torch.topk); a
-   row whose nucleus is not within them reads 4 times as many, and so on.
+   candidates: on numpy, the ids that can be kept, found by a threshold on
+   the row (sampler_numpy); on torch, the max(top_k, 1024) largest p
+   (torch.topk), and a row whose nucleus is not within them reads 4 times as
+   many, and so on.
 4. The token is drawn by inverse CDF with ONE uniform per sampled row: the
-   first id whose float64 cumulative sum of kept p exceeds u * total (on
-   numpy in two levels, blocks of 256 ids then ids, see inverse_cdf). A
+   first id whose float64 cumulative sum of kept p exceeds u * total. A
    seeded row draws u from its own numpy Generator(PCG64(seed)), kept across
    steps, the others from one generator of the Rows: so a seeded row's tokens
    do not depend on what else is in the batch. The torch path draws u the same
@@ -45,12 +46,12 @@ from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 
+from engine.batching import sampler_numpy
 from engine.sampling import GREEDY_BELOW, MAX_STOP_TOKEN_IDS, Sampling
 from engine.tensors import BadResult
 
-CANDIDATES = 1024  # top_p's first candidates: a nucleus is mostly far smaller than V
+CANDIDATES = 1024  # the torch path's first top_p candidates: a nucleus is mostly far smaller
 WIDEN = 4  # a nucleus past the candidates: 4 times as many, and so on up to the whole row
-BLOCK = 256  # ids per block of the inverse CDF's first level
 LOGPROBS_MODES = ("raw", "scaled")
 TORCH_CPU_AS_NUMPY = True  # torch logits in host memory take the numpy path (device_logits)
 QUIET = {"divide": "ignore", "invalid": "ignore", "over": "ignore"}  # a model's inf and nan are data
@@ -144,8 +145,9 @@ class Rows:
             out = Sampled(*sampler_torch.sample(device, plan, CANDIDATES, widths))
         else:
             logits = numpy_logits(logits, self.n)
+            plan = self.plan(logits.shape[1])
             with np.errstate(**QUIET):
-                out = sample_numpy(logits, self.plan(logits.shape[1]))
+                out = with_logprobs(logits, sampler_numpy.sample(logits, plan), plan)
         self.steps[:self.n] += 1
         return out
 
@@ -221,123 +223,12 @@ def numpy_logits(logits, n: int) -> np.ndarray:
     return x if x.dtype == np.float32 else x.astype(np.float32)
 
 
-# -- numpy -------------------------------------------------------------------------------
-def sample_numpy(logits: np.ndarray, plan: Plan) -> Sampled:
-    n, vocab = logits.shape
-    x = logits
-    if len(plan.mask_rows):
-        x = logits.copy()
-        x[plan.mask_rows, plan.mask_ids] = -np.inf
-    tokens = np.zeros(n, np.int64)
-    g, s = plan.greedy, plan.sampled
-    if len(g):
-        tokens[g] = (x if len(g) == n else x[g]).argmax(axis=1)
-    if len(s):
-        rows = slice(None) if len(s) == n else s
-        tokens[s] = draw_numpy(x[rows], plan.temperature[rows], plan.top_k[rows],
-                               plan.top_p[rows], plan.min_p[rows], plan.uniforms[rows])
-    return with_logprobs(logits, tokens, plan)
-
-
-def draw_numpy(x, temperature, top_k, top_p, min_p, uniforms) -> np.ndarray:
-    """One token per row of x (float32 [m, V], masked ids -inf), by inverse CDF."""
-    p = x / temperature[:, None]
-    top = p.max(axis=1, keepdims=True)
-    top[~np.isfinite(top)] = 0  # a row all -inf (every id masked), or broken logits
-    p -= top
-    np.exp(p, out=p)
-    cut = min_p.copy()  # relative to the largest p, which is 1
-    trunc = np.flatnonzero((top_k > 0) | (top_p < 1))
-    if len(trunc):
-        rows = slice(None) if len(trunc) == len(p) else trunc  # a slice copies nothing
-        cut[rows] = truncation_cut(p[rows], cut[rows], top_k[rows], top_p[rows])
-    np.multiply(p, p >= cut[:, None], out=p)
-    return inverse_cdf(p, uniforms)
-
-
-def inverse_cdf(p, uniforms) -> np.ndarray:
-    """Per row, the first id whose cumulative p exceeds u * total, in two
-    levels (a cumsum over V is the dearest pass on numpy; sums of blocks are
-    not): the block, by the cumsum of BLOCK-wide sums, then the id within it."""
-    m, vocab = p.shape
-    full = vocab // BLOCK
-    sums = np.empty((m, -(-vocab // BLOCK)), np.float64)
-    sums[:, :full] = p[:, :full * BLOCK].reshape(m, full, BLOCK).sum(axis=2, dtype=np.float64)
-    if full < sums.shape[1]:
-        sums[:, full] = p[:, full * BLOCK:].sum(axis=1, dtype=np.float64)
-    cdf = np.cumsum(sums, axis=1)
-    total = cdf[:, -1]
-    # u * total may round up to total: kept below it, the pick is a kept id
-    target = np.minimum(uniforms * total, np.nextafter(total, 0))
-    block = (cdf > target[:, None]).argmax(axis=1)
-    before = np.where(block > 0, cdf[np.arange(m), block - 1], 0.0)
-    width = min(BLOCK, vocab)
-    ids = block[:, None] * BLOCK + np.arange(width)
-    values = np.take_along_axis(p, np.minimum(ids, vocab - 1), axis=1)
-    values[ids >= vocab] = 0
-    hit = np.cumsum(values, axis=1, dtype=np.float64) + before[:, None] > target[:, None]
-    # the block's sums, added in another order, may fall short: its last kept id
-    last = width - 1 - (values[:, ::-1] > 0).argmax(axis=1)
-    within = np.where(hit.any(axis=1), hit.argmax(axis=1), last)
-    return np.minimum(block * BLOCK + within, vocab - 1)  # a row with nothing kept: any id
-
-
-def truncation_cut(p, cut, top_k, top_p) -> np.ndarray:
-    """Each row's threshold on p after min_p (cut), top_k and top_p."""
-    vocab = p.shape[1]
-    wide = int(top_k.max()) if (top_k > 0).any() else 0
-    if (top_p < 1).any():
-        wide = max(wide, CANDIDATES)
-    cand = largest(p, min(wide, vocab))
-    k = np.flatnonzero(top_k > 0)
-    cut = cut.copy()
-    cut[k] = np.maximum(cut[k], cand[k, top_k[k] - 1])
-    nucleus = np.flatnonzero(top_p < 1)
-    if len(nucleus):
-        rows = slice(None) if len(nucleus) == len(p) else nucleus
-        pn, cn, cand_n = p[rows], cut[rows], cand[rows]
-        # the mass kept so far: the candidates' where they hold all that is kept
-        within = (cand_n[:, -1] < cn) | (cand.shape[1] == vocab)
-        mass = np.where(cand_n >= cn[:, None], cand_n, 0).sum(axis=1, dtype=np.float64)
-        far = np.flatnonzero(~within)
-        if len(far):
-            pf = pn if len(far) == len(pn) else pn[far]
-            mass[far] = np.where(pf >= cn[far, None], pf, 0).sum(axis=1)
-        need = top_p[rows] * mass
-        at, covered = nucleus_cut(cand_n, cn, need)
-        for wide in widths(cand.shape[1], vocab):  # a nucleus past the candidates
-            short = np.flatnonzero(~covered)
-            if not len(short):
-                break
-            at[short], covered[short] = nucleus_cut(largest(pn[short], wide), cn[short],
-                                                    need[short])
-        cut[rows] = np.maximum(cn, at)
-    return cut
-
-
 def widths(wide: int, vocab: int):
-    """The candidates read after wide, WIDEN times as many each time, up to vocab."""
+    """The candidates the torch path reads after wide, WIDEN times as many
+    each time, up to vocab."""
     while wide < vocab:
         wide = min(wide * WIDEN, vocab)
         yield wide
-
-
-def largest(p, wide: int) -> np.ndarray:
-    """The wide largest values of each row, sorted descending."""
-    vocab = p.shape[1]
-    top = p if wide == vocab else np.partition(p, vocab - wide, axis=1)[:, vocab - wide:]
-    return np.sort(top, axis=1)[:, ::-1]
-
-
-def nucleus_cut(cand, cut, need):
-    """(the smallest candidate p at which the kept mass reaches need, whether
-    the candidates reach it) per row; cand sorted descending."""
-    live = np.where(cand >= cut[:, None], cand, 0)
-    mass = np.cumsum(live, axis=1, dtype=np.float64)
-    reached = mass >= need[:, None]
-    covered = reached[:, -1]
-    at = np.take_along_axis(cand, reached.argmax(axis=1)[:, None], axis=1)[:, 0]
-    return np.where(covered, at, 0).astype(cand.dtype), covered
 
 
 def with_logprobs(logits: np.ndarray, tokens: np.ndarray, plan: Plan) -> Sampled:
@@ -348,7 +239,7 @@ def with_logprobs(logits: np.ndarray, tokens: np.ndarray, plan: Plan) -> Sampled
         return Sampled(tokens, logprobs, None, None)
     rows = slice(None) if len(a) == n else a
     scale = None if (plan.scale == 1).all() else plan.scale
-    chosen, ids, top = score_numpy(logits[rows], tokens[rows], int(plan.logprobs.max()), scale)
+    chosen, ids, top = sampler_numpy.score(logits[rows], tokens[rows], int(plan.logprobs.max()), scale)
     logprobs[a] = chosen
     k = ids.shape[1]
     top_ids, top_logprobs = np.full((n, k), -1, np.int64), np.full((n, k), np.nan, np.float32)
@@ -356,29 +247,6 @@ def with_logprobs(logits: np.ndarray, tokens: np.ndarray, plan: Plan) -> Sampled
     ids[past], top[past] = -1, np.nan
     top_ids[a], top_logprobs[a] = ids, top
     return Sampled(tokens, logprobs, top_ids, top_logprobs)
-
-
-def score_numpy(logits: np.ndarray, ids: np.ndarray, k: int, scale=None):
-    """(logprob of ids[i] in row i, the top k ids of each row, their logprobs),
-    of log_softmax(logits / scale); top ids by logprob, then by id; past V, -1
-    and nan. float32 [m, V] logits."""
-    x = logits if scale is None else logits / np.asarray(scale, np.float32).reshape(-1, 1)
-    m, vocab = x.shape
-    top = x.max(axis=1)
-    top[~np.isfinite(top)] = 0
-    shifted = x - top[:, None]
-    total = np.exp(shifted, out=shifted).sum(axis=1)  # float32, pairwise: ample for a log
-    lse = (np.log(total) + top).astype(np.float32)
-    chosen = x[np.arange(m), ids] - lse
-    wide = min(k, vocab)
-    out_ids, out = np.full((m, k), -1, np.int64), np.full((m, k), np.nan, np.float32)
-    if wide:
-        top_ids = np.argpartition(x, vocab - wide, axis=1)[:, vocab - wide:]
-        values = np.take_along_axis(x, top_ids, axis=1)
-        order = np.lexsort((top_ids, -values), axis=1)
-        out_ids[:, :wide] = np.take_along_axis(top_ids, order, axis=1)
-        out[:, :wide] = np.take_along_axis(values, order, axis=1) - lse[:, None]
-    return chosen, out_ids, out
 
 
 def score(logits, ids, k: int, temperature: float = 1.0):
@@ -399,4 +267,5 @@ def score(logits, ids, k: int, temperature: float = 1.0):
         from engine.batching import sampler_torch
         return sampler_torch.score(device, ids, k, temperature)
     with np.errstate(**QUIET):
-        return score_numpy(logits, ids, k, None if temperature == 1.0 else [temperature])
+        return sampler_numpy.score(logits, ids, k,
+                                   None if temperature == 1.0 else [temperature])

@@ -132,6 +132,12 @@ def score(logits: torch.Tensor, ids: np.ndarray, k: int, scale=None, rows=None):
     chosen = x.gather(1, chosen_ids[:, None])[:, 0] - lse
     wide = min(k, vocab)
     values, top_ids = torch.topk(x, wide, dim=1, sorted=True)
+    if wide:  # topk takes any of the ids tied at the last place: the smallest, as numpy
+        last = values[:, -1:]
+        crossing = ((x == last).sum(dim=1) > (values == last).sum(dim=1)).nonzero()[:, 0]
+        if len(crossing):
+            top_ids[crossing] = smallest_tied(x[crossing], last[crossing], wide)
+            values[crossing] = x[crossing].gather(1, top_ids[crossing])
     # ties in id order, as the numpy path: by id, then stably by value
     by_id = top_ids.argsort(dim=1)
     top_ids, values = top_ids.gather(1, by_id), values.gather(1, by_id)
@@ -141,3 +147,12 @@ def score(logits: torch.Tensor, ids: np.ndarray, k: int, scale=None, rows=None):
     out_ids[:, :wide] = top_ids.cpu().numpy()
     out[:, :wide] = values.cpu().numpy()
     return chosen.cpu().numpy(), out_ids, out
+
+
+def smallest_tied(x: torch.Tensor, last: torch.Tensor, wide: int) -> torch.Tensor:
+    """Per row, in id order, the ids above last[i] and the smallest ids equal
+    to it: wide of them (last the wide-th largest)."""
+    above, tied = x > last, x == last
+    room = wide - above.sum(dim=1, keepdim=True)
+    chosen = above | (tied & (torch.cumsum(tied, dim=1, dtype=torch.int32) <= room))
+    return chosen.nonzero()[:, 1].view(-1, wide)
