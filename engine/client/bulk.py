@@ -15,7 +15,7 @@ and each answer is its own chunks stacked (infer's): a list, not one array.
 On a sampling engine each row's Sampling record is written beside its input
 (sampled.records: one Sampling for every row, or one per row).
 """
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -41,7 +41,7 @@ def infer_many(client: Handle, xs, timeout: Optional[float], priority: int,
     except InvalidInput:
         r.add_word(codes.W_INVALID)
         raise
-    out = [] if seg.iterative else np.empty((n, *cfg.output_shape), cfg.output_dtype)
+    out: Any = [] if seg.iterative else np.empty((n, *cfg.output_shape), cfg.output_dtype)
     chunk = min(n, max(1, seg.capacity // 2))
     slots, gens = np.empty(chunk, np.uint32), np.empty(chunk, np.uint32)
     outcomes = np.empty(chunk, np.int32)

@@ -105,16 +105,17 @@ def refuse_prompt(call: str, sampling) -> None:
                            f"do)")
 
 
-def scored(client, x, timeout, priority: int, max_steps, sampling: Sampling) -> dict:
+def scored(client, x, timeout, priority: int, max_steps, sampling: Optional[Sampling]) -> Any:
     """infer() of a request that asked its prompt's logprobs: its stream read
     to the end (the prompt's logprobs come before its first chunk)."""
     with client.stream(x, timeout, priority=priority, max_steps=max_steps,
                        sampling=sampling) as chunks:
         got = list(chunks)
-    return stacked(got, sampling.logprobs, chunks.prompt_logprobs)
+    return stacked(got, sampling.logprobs if sampling else 0, chunks.prompt_logprobs)
 
 
-async def scored_async(client, x, timeout, priority: int, max_steps, sampling: Sampling) -> dict:
+async def scored_async(client, x, timeout, priority: int, max_steps,
+                       sampling: Optional[Sampling]) -> Any:
     """infer_async() of a request that asked its prompt's logprobs (scored's)."""
     chunks = client.open_stream_async(x, timeout, priority=priority, max_steps=max_steps,
                                       sampling=sampling)
@@ -122,7 +123,7 @@ async def scored_async(client, x, timeout, priority: int, max_steps, sampling: S
         got = [chunk async for chunk in chunks]
     finally:
         await chunks.aclose()
-    return stacked(got, sampling.logprobs, chunks.prompt_logprobs)
+    return stacked(got, sampling.logprobs if sampling else 0, chunks.prompt_logprobs)
 
 
 def prompt_ask(seg, sampling: Optional[Sampling], x) -> Optional[Tuple[int, int]]:
@@ -150,6 +151,7 @@ def prompt_entries(seg, slot: int, ask: Tuple[int, int]) -> list:
 def stacked(chunks: list, k: int, prompt_logprobs: Optional[list]) -> dict:
     """A scored request's answer, as infer() returns it: its chunks stacked
     per key (the token alone as "token") and its prompt's logprobs."""
+    answer: dict
     if k == 0:
         answer = {"token": np.array(chunks, np.int64)}
     else:

@@ -185,7 +185,8 @@ class Stream:
     def _read_prompt(self) -> None:
         """The prompt's logprobs, once: the batcher wrote them at join, before
         it published the first chunk, which this stream has seen."""
-        self.prompt_logprobs = sampled.prompt_entries(self.seg, self.slot, self._prompt)
+        if self._prompt is not None:
+            self.prompt_logprobs = sampled.prompt_entries(self.seg, self.slot, self._prompt)
         self._prompt = None
 
     def _chunk(self, k: int) -> Any:

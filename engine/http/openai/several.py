@@ -89,7 +89,8 @@ class Runs:
     def _take(self, i: int):
         """(the blocks come on run i, whether it ended): its end is settled as
         soon as it is known, with its last chunk."""
-        stream, blocks = self.streams[i], []
+        stream = self.streams[i]
+        blocks: list = []
         try:
             while True:
                 got = stream.ready()
