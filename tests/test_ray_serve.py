@@ -1,13 +1,15 @@
 """engine.ray on a local Ray cluster of two nodes (two raylets on this host,
-sharing its /dev/shm): one engine per node serves every replica of that
-node, over HTTP (an Open Inference Protocol body) and through the handle;
-a killed node engine is restarted while the other node serves on; nothing
-is left once the application is deleted or Serve shut down.
+sharing its /dev/shm, listening on 127.0.0.1): one engine per node serves
+every replica of that node, over HTTP (an Open Inference Protocol body) and
+through the handle; a killed node engine is restarted while the other node
+serves on; nothing is left once the application is deleted or Serve shut
+down.
 
 One cluster and one application serve the whole module (a cluster takes
 seconds to start). Each replica takes at most MAX_ONGOING requests at once,
 so a batch of more than MAX_ONGOING holds two replicas' requests."""
 import asyncio
+import ipaddress
 import json
 import os
 import pathlib
@@ -36,6 +38,7 @@ from engine.shm import codes  # noqa: E402
 from conftest import unique_name, wait_for  # noqa: E402
 
 ROOT = pathlib.Path(engine.__file__).resolve().parent.parent
+LOOPBACK = "127.0.0.1"
 SHAPE = (4,)
 MAX_ONGOING = 4  # requests a replica takes at once
 REPLICAS_PER_NODE = 2
@@ -76,20 +79,21 @@ def run(name: str, per_node: int = REPLICAS_PER_NODE) -> None:
 
 @pytest.fixture(scope="module")
 def cluster():
-    """Two nodes, each with room for REPLICAS_PER_NODE replicas; Serve's
-    HTTP proxy on a free port of the head node."""
+    """Two nodes on 127.0.0.1, each with room for REPLICAS_PER_NODE replicas;
+    Serve's HTTP proxy on a free port of the head node."""
     path = os.environ.get("PYTHONPATH")
     # the nodes' workers import engine, and the batchers the tests' backend
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests")] +
                                                ([path] if path else []))
     slots = {"replica": REPLICAS_PER_NODE + 1}  # room for one more application's replica
     c = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 2, "resources": slots, "include_dashboard": False})
+        "node_ip_address": LOOPBACK, "num_cpus": 2, "resources": slots,
+        "include_dashboard": False})
     try:
-        c.add_node(num_cpus=2, resources=slots)
+        c.add_node(node_ip_address=LOOPBACK, num_cpus=2, resources=slots)
         ray.init(address=c.address, log_to_driver=False, logging_level="WARNING")
         port = free_port()
-        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+        serve.start(proxy_location="HeadOnly", http_options={"host": LOOPBACK, "port": port})
         yield port
     finally:
         session = c.head_node.session_name if c.head_node is not None else None
@@ -193,6 +197,37 @@ def requests(n: int, k: int = 1, start: int = 0) -> list:
 async def through_handle(name: str, xs: list) -> list:
     handle = serve.get_app_handle(name)
     return await asyncio.gather(*(handle.infer.remote(x) for x in xs))
+
+
+def listening_beyond_loopback() -> list:
+    """(pid, process name, address) of each socket that this process, or one
+    it started (every process of the cluster), serves on beyond loopback."""
+    found = []
+    me = psutil.Process()
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            sockets = p.net_connections(kind="inet")
+            name = p.name()
+        except psutil.Error:
+            continue  # gone meanwhile
+        for s in sockets:
+            ip = ipaddress.ip_address(s.laddr.ip)
+            ip = getattr(ip, "ipv4_mapped", None) or ip
+            udp_server = s.type == socket.SOCK_DGRAM and not s.raddr
+            if (s.status == psutil.CONN_LISTEN or udp_server) and not ip.is_loopback:
+                found.append((p.pid, name, ip))
+    return found
+
+
+def test_the_clusters_processes_listen_on_loopback_only_but_serves_replica_grpc_port(app):
+    assert {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]} == {LOOPBACK}
+    beyond = listening_beyond_loopback()
+    # Ray Serve binds each replica's inter-deployment gRPC server to [::]:0, fixed in
+    # ray/serve/_private/replica.py: no option or environment variable reaches it
+    replicas = [(pid, ip) for pid, name, ip in beyond if name.startswith("ray::ServeReplica:")]
+    assert [b for b in beyond if not b[1].startswith("ray::ServeReplica:")] == []
+    assert all(ip.is_unspecified for _, ip in replicas), replicas
+    assert len({pid for pid, _ in replicas}) == len(replicas), replicas  # one port each
 
 
 def test_replicas_run_on_both_nodes_each_node_served_by_exactly_one_engine(app):
