@@ -46,6 +46,9 @@ def test_the_recent_queue_wait_counts_only_the_requests_dispatched_since_the_las
         wait = RecentQueueWait()
         c.infer(np.ones(4, np.float32))
         seg = c.attached
+        # a batch's answers are published before it is counted
+        wait_for(lambda: eng.stats()["batch_size_counts"] == {1: 1}, "the batch counted",
+                 timeout_s=10)
         first = wait.read_ms(seg)
         assert first >= delay_ms  # alone, a request waits for its batch's deadline
         assert wait.read_ms(seg) == 0.0  # nothing dispatched since
