@@ -1,9 +1,10 @@
 """engine.ray on a local Ray cluster of two nodes (two raylets on this host,
 sharing its /dev/shm, listening on 127.0.0.1): one engine per node serves
 every replica of that node, over HTTP (an Open Inference Protocol body) and
-through the handle; a killed node engine is restarted while the other node
-serves on; nothing is left once the application is deleted or Serve shut
-down.
+through the handle; the model's module reaches the nodes in the job's
+runtime_env (working_dir); a killed node engine is restarted while the other
+node serves on; nothing is left once the application is deleted or Serve
+shut down.
 
 One cluster and one application serve the whole module (a cluster takes
 seconds to start). Each replica takes at most MAX_ONGOING requests at once,
@@ -41,8 +42,17 @@ LOOPBACK = "127.0.0.1"
 SHAPE = (4,)
 MAX_ONGOING = 4  # requests a replica takes at once
 REPLICAS_PER_NODE = 2
-# 2x + 1, but a batch holding a negative value raises (tests/helpers.py)
-KNOBS = dict(backend="helpers:failing", input_shape=SHAPE, output_shape=SHAPE,
+# the model's module, only in the job's working_dir: 2x + 1, but a batch holding a
+# negative value raises
+MODEL = """
+def load():
+    def run(batch, lengths=None):
+        if (batch < 0).any():
+            raise ValueError("negative input")
+        return batch * 2 + 1
+    return run
+"""
+KNOBS = dict(backend="ray_served_model:load", input_shape=SHAPE, output_shape=SHAPE,
              max_batch_size=2 * MAX_ONGOING, max_delay_ms=300.0)
 SUPERVISOR = "engine.ray.node_engine import _entry"
 RUN_MARK = "SHMBATCH_TEST_RAY_RUN"  # in the environment of every process the cluster starts
@@ -79,13 +89,22 @@ def run(name: str, per_node: int = REPLICAS_PER_NODE) -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def workdir(tmp_path_factory):
+    """The job's working_dir: the model's module, and nothing else."""
+    folder = tmp_path_factory.mktemp("ray-app")
+    (folder / "ray_served_model.py").write_text(MODEL)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def cluster(workdir):
     """Two nodes on 127.0.0.1, each with room for REPLICAS_PER_NODE replicas;
-    Serve's HTTP proxy on a free port of the head node."""
+    the driver's job ships `workdir` to them; Serve's HTTP proxy on a free
+    port of the head node."""
     saved = {k: os.environ.get(k) for k in ("PYTHONPATH", RUN_MARK)}
-    # the nodes' workers import engine, and the batchers the tests' backend
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT), str(ROOT / "tests")] + ([saved["PYTHONPATH"]] if saved["PYTHONPATH"] else []))
+    # the nodes' workers import this engine (the tests' model comes in the working_dir)
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([saved["PYTHONPATH"]]
+                                                             if saved["PYTHONPATH"] else []))
     os.environ[RUN_MARK] = str(os.getpid())
     slots = {"replica": REPLICAS_PER_NODE + 1}  # room for one more application's replica
     c = Cluster(initialize_head=True, head_node_args={
@@ -93,7 +112,8 @@ def cluster():
         "include_dashboard": False})
     try:
         c.add_node(node_ip_address=LOOPBACK, num_cpus=2, resources=slots)
-        ray.init(address=c.address, log_to_driver=False, logging_level="WARNING")
+        ray.init(address=c.address, runtime_env={"working_dir": str(workdir)},
+                 log_to_driver=False, logging_level="WARNING")
         port = free_port()
         within(WAIT_S, "Serve started", serve.start, proxy_location="HeadOnly",
                http_options={"host": LOOPBACK, "port": port})
@@ -271,10 +291,10 @@ def test_every_answer_over_http_is_its_own_requests(app):
         answers = list(pool.map(lambda x: post(port, f"/{name}", infer_body(x)), xs))
     for x, (status, headers, body) in zip(xs, answers):
         assert status == 200, body
-        out = body["outputs"][0]
-        assert body["model_name"] == name and out["shape"] == [3, *SHAPE]
-        np.testing.assert_array_equal(np.array(out["data"], np.float32).reshape(3, *SHAPE),
-                                      x * 2 + 1)
+        # the answer of /v2/models/NAME/infer, as the README shows it
+        assert body == {"model_name": name, "model_version": "1", "outputs": [
+            {"name": "OUTPUT", "datatype": "FP32", "shape": [3, *SHAPE],
+             "data": (x * 2 + 1).ravel().tolist()}]}
 
 
 def test_the_route_answers_the_models_metadata_and_readiness(app):
