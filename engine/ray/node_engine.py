@@ -14,8 +14,8 @@ one whose owner is gone already starts nothing.
 """
 import ctypes
 import os
+import select
 import signal
-import threading
 from multiprocessing.connection import Connection
 from typing import Tuple
 
@@ -49,9 +49,13 @@ def start(name: str, knobs: dict, timeout_s: float) -> launch.Child:
 def _entry() -> None:
     args, conn = launch.child_args()
     parent = args["owner_pid"]  # not getppid(): an orphan's parent is init (or a subreaper)
-    stop = threading.Event()
+    # a signal wakes the loop below by a byte on this pipe: a handler that took a lock
+    # (Event.set) could wait forever on the one the main thread held when interrupted
+    woken, wake = os.pipe()
+    os.set_blocking(wake, False)
+    signal.set_wakeup_fd(wake)
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, lambda *_: None)
     # the signal follows the thread that started this process: the owner's monitor thread
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if os.getppid() != parent:  # the owner died before the signal was armed
@@ -65,7 +69,7 @@ def _entry() -> None:
     try:
         launch.tell_ready(conn, {"pid": os.getpid()})
         conn.close()
-        while not stop.wait(PARENT_CHECK_S) and os.getppid() == parent:
+        while os.getppid() == parent and not select.select([woken], [], [], PARENT_CHECK_S)[0]:
             pass
     finally:
         eng.stop()
