@@ -57,6 +57,9 @@ KNOBS = dict(backend="ray_served_model:load", input_shape=SHAPE, output_shape=SH
 SUPERVISOR = "engine.ray.node_engine import _entry"
 RUN_MARK = "SHMBATCH_TEST_RAY_RUN"  # in the environment of every process the cluster starts
 WAIT_S = 60.0  # at most, for what Ray or Serve is asked
+# at most, for what starts actors: Ray replaces a worker process that has not registered
+# within 60 s (one that died starting, as seen under load), and only then
+START_S = 120.0
 
 
 def free_port() -> int:
@@ -84,7 +87,7 @@ def within(timeout_s: float, what: str, fn, *args, **kwargs):
 
 
 def run(name: str, per_node: int = REPLICAS_PER_NODE) -> None:
-    within(120, f"application {name} running", serve.run, replica_app(name, per_node),
+    within(START_S, f"application {name} running", serve.run, replica_app(name, per_node),
            name=name, route_prefix=f"/{name}")
 
 
@@ -115,7 +118,7 @@ def cluster(workdir):
         ray.init(address=c.address, runtime_env={"working_dir": str(workdir)},
                  log_to_driver=False, logging_level="WARNING")
         port = free_port()
-        within(WAIT_S, "Serve started", serve.start, proxy_location="HeadOnly",
+        within(START_S, "Serve started", serve.start, proxy_location="HeadOnly",
                http_options={"host": LOOPBACK, "port": port})
         yield port
     finally:
@@ -404,7 +407,7 @@ def test_a_killed_owner_is_replaced_and_its_nodes_replicas_serve_again(app):
     wait_for(lambda: serving_owner(node_engine) | {"supervisor_pid": 0} ==
              {"engine": node_engine, "state": "running", "replicas": REPLICAS_PER_NODE,
               "supervisor_pid": 0, "restarts": 0},
-             "a new owner serving both replicas", timeout_s=60, every_s=0.1)
+             "a new owner serving both replicas", timeout_s=START_S, every_s=0.1)
     assert supervisor_pid(node_engine) != old_pid and old_pid not in supervisors()
     xs = [x[0] for x in requests(16, start=5000)]
     for x, y in zip(xs, through_handle(name, xs)):
