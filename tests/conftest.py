@@ -38,6 +38,11 @@ from engine.shm import ring
 # (threading's own after-fork hook allocates) can collect them.
 os.register_at_fork(before=gc.freeze, after_in_parent=gc.unfreeze)
 
+# Ray's nodes in the tests (tests/test_ray_*.py) take 127.0.0.1 for the host's address, as
+# Ray does on macOS and Windows: then every process of theirs listens on loopback only, and
+# a driver can reach them. Ray reads this once, when first imported: here, before any test.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
 _names = itertools.count()
 
 

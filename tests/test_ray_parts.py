@@ -1,10 +1,14 @@
 """engine.ray's parts that need no cluster: the engines' names, the queue
 wait a replica reports, the policy that scales on it, the checks
-deployment() makes, and an engine error that travels back to a caller."""
+deployment() makes, an engine error that travels back to a caller, and a
+node engine whose owner died as it started."""
+import os
+import pathlib
 import pickle
 import types
 
 import numpy as np
+import psutil
 import pytest
 
 pytest.importorskip("ray.serve")
@@ -12,9 +16,12 @@ pytest.importorskip("ray.serve")
 import engine  # noqa: E402
 from engine.config import NAME_RE  # noqa: E402
 from engine.ray import QueueWaitPolicy, deployment, engine_name  # noqa: E402
+from engine.ray import node_engine  # noqa: E402
 from engine.ray.replica import _Portable  # noqa: E402
 from engine.ray.scaling import RecentQueueWait  # noqa: E402
-from conftest import unique_name  # noqa: E402
+from engine.segment import remove_if_dead  # noqa: E402
+from engine.shm import liveness  # noqa: E402
+from conftest import unique_name, wait_for  # noqa: E402
 
 NODE_A, NODE_B = "a1" * 28, "b2" * 28  # Ray's node ids are 56 hex digits
 KNOBS = dict(backend="engine.backends:identity", input_shape=(4,), output_shape=(4,))
@@ -39,6 +46,9 @@ def test_the_recent_queue_wait_counts_only_the_requests_dispatched_since_the_las
         wait = RecentQueueWait()
         c.infer(np.ones(4, np.float32))
         seg = c.attached
+        # a batch's answers are published before it is counted
+        wait_for(lambda: eng.stats()["batch_size_counts"] == {1: 1}, "the batch counted",
+                 timeout_s=10)
         first = wait.read_ms(seg)
         assert first >= delay_ms  # alone, a request waits for its batch's deadline
         assert wait.read_ms(seg) == 0.0  # nothing dispatched since
@@ -73,3 +83,32 @@ def test_a_backend_error_raised_in_a_replica_reaches_its_caller_as_a_backend_err
     got = pickle.loads(pickle.dumps(_Portable("ValueError", "negative input")))
     assert type(got) is engine.BackendError
     assert (got.exc_type, got.message) == ("ValueError", "negative input")
+
+
+def test_a_node_engine_whose_owner_died_as_it_started_starts_nothing(fork_ctx):
+    # Ray kills an owner actor's children as it kills the actor, and the owner may
+    # restart its supervisor meanwhile: that one must not serve on as an orphan
+    name = unique_name("orphan")
+    reader, writer = fork_ctx.Pipe(duplex=False)
+
+    def owner() -> None:
+        proc, _ = node_engine.spawn(name, KNOBS)
+        writer.send(proc.pid)
+        os._exit(0)  # long before the supervisor's interpreter has started
+
+    dying = fork_ctx.Process(target=owner)
+    dying.start()
+    assert reader.poll(30), "the owner did not spawn its supervisor"
+    pid = reader.recv()
+    dying.join(30)
+    try:
+        wait_for(lambda: not liveness.is_alive(pid), "the orphaned supervisor to end",
+                 timeout_s=30, every_s=0.01)
+        assert not pathlib.Path(f"/dev/shm/shmbatch-{name}").exists()
+    finally:
+        if liveness.is_alive(pid):  # it serves on: what it started goes with it
+            orphan = psutil.Process(pid)
+            for p in [orphan, *orphan.children(recursive=True)]:
+                p.kill()
+            psutil.wait_procs([orphan], timeout=10)
+        remove_if_dead(name)
