@@ -58,6 +58,9 @@ else:
             return Sampling
         raise AttributeError(f"module 'engine' has no attribute {name!r}")
 
+    def __dir__():
+        return sorted(set(globals()) | set(__all__))
+
 __all__ = ["Engine", "Client", "EngineError", "InvalidInput", "QueueFull", "Overloaded", "RequestTimeout",
            "BackendError", "EngineUnavailable", "EngineCorrupt", "EngineAlreadyRunning", "SegmentTooLarge",
            "Sampling"]
