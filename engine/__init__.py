@@ -25,7 +25,8 @@ backend is), `backends` (the built-in models), `launch` (child processes),
 their record). This module, the package's face, is above them
 all; `__main__` runs the command.
 """
-from engine.client.client import Client as Client
+from typing import TYPE_CHECKING
+
 from engine.errors import BackendError as BackendError
 from engine.errors import EngineAlreadyRunning as EngineAlreadyRunning
 from engine.errors import EngineCorrupt as EngineCorrupt
@@ -36,8 +37,29 @@ from engine.errors import Overloaded as Overloaded
 from engine.errors import QueueFull as QueueFull
 from engine.errors import RequestTimeout as RequestTimeout
 from engine.errors import SegmentTooLarge as SegmentTooLarge
-from engine.sampling import Sampling as Sampling
-from engine.serving.supervisor import Engine as Engine
+
+if TYPE_CHECKING:
+    from engine.client.client import Client as Client
+    from engine.sampling import Sampling as Sampling
+    from engine.serving.supervisor import Engine as Engine
+else:
+    def __getattr__(name: str):
+        """These names load at their first use: a batcher, which runs neither
+        Engine nor Client, starts without their modules (a dead one's successor
+        serves sooner), and the command without numpy until a subcommand needs it."""
+        if name == "Client":
+            from engine.client.client import Client
+            return Client
+        if name == "Engine":
+            from engine.serving.supervisor import Engine
+            return Engine
+        if name == "Sampling":
+            from engine.sampling import Sampling
+            return Sampling
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+
+    def __dir__():
+        return sorted(set(globals()) | set(__all__))
 
 __all__ = ["Engine", "Client", "EngineError", "InvalidInput", "QueueFull", "Overloaded", "RequestTimeout",
            "BackendError", "EngineUnavailable", "EngineCorrupt", "EngineAlreadyRunning", "SegmentTooLarge",

@@ -3,6 +3,7 @@ engine/__init__.py draws (and the rooms engine/http/__init__.py draws),
 nothing imports in a circle (Python or C), the rooms stay small unless a
 waiver says why, and each package's docstring names its modules."""
 import ast
+import functools
 import pathlib
 import re
 
@@ -51,20 +52,23 @@ def modules() -> dict:
 
 def imports(path: pathlib.Path, known: set) -> set:
     """The package's modules that path imports, at any depth of its code."""
+    return set(_imported(path)) & set(known)
+
+
+@functools.cache
+def _imported(path: pathlib.Path) -> frozenset:
+    """Every dotted name path's code imports (parsed once: several tests ask)."""
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
+            out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             # `from engine.x import y` runs engine.x (its __init__ for a package), and
             # engine.x.y when that is a module; the root's face runs before any of them
-            names = [f"{node.module}.{a.name}" for a in node.names]
+            out.update(f"{node.module}.{a.name}" for a in node.names)
             if node.module != "engine":
-                names.append(node.module)
-        else:
-            continue
-        out.update(n for n in names if n in known)
-    return out
+                out.add(node.module)
+    return frozenset(out)
 
 
 def floors() -> dict:

@@ -114,6 +114,8 @@ def test_a_request_that_times_out_while_its_batcher_is_dead_says_its_batcher_die
                                    "abandoned): its batcher 0 died while serving it, and no "
                                    "successor was ready before the deadline")
         gates[0].open()
+        # sent once the successor serves: a request sent while its start is late is refused
+        wait_for(lambda: eng.segment.unserved_until_ns() == 0, "the successor serving")
         assert np.array_equal(c.infer(X, timeout=60), X * 2 + 1)  # its successor's
 
 

@@ -128,10 +128,10 @@ def test_an_idle_engine_does_not_spin(make_engine):
             c.infer(X + k, timeout=10)
     batcher = psutil.Process(eng.stats()["batcher_pids"][0])
     before = sum(batcher.cpu_times()[:2])
-    time.sleep(3.0)  # the measured interval itself
+    time.sleep(1.0)  # the measured interval itself
     # a spinning batcher burns the whole window, or its share of one core when
-    # 4 processes share it (0.75 s); an idle one wakes once a second
-    assert sum(batcher.cpu_times()[:2]) - before < 0.3
+    # 4 processes share it (0.25 s); an idle one wakes once a second
+    assert sum(batcher.cpu_times()[:2]) - before < 0.1
 
 
 def test_stop_answers_what_is_queued_then_refuses(make_engine):

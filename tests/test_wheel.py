@@ -2,11 +2,11 @@
 machine with no C compiler (CC=false, no compiler on PATH).
 
 The wheel is built from a copy of the source tree (the build writes build/ and
-*.egg-info beside its sources), then installed into a fresh venv, without pip
-reaching any index: the venv finds numpy and the other dependencies in this
-interpreter's site-packages through a path file (a path, not a site: the
-editable install of this checkout is not seen there), so the engine it runs is
-the wheel's.
+*.egg-info beside its sources), then installed by this interpreter's pip into a
+fresh venv, without pip reaching any index: the venv finds numpy and the other
+dependencies in this interpreter's site-packages through a path file (a path,
+not a site: the editable install of this checkout is not seen there), so the
+engine it runs is the wheel's.
 """
 import os
 import pathlib
@@ -53,7 +53,9 @@ def test_the_wheel_is_tagged_abi3_for_cpython_3_11_and_later(wheel):
 
 def test_the_wheel_installs_and_serves_without_a_compiler(wheel, tmp_path):
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    # no pip of its own (seconds of ensurepip): this interpreter's pip installs into it
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                   timeout=300)
     bin_dir = venv / "bin"
     purelib = subprocess.run([str(bin_dir / "python"), "-c",
                               "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
@@ -63,8 +65,9 @@ def test_the_wheel_installs_and_serves_without_a_compiler(wheel, tmp_path):
     env = {"PATH": str(bin_dir), "CC": "false", "CXX": "false", "HOME": str(tmp_path),
            "LANG": "C.UTF-8"}
     assert shutil.which("gcc", path=env["PATH"]) is None
-    subprocess.run([str(bin_dir / "python"), "-m", "pip", "install", "--no-deps", "--no-index",
-                    "-q", str(wheel)], check=True, env=env, cwd=tmp_path, timeout=300)
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(bin_dir / "python"), "install",
+                    "--no-deps", "--no-index", "-q", str(wheel)], check=True, env=env,
+                   cwd=tmp_path, timeout=300)
     name = unique_name("wheel")
     serve = subprocess.Popen([str(bin_dir / "shmbatch"), "serve", "--name", name, "--backend",
                               "engine.backends:identity", "--input-shape", "4",
