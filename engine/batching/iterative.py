@@ -272,7 +272,7 @@ class Stepper:
 
     # -- 3. step, and 4. leave ----------------------------------------------------------
     def step(self, joined: np.ndarray, start_ns: int) -> None:
-        active, r = self.active, self.ring
+        active = self.active
         n = active.n
         self.report(n)
         slots, steps = active.slots[:n], active.steps[:n]
@@ -284,6 +284,16 @@ class Stepper:
             self.settle(active, np.ones(n, bool), codes.STATUS_BACKEND, error_text(e), in_step=True)
             self.finish(joined, n, start_ns)
             return
+        self.publish(done)
+        self.finish(joined, n, start_ns)
+
+    def publish(self, done: np.ndarray) -> None:
+        """After each active request's chunk was written: publishes the
+        counts, each ending where done (its model or sampler said so) or at
+        its max_steps, and answers those that ended or were withdrawn."""
+        active = self.active
+        n = active.n
+        slots, steps = active.slots[:n], active.steps[:n]
         steps += 1
         states, ends = self.states[:n], self.ends[:n]
         # the requests this step completes: their last count says so, and why
@@ -291,12 +301,11 @@ class Stepper:
         ends[:] = 0
         ends[at_limit] = codes.CHUNKS_END | codes.CHUNKS_LIMIT
         ends[done] = codes.CHUNKS_END | codes.CHUNKS_STOP
-        r.stream_put(self.instance, slots, active.gens[:n], steps, ends, states)
+        self.ring.stream_put(self.instance, slots, active.gens[:n], steps, ends, states)
         over = done | at_limit | (states != codes.CLAIMED)
         if over.any():
             # withdrawn ones are freed by the same completion (ABANDONED -> FREE)
             self.settle(active, over, codes.STATUS_OK, b"", in_step=True)
-        self.finish(joined, n, start_ns)
 
     def finish(self, joined: np.ndarray, n: int, start_ns: int) -> None:
         """The step's figures (and admission's fit of step time, published by the C)."""

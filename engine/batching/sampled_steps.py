@@ -164,7 +164,7 @@ class SampledStepper(Stepper):
     def sampled(self, parts: list, done_old, old: int) -> None:
         """Samples every active request's token, writes it as its chunk,
         publishes the counts and answers the requests that ended."""
-        active, r = self.active, self.ring
+        active = self.active
         n = active.n
         slots, steps = active.slots[:n], active.steps[:n]
         try:
@@ -178,16 +178,7 @@ class SampledStepper(Stepper):
         done = self.rows.stops(s.tokens)
         if old:
             done[:old] |= done_old
-        steps += 1
-        states, ends = self.states[:n], self.ends[:n]
-        at_limit = steps >= active.limits[:n]
-        ends[:] = 0
-        ends[at_limit] = codes.CHUNKS_END | codes.CHUNKS_LIMIT
-        ends[done] = codes.CHUNKS_END | codes.CHUNKS_STOP
-        r.stream_put(self.instance, slots, active.gens[:n], steps, ends, states)
-        over = done | at_limit | (states != codes.CLAIMED)
-        if over.any():
-            self.settle(active, over, codes.STATUS_OK, b"", in_step=True)
+        self.publish(done)
 
     def write(self, slots: np.ndarray, steps: np.ndarray, s) -> None:
         regions = self.seg.out_regions
