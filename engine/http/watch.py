@@ -8,9 +8,10 @@ caller reads nothing), cancels the request's task, whose engine requests
 are then withdrawn. One task and one timer per request, nothing per chunk.
 """
 import asyncio
-from typing import Optional
+from typing import Optional, Sequence
 
 from engine.http.asgi import Receive
+from engine.http.engines import answers_of
 
 CLOSING_S = 5.0  # an answer's last bytes may take this long past its deadline
 
@@ -53,3 +54,18 @@ class Watch:
             return False
         self.task.uncancel()
         return True
+
+
+async def watched_answers(client, rows: Sequence, timeout_s: float, priority: int,
+                          receive: Receive) -> Optional[list]:
+    """answers_of(client, rows, ...) under a Watch: None if its caller left
+    (the requests are then withdrawn)."""
+    watch = Watch(receive, timeout_s)
+    try:
+        return await answers_of(client, rows, timeout_s, priority)
+    except asyncio.CancelledError:
+        if watch.ours():
+            return None
+        raise
+    finally:
+        watch.close()

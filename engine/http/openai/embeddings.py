@@ -18,11 +18,10 @@ from typing import Optional
 import numpy as np
 
 from engine.http.asgi import Receive, Send, send_whole
-from engine.http.engines import answers_of
 from engine.http.openai import fields
 from engine.http.openai.replies import bad
 from engine.http.values import json_text
-from engine.http.watch import Watch
+from engine.http.watch import watched_answers
 
 FORMATS = ("float", "base64")
 INLINE_VALUES = 4096  # an answer of more values is encoded in a thread
@@ -43,15 +42,9 @@ async def answer(client, served: fields.Served, body: dict, timeout_s: float, pr
                   f"queue_capacity if smaller), "
                   f"got {len(inputs)}", "input")
     requests = [served.request(ids, body, "input") for ids in inputs]
-    watch = Watch(receive, timeout_s)
-    try:
-        answers = await answers_of(client, requests, timeout_s, priority)  # withdrawn if cut
-    except asyncio.CancelledError:
-        if watch.ours():  # their caller left
-            return
-        raise
-    finally:
-        watch.close()
+    answers = await watched_answers(client, requests, timeout_s, priority, receive)
+    if answers is None:  # their caller left
+        return
     vectors = [served.vector(a) for a in answers]
     if dimensions is not None:
         vectors = [_shortened(v, dimensions) for v in vectors]

@@ -19,7 +19,6 @@ document [SEP]); else the query's ids, the tokenizer's sep_token_id (else its
 eos_token_id), then the document's ids. A reranker whose tokenizer has
 neither fails the HTTP worker's start, naming its engine.
 """
-import asyncio
 import inspect
 import json
 import math
@@ -29,12 +28,11 @@ from typing import Callable, List, Optional
 import numpy as np
 
 from engine.http.asgi import Receive, Send, send_whole
-from engine.http.engines import answers_of
 from engine.http.openai import fields
 from engine.http.openai.replies import OpenAIError, bad
 from engine.http.openai.text import TokenizerFailed, id_list
 from engine.http.values import json_text
-from engine.http.watch import Watch
+from engine.http.watch import watched_answers
 
 Pairing = Callable[[str, List[str]], List[List[int]]]
 
@@ -83,15 +81,9 @@ async def answer(client, served: fields.Served, pair: Pairing, body: dict, timeo
         raise OpenAIError(500, f"model {served.model!r}: {e}") from None
     requests = [served.request(ids, body, "documents", f"documents[{i}] with the query")
                 for i, ids in enumerate(pairs)]
-    watch = Watch(receive, timeout_s)
-    try:
-        answers = await answers_of(client, requests, timeout_s, priority)  # withdrawn if cut
-    except asyncio.CancelledError:
-        if watch.ours():  # their caller left
-            return
-        raise
-    finally:
-        watch.close()
+    answers = await watched_answers(client, requests, timeout_s, priority, receive)
+    if answers is None:  # their caller left
+        return
     scores = [_score(served, a, i) for i, a in enumerate(answers)]
     order = sorted(range(len(texts)), key=lambda i: -scores[i])  # stable: ties in order
     results = []
