@@ -15,6 +15,9 @@ batch, attention over each row's own positions.
   token (argmax) itself, step(ids) -> tokens.
 - embedder: a one-shot backend of the same weights, each input's last hidden
   states averaged over its tokens (float32[d]).
+- reranker: a one-shot backend scoring a (query, document) pair, tokenized
+  as one sequence: its last hidden state projected on a head from the seed
+  (float32 ()), as a cross-encoder does.
 
 Token ids come from callers: any outside 0..vocab - 1 fails the call that
 carries them (ValueError), never an index that wraps.
@@ -124,17 +127,33 @@ class Greedy:
             self.next.pop(i, None)
 
 
+def _states(model, batch):
+    """The last hidden states [n, L, d] of a one-shot call's inputs (no cache kept)."""
+    if len(batch) > len(model.kv[0, 0]):
+        raise ValueError(f"expected at most {len(model.kv[0, 0])} inputs a call (rows), "
+                         f"got {len(batch)}")
+    return model.hidden(np.arange(len(batch)), batch, np.zeros(len(batch), np.int64))
+
+
 def embedder(**weights):
     """A one-shot backend: each input's mean last hidden state, float32[d]."""
     model = TinyGPT(**weights)
 
     def embed(batch, lengths):
-        if len(batch) > len(model.kv[0, 0]):
-            raise ValueError(f"expected at most {len(model.kv[0, 0])} inputs a call (rows), "
-                             f"got {len(batch)}")
-        h = model.hidden(np.arange(len(batch)), batch, np.zeros(len(batch), np.int64))
         real = np.arange(batch.shape[1]) < lengths[:, None]
-        mean = (h * real[..., None]).sum(1) / np.maximum(lengths, 1)[:, None]
+        mean = (_states(model, batch) * real[..., None]).sum(1) / np.maximum(lengths, 1)[:, None]
         return mean.astype(np.float32)
 
     return embed
+
+
+def reranker(seed=0, **weights):
+    """A one-shot backend: each (query, document) sequence's score, float32 ()."""
+    model = TinyGPT(seed=seed, **weights)
+    head = np.random.default_rng(seed + 1).normal(0.0, 1.0, len(model.wte[0])).astype(np.float32)
+
+    def score(batch, lengths):
+        last = _states(model, batch)[np.arange(len(batch)), np.maximum(lengths, 1) - 1]
+        return (last @ head / np.sqrt(len(head))).astype(np.float32)
+
+    return score

@@ -159,6 +159,26 @@ def test_echo_without_logprobs_answers_the_prompts_text_first(server):
     assert done["choices"][0]["logprobs"] is None
 
 
+def test_max_tokens_0_with_echo_answers_the_prompt_alone_with_its_logprobs(server):
+    # OpenAI's legacy scoring call: the prompt's logprobs, no completion token
+    prompt = [11, 2, 30, 7]
+    done = complete(server, prompt=prompt, max_tokens=0, logprobs=1, echo=True)
+    choice, lp = done["choices"][0], done["choices"][0]["logprobs"]
+    assert (choice["text"], choice["finish_reason"]) == (text(prompt), "length")
+    assert lp["tokens"] == [LETTERS[t] for t in prompt]
+    expected = [log_softmax(prompt_logits(prompt[:j])) for j in range(1, len(prompt))]
+    assert lp["token_logprobs"][1:] == pytest.approx(
+        [e[t] for e, t in zip(expected, prompt[1:])], abs=1e-4)
+    assert (done["usage"]["prompt_tokens"], done["usage"]["completion_tokens"]) == (4, 0)
+
+
+def test_max_tokens_0_without_echo_is_refused_naming_the_field(server):
+    status, _, raw = post(server, "/completions", {"model": "logits", "prompt": "dfh",
+                                                   "max_tokens": 0})
+    assert status == 400 and json.loads(raw)["error"]["param"] == "max_tokens"
+    assert "0 only with echo" in json.loads(raw)["error"]["message"]
+
+
 def joined(chunks: list, index: int) -> tuple:
     """(text, logprobs) of one choice's streamed chunks, its logprobs' lists concatenated."""
     mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]

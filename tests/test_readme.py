@@ -26,7 +26,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 TEXT = (ROOT / "README.md").read_text()
 SHMBATCH = str(pathlib.Path(sys.executable).with_name("shmbatch"))  # the console script
 ENV = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # as a user's shell has it
-NAMES = ("digits", "encoder", "count", "embed", "tinygpt", "greedy", "tinyembed")  # the engine names the examples use
+NAMES = ("digits", "encoder", "count", "embed", "tinygpt", "tinyembed", "tinyrank")  # the engine names the examples use
 
 
 def blocks(lang: str) -> list:
@@ -244,18 +244,6 @@ def test_the_examples_config_is_the_readmes():
     assert (EXAMPLES / "tinygpt.toml").read_text() == readme
 
 
-def greedy(model: dict, tok, ids: list, max_tokens: int) -> tuple:
-    """(text, finish_reason, completion tokens) of the Greedy model alone, as the API answers."""
-    steps, one = model["Greedy"](), np.array([0])
-    steps.join(one, np.array([ids]), np.array([len(ids)]))
-    out: list = []
-    while len(out) < max_tokens and tok.eos_token_id not in out:
-        out.append(int(steps.step(one)[0][0]))
-    if out[-1] == tok.eos_token_id:
-        return tok.decode(out[:-1]), "stop", len(out)
-    return tok.decode(out), "length", len(out)
-
-
 def sampled(model: dict, ids: list, sampling, max_steps: int, eos: int) -> list:
     """The tokens the engine's sampler draws from TinyGPT's logits, the request alone."""
     from engine.batching.sampler import Rows
@@ -268,6 +256,14 @@ def sampled(model: dict, ids: list, sampling, max_steps: int, eos: int) -> list:
         if len(out) == max_steps or rows.stops(np.array(out[-1:]))[0]:
             return out
         logits = steps.step(one, np.array(out[-1:]))[0]
+
+
+def answer(tok, tokens: list) -> tuple:
+    """(text, finish_reason, completion tokens) the API answers for these tokens,
+    drawn up to max_tokens."""
+    if tokens[-1] == tok.eos_token_id:
+        return tok.decode(tokens[:-1]), "stop", len(tokens)
+    return tok.decode(tokens), "length", len(tokens)
 
 
 def lines(text: str) -> str:
@@ -285,19 +281,31 @@ def test_the_tinygpt_example_answers_as_the_model_alone_does(guide, monkeypatch)
     monkeypatch.syspath_prepend(str(folder))
     model = runpy.run_path(str(folder / "tinygpt.py"))
     tok = runpy.run_path(str(folder / "bytetok.py"))["ByteTokenizer"]()
+    eos, greedy = tok.eos_token_id, engine.Sampling(temperature=0.0)
     client_py = folder / "openai_client.py"
-    assert f'prompt="{CLIENT_PROMPT}", max_tokens={MAX_TOKENS}' in client_py.read_text()
+    assert f'prompt="{CLIENT_PROMPT}", max_tokens={MAX_TOKENS},' in client_py.read_text()
+    assert "temperature=0.8, seed=1, logprobs=2" in client_py.read_text()
     with serving(folder, "serve", "--config", "tinygpt.toml", "--http-port", "0",
                  start_s=120) as proc:
         url = re.search(r"http://(\S+)$", proc.ready_line.strip()).group(1)
         client_py.write_text(client_py.read_text().replace("localhost:8000", url))
-        first, count, chat = run_python(folder, "openai_client.py").split("\n", 2)
-        text, finish, tokens = first.rsplit(" ", 2)
-        assert (ast.literal_eval(text), finish, int(tokens)) == \
-            greedy(model, tok, tok.encode(CLIENT_PROMPT), MAX_TOKENS)
+        first, count, ranked, chat = run_python(folder, "openai_client.py").split("\n", 3)
+        seeded = engine.Sampling(temperature=0.8, seed=1)
+        text, finish, top = re.fullmatch(r"(.*) (stop|length) (\{.*\})", first).groups()
+        tokens = sampled(model, tok.encode(CLIENT_PROMPT), seeded, MAX_TOKENS, eos)
+        assert (ast.literal_eval(text), finish) == answer(tok, tokens)[:2]
+        top = ast.literal_eval(top)  # the first token's top 2 (byte tokens may share a text)
+        assert 1 <= len(top) <= 2 and all(v <= 0.0 for v in top.values())
         chat_ids = tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True)
-        assert chat == lines(greedy(model, tok, chat_ids, MAX_TOKENS)[0])  # streamed
+        assert chat == lines(answer(tok, sampled(model, chat_ids, greedy, MAX_TOKENS, eos))[0])
         assert count == "2"
+        score = model["reranker"]()
+        pairs = [tok.encode("Hi!") + [eos] + tok.encode(d) for d in ("Hello", "€5")]
+        want = [float(score(np.array([ids]), np.array([len(ids)]))[0]) for ids in pairs]
+        best = ast.literal_eval(ranked)["results"]
+        assert [r["index"] for r in best] == sorted(range(2), key=lambda i: -want[i])
+        np.testing.assert_allclose([r["relevance_score"] for r in best],
+                                   sorted(want, reverse=True), rtol=1e-4, atol=1e-5)
 
         # several at once (one running batch), each answered as if alone
         client = openai.OpenAI(base_url=f"http://{url}/v1", api_key="unused", max_retries=0,
@@ -305,13 +313,12 @@ def test_the_tinygpt_example_answers_as_the_model_alone_does(guide, monkeypatch)
         prompts = ["Hi!", "Once upon a time there was a café", "€5"]
         with ThreadPoolExecutor(len(prompts)) as pool:
             done = list(pool.map(lambda p: client.completions.create(
-                model=f"{tag}-greedy", prompt=p, max_tokens=8), prompts))
-        for prompt, answer in zip(prompts, done):
+                model=f"{tag}-tinygpt", prompt=p, max_tokens=8, temperature=0), prompts))
+        for prompt, got in zip(prompts, done):
             ids = tok.encode(prompt)
-            text, finish, tokens = greedy(model, tok, ids, 8)
-            assert (answer.choices[0].text, answer.choices[0].finish_reason) == (text, finish)
-            assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == \
-                (len(ids), tokens)
+            text, finish, tokens = answer(tok, sampled(model, ids, greedy, 8, eos))
+            assert (got.choices[0].text, got.choices[0].finish_reason) == (text, finish)
+            assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(ids), tokens)
         vectors = client.embeddings.create(model=f"{tag}-tinyembed", input=prompts).data
         embed = model["embedder"]()
         for prompt, vector in zip(prompts, vectors):
@@ -319,17 +326,15 @@ def test_the_tinygpt_example_answers_as_the_model_alone_does(guide, monkeypatch)
             want = embed(ids, np.array([ids.shape[1]]))[0]
             np.testing.assert_allclose(vector.embedding, want, rtol=1e-4, atol=1e-5)
 
-        # the sampling engine: sample.py's draws are the sampler's on the model's logits
-        seeded = engine.Sampling(temperature=0.8, seed=1)
-        want = sampled(model, tok.encode(CLIENT_PROMPT), seeded, SAMPLE_STEPS, tok.eos_token_id)
+        # sample.py's draws are the sampler's on the model's logits
+        want = sampled(model, tok.encode(CLIENT_PROMPT), seeded, SAMPLE_STEPS, eos)
         assert ast.literal_eval(run_python(folder, "sample.py").strip()) == tok.decode(want)
         with engine.Client(f"{tag}-tinygpt") as c:  # greedy and seeded, batched together
-            first = engine.Sampling(temperature=0.0)
             futures = [c.submit(tok.encode(p), timeout=60.0, max_steps=8, sampling=s)
-                       for p in prompts for s in (first, seeded)]
+                       for p in prompts for s in (greedy, seeded)]
             for k, future in enumerate(futures):
-                prompt, s = prompts[k // 2], (first, seeded)[k % 2]
-                want = sampled(model, tok.encode(prompt), s, 8, tok.eos_token_id)
+                prompt, s = prompts[k // 2], (greedy, seeded)[k % 2]
+                want = sampled(model, tok.encode(prompt), s, 8, eos)
                 assert future.result().tolist() == want
 
 

@@ -151,16 +151,18 @@ class Served:
 
 
 def max_steps(body: dict, fields: Tuple[str, ...], engine_max: int,
-              default: Optional[int] = None) -> Optional[int]:
+              default: Optional[int] = None, least: int = 1) -> Optional[int]:
     """The request's max_steps: the first of `fields` given, else `default`
-    (at most the engine's; None: the engine's)."""
+    (at most the engine's; None: the engine's); `least` 0 where an echo of
+    the prompt alone may be asked for."""
     for field in fields:
         value = body.get(field)
         if value is None:
             continue
-        if type(value) is not int or not 1 <= value <= engine_max:
-            raise bad(f"{field}: expected an integer in [1, {engine_max}] (the engine's "
-                      f"max_steps), got {json_text(value)}", field)
+        if type(value) is not int or not least <= value <= engine_max:
+            echo = "" if least == 0 else "; 0 only with echo: the prompt alone"
+            raise bad(f"{field}: expected an integer in [{least}, {engine_max}] (the engine's "
+                      f"max_steps{echo}), got {json_text(value)}", field)
         return value
     return None if default is None else min(default, engine_max)
 

@@ -55,7 +55,14 @@ class Request:
         self.field = "messages" if chat else "prompt"
         names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
         default = None if chat else fields.DEFAULT_MAX_TOKENS
-        self.max_steps = fields.max_steps(body, names, served.config.max_steps, default)
+        # max_tokens 0 with echo (OpenAI's legacy scoring call): the prompt alone is the
+        # answer; the engine still makes one token (its prompt logprobs come with the
+        # first chunk), which is left out
+        least = 0 if not chat and served.sampling and body.get("echo") is True else 1
+        self.max_steps = fields.max_steps(body, names, served.config.max_steps, default, least)
+        self.echo_only = self.max_steps == 0
+        if self.echo_only:
+            self.max_steps = 1
         self.n = fields.choices(body)
         self.asked = sampled.asked(served, body, chat, self.max_steps) if served.sampling \
             else None
@@ -132,6 +139,7 @@ class Text:
         self.logprobs = None if request.logprobs is None else Logprobs(
             served.token_text, request.logprobs, request.chat)
         self.echo = (request.prompts[prompt], request.texts[prompt]) if request.echo else None
+        self.echo_only = request.echo_only
         self.tokens = 0
         self.finish: Optional[str] = None  # set once the answer is over
 
@@ -140,6 +148,9 @@ class Text:
         first, with its stream's prompt_logprobs), up to the one that ends the
         answer (finish is then set), each token's logprobs gathered."""
         pieces = [self.echoed(prompt_logprobs)] if self.echo is not None else []
+        if self.echo_only:  # max_tokens 0: the token made is not the answer's
+            self.finish = "length"
+            return pieces + [self.end("length")]
         logprobs = self.logprobs
         for i, token in enumerate(self.served.tokens(chunks)):
             pieces.append(self.add(token))
