@@ -304,5 +304,5 @@ def serve_http(segments, port: int, host: str = "127.0.0.1", compat=()):
     registry.register(Collectors(segments))
     if compat:
         from engine.serving import metrics_compat
-        return metrics_compat.serve_http(registry, segments, compat, port, host)
+        return metrics_compat.serve_http(registry, segments, compat, read_stats, port, host)
     return start_http_server(port, addr=host, registry=registry)

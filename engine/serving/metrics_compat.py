@@ -20,7 +20,6 @@ from typing import Iterable, List, Sequence, Tuple
 
 import numpy as np
 
-from engine.serving.metrics import read_stats
 from engine.shm import codes, ring
 
 KINDS = ("vllm", "triton")
@@ -193,8 +192,9 @@ def triton_families(engines: Iterable[Figures]) -> List[Family]:
     return [success, failure, count, execs, duration, queue, compute, pending]
 
 
-def render(segments: Sequence, kinds: Sequence[str]) -> str:
-    """The compat families of these engines' segments, in the text format."""
+def render(segments: Sequence, kinds: Sequence[str], read_stats) -> str:
+    """The compat families of these engines' segments, in the text format
+    (read_stats: engine.serving.metrics', which this module's caller is)."""
     figures = [Figures(seg, read_stats(seg)) for seg in segments]
     families: List[Family] = []
     if "vllm" in kinds:
@@ -204,7 +204,8 @@ def render(segments: Sequence, kinds: Sequence[str]) -> str:
     return "".join(f.text() for f in families if f.lines)
 
 
-def serve_http(registry, segments: Sequence, kinds: Sequence[str], port: int, host: str):
+def serve_http(registry, segments: Sequence, kinds: Sequence[str], read_stats, port: int,
+               host: str):
     """GET /metrics: the registry's families and then these kinds', always in
     the text format 0.0.4 (an OpenMetrics answer would add `_total` to
     Triton's counters); returns (server, thread)."""
@@ -218,7 +219,7 @@ def serve_http(registry, segments: Sequence, kinds: Sequence[str], port: int, ho
         if environ.get("PATH_INFO") not in ("/metrics", "/"):
             start_response("404 Not Found", [("Content-Type", "text/plain")])
             return [b"expected GET /metrics\n"]
-        body = generate_latest(registry) + render(segments, kinds).encode()
+        body = generate_latest(registry) + render(segments, kinds, read_stats).encode()
         start_response("200 OK", [("Content-Type", "text/plain; version=0.0.4; charset=utf-8"),
                                   ("Content-Length", str(len(body)))])
         return [body]
