@@ -36,10 +36,10 @@
  *          | 7040 words2[64] u64: more engine words (SB_W_* from 128)  |
  *          | 8192 level_hist[8][128] u64: queue wait per priority      |
  *          |16384 steps_total u64  16392 chunks_total u64              |
- *          |16400 stream_sum[2] u64  16416 stream_max[2] u64 (ns)      |
+ *          |16400 stream_sum[2], stream_max[2], e2e_sum, e2e_max (ns)|
  *          |16448 active[32] u64: each batcher's running batch size    |
- *          |16896 stream_hist[2][128] u64: time to first chunk, and    |
- *          |      between chunks (SB_H_TTFT, SB_H_CHUNK)               |
+ *          |16896 stream_hist[2][128] u64: SB_H_TTFT, SB_H_CHUNK       |
+ *          |18944 e2e_hist[128] u64: arrival to end (SB_H_E2E)         |
  *  20480   +-----------------------------------------------------------+
  *          | ctl[C]      u64 per slot: each slot's one control word    |
  *          +------------------------------------------- 64-aligned ----+
@@ -186,7 +186,7 @@
 #define SB_RING_H
 #include <stdint.h>
 /* --- cdef: everything from here to "cdef end" is read by cffi --------- */
-#define SB_LAYOUT_VERSION 12 /* 10: how a stream ended; 11: words2, predicted_us; 12: batch_size */
+#define SB_LAYOUT_VERSION 13 /* 11: words2, predicted_us; 12: batch_size; 13: e2e, served_ns */
 #define SB_HEADER_BYTES 20480
 #define SB_CONFIG_BYTES 2048
 #define SB_OFF_CONFIG 128
@@ -279,6 +279,7 @@
 #define SB_W_ADMIT_RECENT_PREDICTED_NS 134 /* ... predicted and seen, recent (forgetting) */
 #define SB_W_ADMIT_RECENT_SEEN_NS 135
 #define SB_W_UNSERVED_UNTIL_NS 136 /* 0 while a batcher serves, else when one is expected to */
+#define SB_W_SERVED_NS 137    /* each request's time in backend calls, summed */
 #define SB_W_ROOM_STEPS 160   /* + instance: 0 not serving, else 1 + steps until its
 			       * running batch has room (an iterative engine) */
 #define SB_WORDS_ALL 192
@@ -287,12 +288,12 @@
 #define SB_ENGINE_STOPPING 2
 #define SB_ENGINE_STOPPED 3
 
-/* histograms */
-#define SB_H_QUEUE_WAIT 0
+#define SB_H_QUEUE_WAIT 0 /* the histograms */
 #define SB_H_SERVICE 1
 #define SB_H_BATCH_SIZE 2
 #define SB_H_TTFT 3       /* an iterative request's arrival to its first chunk */
 #define SB_H_CHUNK 4      /* ... and between its chunks */
+#define SB_H_E2E 5        /* a request's arrival to its end (answer, or last chunk) */
 
 /* error status of a FAILED slot */
 #define SB_STATUS_OK 0
@@ -579,7 +580,7 @@ int sb_finish_step(sb_ring *r, const uint32_t *joined, uint32_t k, uint32_t acti
  * out[2] requests in every running batch */
 void sb_set_active(sb_ring *r, uint32_t batcher, uint32_t active, uint32_t room_steps);
 void sb_stream_counts(const sb_ring *r, uint64_t *out);
-/* the sum and maximum (ns) of SB_H_TTFT's or SB_H_CHUNK's times */
+/* the sum and maximum (ns) of SB_H_TTFT's, SB_H_CHUNK's or SB_H_E2E's times */
 void sb_stream_times(const sb_ring *r, int which, uint64_t *sum_ns, uint64_t *max_ns);
 
 /* reaper (reap.c): the supervisor, and a client making room */
@@ -596,5 +597,4 @@ uint32_t sb_reap_batcher(sb_ring *r, uint32_t batcher, uint32_t retry,
 			 const char *msg, uint32_t msg_len, const char *begun_msg,
 			 uint32_t begun_len, uint32_t *kept);
 /* --- cdef end --------------------------------------------------------- */
-
 #endif

@@ -74,11 +74,12 @@ typedef struct {
 	uint64_t level_hist[SB_MAX_PRIORITIES][SB_HIST_BUCKETS];
 	uint64_t steps_total, chunks_total;
 	uint64_t stream_sum[2], stream_max[2]; /* ns: time to first chunk, between chunks */
-	uint64_t _pad8[2];
+	uint64_t e2e_sum, e2e_max; /* ns: arrival to end (SB_H_E2E) */
 	uint64_t active[SB_MAX_INSTANCES]; /* each batcher's running batch: its own word */
 	uint64_t _pad9[(16896 - 16704) / 8];
 	uint64_t stream_hist[2][SB_HIST_BUCKETS]; /* time to first chunk, between chunks */
-	uint64_t _pad10[(SB_HEADER_BYTES - 18944) / 8];
+	uint64_t e2e_hist[SB_HIST_BUCKETS]; /* a request's arrival to its end */
+	uint64_t _pad10[(SB_HEADER_BYTES - 19968) / 8];
 } sb_header;
 
 /* An iterative engine's slot: how many of its chunks are written. chunks
@@ -330,6 +331,8 @@ void judge_predictions(sb_ring *r, uint64_t compared, uint64_t predicted, uint64
 		       uint64_t late);
 /* a stream's time figure (SB_H_TTFT or SB_H_CHUNK) in its histogram */
 void record_stream_time(sb_ring *r, int which, uint64_t ns);
+/* a request's arrival to its end (SB_H_E2E): its answer, or its last chunk */
+void record_e2e(sb_ring *r, uint64_t ns);
 /* the prediction sb_admit left for this thread's next publish (admission.c):
  * returned once, then 0 */
 uint32_t take_predicted_us(void);

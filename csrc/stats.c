@@ -38,9 +38,10 @@ static void record_max(uint64_t *word, uint64_t v)
 void sb_histogram(const sb_ring *r, int which, uint64_t *buckets)
 {
 	const sb_header *h = hdr(r);
-	if (which < 0 || which > SB_H_CHUNK)
+	if (which < 0 || which > SB_H_E2E)
 		return;
 	const uint64_t *from = which <= SB_H_BATCH_SIZE ? h->hist[which]
+				: which == SB_H_E2E ? h->e2e_hist
 				: h->stream_hist[which - SB_H_TTFT];
 	for (uint32_t b = 0; b < SB_HIST_BUCKETS; b++)
 		buckets[b] = sb_load_relaxed(&from[b]);
@@ -89,11 +90,11 @@ void judge_predictions(sb_ring *r, uint64_t compared, uint64_t predicted, uint64
  * their worst and sum in *worst, *total; and admission's predictions for
  * them against the waits they saw (to done_ns). */
 static inline void record_waits(sb_ring *r, const uint32_t *slots, uint32_t n,
-				uint64_t claim_ns, uint64_t done_ns, uint64_t *worst,
-				uint64_t *total)
+				uint64_t claim_ns, uint64_t done_ns, int ends,
+				uint64_t *worst, uint64_t *total)
 {
 	sb_header *h = hdr(r);
-	uint64_t compared = 0, predicted = 0, seen = 0, late = 0, scale = 0;
+	uint64_t compared = 0, predicted = 0, seen = 0, late = 0, scale = 0, served = 0;
 	for (uint32_t k = 0; k < n; k++) {
 		if (slots[k] >= r->capacity)
 			continue;
@@ -108,6 +109,12 @@ static inline void record_waits(sb_ring *r, const uint32_t *slots, uint32_t n,
 			level = r->levels - 1; /* r->levels <= SB_MAX_PRIORITIES */
 		}
 		sb_add_relaxed(&h->hist[SB_H_QUEUE_WAIT][bucket_of(wait)], 1);
+		if (ends) { /* a one-shot batch: its requests end with it, served from
+			     * their claim (or their arrival, if it came during the claim) */
+			uint64_t from = arrival > claim_ns ? arrival : claim_ns;
+			record_e2e(r, done_ns > arrival ? done_ns - arrival : 0);
+			served += done_ns > from ? done_ns - from : 0;
+		}
 		sb_add_relaxed(&h->level_hist[level][bucket_of(wait)], 1);
 		sb_add_relaxed(&h->level_wait_sum[level], wait);
 		record_max(&h->level_wait_max[level], wait);
@@ -129,6 +136,8 @@ static inline void record_waits(sb_ring *r, const uint32_t *slots, uint32_t n,
 	}
 	if (compared)
 		judge_predictions(r, compared, predicted, seen, late);
+	if (served)
+		sb_add_relaxed(word_at(r, SB_W_SERVED_NS), served);
 }
 
 /* A backend call's figures: n requests in service_ns; the fit's, with fit */
@@ -160,7 +169,7 @@ int sb_finish_batch(sb_ring *r, const uint32_t *slots, uint32_t n,
 		    sb_fit *fit)
 {
 	uint64_t worst = 0, total_wait = 0;
-	record_waits(r, slots, n, claim_ns, done_ns, &worst, &total_wait);
+	record_waits(r, slots, n, claim_ns, done_ns, 1, &worst, &total_wait);
 	uint64_t service = done_ns > claim_ns ? done_ns - claim_ns : 0;
 	return record_call(r, n, service, worst, total_wait,
 			   zero_copy ? SB_W_ZERO_COPY : SB_W_GATHERED, fit);
@@ -170,9 +179,11 @@ int sb_finish_step(sb_ring *r, const uint32_t *joined, uint32_t k, uint32_t acti
 		   uint64_t start_ns, uint64_t done_ns, sb_fit *fit)
 {
 	uint64_t worst = 0, total_wait = 0;
-	record_waits(r, joined, k, start_ns, done_ns, &worst, &total_wait);
+	record_waits(r, joined, k, start_ns, done_ns, 0, &worst, &total_wait);
 	sb_add_relaxed(&hdr(r)->steps_total, 1);
 	uint64_t service = done_ns > start_ns ? done_ns - start_ns : 0;
+	/* each running request spent the step in the backend */
+	sb_add_relaxed(word_at(r, SB_W_SERVED_NS), (uint64_t)active * service);
 	return record_call(r, active, service, worst, total_wait, -1, fit);
 }
 
@@ -204,9 +215,21 @@ void record_stream_time(sb_ring *r, int which, uint64_t ns)
 	record_max(&h->stream_max[which - SB_H_TTFT], ns);
 }
 
+void record_e2e(sb_ring *r, uint64_t ns)
+{
+	sb_header *h = hdr(r);
+	sb_add_relaxed(&h->e2e_hist[bucket_of(ns)], 1);
+	sb_add_relaxed(&h->e2e_sum, ns);
+	record_max(&h->e2e_max, ns);
+}
+
 void sb_stream_times(const sb_ring *r, int which, uint64_t *sum_ns, uint64_t *max_ns)
 {
 	*sum_ns = *max_ns = 0;
+	if (which == SB_H_E2E) {
+		*sum_ns = sb_load_relaxed(&hdr(r)->e2e_sum);
+		*max_ns = sb_load_relaxed(&hdr(r)->e2e_max);
+	}
 	if (which == SB_H_TTFT || which == SB_H_CHUNK) {
 		*sum_ns = sb_load_relaxed(&hdr(r)->stream_sum[which - SB_H_TTFT]);
 		*max_ns = sb_load_relaxed(&hdr(r)->stream_max[which - SB_H_TTFT]);

@@ -109,6 +109,10 @@ uint32_t sb_stream_put(sb_ring *r, uint32_t batcher, const uint32_t *slots,
 			sb_store_relaxed(&s->batch_size, n);
 		}
 		sb_store_relaxed(&s->last_ns, now);
+		if (ends[k] & how) { /* its last chunk */
+			uint64_t arrival = sb_load_relaxed(&meta_at(r, slot)->arrival_ns);
+			record_e2e(r, now > arrival ? now - arrival : 0);
+		}
 		/* seq_cst, as seq_bump: publishes the rows written before it, and
 		 * either we see the client's waiter count or its futex_wait sees
 		 * the new count */

@@ -110,3 +110,14 @@ def config_shape(value, key):
     if isinstance(value, int):
         return (value,)
     return shape(str(value))
+
+
+def metrics_flags(p) -> None:
+    """serve's /metrics flags."""
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    p.add_argument("--metrics-host", help="address for /metrics (default 127.0.0.1; 0.0.0.0: "
+                                          "every interface)")
+    p.add_argument("--metrics-compat", metavar="vllm,triton",
+                   help="/metrics also carries these servers' names for the same figures "
+                        "(vllm:num_requests_waiting, nv_inference_request_success, ...), for "
+                        "their dashboards and autoscaler recipes (default: none)")

@@ -6,14 +6,14 @@ import sys
 import tomllib
 
 from engine.cli import tooling
-from engine.cli.args import Parser, config_shape, key_values, knob_flag, knobs
+from engine.cli.args import Parser, config_shape, key_values, knob_flag, knobs, metrics_flags
 from engine.errors import EngineError
 from engine.http import auth
 
 # serve's own keys: its flags, and a --config file's top level beside an
 # engine's keys or [engines.NAME] tables
-SERVE_ONLY_KEYS = ("metrics_port", "metrics_host", "http_port", "http_host", "http_workers",
-                   "http_timeout_s", "http_max_body_bytes", "http_read_timeout_s",
+SERVE_ONLY_KEYS = ("metrics_port", "metrics_host", "metrics_compat", "http_port", "http_host",
+                   "http_workers", "http_timeout_s", "http_max_body_bytes", "http_read_timeout_s",
                    "http_max_connections", "api_key")
 
 
@@ -24,9 +24,7 @@ def _serve_parser(sub):
                         "engine each, all served); flags override")
     for knob in knobs():
         knob_flag(p, knob)
-    p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
-    p.add_argument("--metrics-host", help="address for /metrics (default 127.0.0.1; 0.0.0.0: "
-                                          "every interface)")
+    metrics_flags(p)
     p.add_argument("--http-port", type=int, metavar="PORT",
                    help="serve the Open Inference Protocol (KServe v2 REST) for every engine "
                         "on this port (0: any free one); needs the http extra")

@@ -23,6 +23,7 @@ from typing import Dict, List, Optional
 from engine.errors import EngineError
 from engine.segment import remove_if_dead
 from engine.serving import metrics
+from engine.serving.metrics_compat import parse as metrics_compat_kinds
 from engine.serving.supervisor import Engine
 
 log = logging.getLogger("shmbatch")
@@ -37,7 +38,8 @@ class Serving:
     when asked, their /metrics and the Open Inference Protocol over HTTP."""
 
     def __init__(self, engines: List[dict], *, metrics_port: Optional[int] = None,
-                 metrics_host: Optional[str] = None, http_port: Optional[int] = None,
+                 metrics_host: Optional[str] = None, metrics_compat=None,
+                 http_port: Optional[int] = None,
                  http_host: Optional[str] = None, http_workers: Optional[int] = None,
                  http_timeout_s: Optional[float] = None,
                  http_max_body_bytes: Optional[int] = None,
@@ -51,6 +53,11 @@ class Serving:
             with _Naming(settings.get("name") if several else None):
                 self.engines.append(Engine(**settings))
         self.metrics_port, self.metrics_host = metrics_port, metrics_host or "127.0.0.1"
+        self.metrics_compat = metrics_compat_kinds(metrics_compat)
+        if self.metrics_compat and metrics_port is None:
+            raise ValueError(f"--metrics-compat {','.join(self.metrics_compat)}: the names are "
+                             f"served on /metrics: expected --metrics-port (or metrics_port in "
+                             f"--config), got none")
         self.http_port, self.http_host = http_port, http_host or "127.0.0.1"
         given = {"--http-host": http_host, "--http-workers": http_workers,
                  "--http-timeout-s": http_timeout_s, "--http-max-body-bytes": http_max_body_bytes,
@@ -145,7 +152,7 @@ class Serving:
             if self.metrics_port is not None:
                 try:
                     metrics.serve_http([eng.segment for eng in self.engines], self.metrics_port,
-                                       self.metrics_host)
+                                       self.metrics_host, self.metrics_compat)
                 except OSError as e:
                     raise OSError(f"--metrics-port {self.metrics_port}: cannot listen on "
                                   f"{self.metrics_host}:{self.metrics_port} "

@@ -294,10 +294,15 @@ class Collectors:
         return iter(families.values())
 
 
-def serve_http(segments, port: int, host: str = "127.0.0.1"):
-    """Serves GET /metrics for these engines' segments (a list, or one);
-    returns (server, thread)."""
+def serve_http(segments, port: int, host: str = "127.0.0.1", compat=()):
+    """Serves GET /metrics for these engines' segments (a list, or one), and
+    with compat ("vllm", "triton") their figures under those names too
+    (engine.serving.metrics_compat); returns (server, thread)."""
     from prometheus_client import CollectorRegistry, start_http_server
+    segments = list(segments) if isinstance(segments, (list, tuple)) else [segments]
     registry = CollectorRegistry()
-    registry.register(Collectors(segments if isinstance(segments, (list, tuple)) else [segments]))
+    registry.register(Collectors(segments))
+    if compat:
+        from engine.serving import metrics_compat
+        return metrics_compat.serve_http(registry, segments, compat, read_stats, port, host)
     return start_http_server(port, addr=host, registry=registry)

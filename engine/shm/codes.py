@@ -100,6 +100,7 @@ W_ADMIT_RECENT_PREDICTED_NS = lib.SB_W_ADMIT_RECENT_PREDICTED_NS
 W_ADMIT_RECENT_SEEN_NS = lib.SB_W_ADMIT_RECENT_SEEN_NS
 W_ROOM_STEPS = lib.SB_W_ROOM_STEPS
 W_UNSERVED_UNTIL_NS = lib.SB_W_UNSERVED_UNTIL_NS
+W_SERVED_NS = lib.SB_W_SERVED_NS
 WORDS_ALL = lib.SB_WORDS_ALL
 ENGINE_STARTING = lib.SB_ENGINE_STARTING
 ENGINE_RUNNING = lib.SB_ENGINE_RUNNING
@@ -112,6 +113,7 @@ H_SERVICE = lib.SB_H_SERVICE
 H_BATCH_SIZE = lib.SB_H_BATCH_SIZE
 H_TTFT = lib.SB_H_TTFT
 H_CHUNK = lib.SB_H_CHUNK
+H_E2E = lib.SB_H_E2E
 
 # error status of a FAILED slot
 STATUS_OK = lib.SB_STATUS_OK
@@ -164,6 +166,6 @@ R_BUCKET = lib.SB_R_BUCKET
 
 # the lowest value (ns) that lands in a time histogram's bucket
 
-# the sum and maximum (ns) of SB_H_TTFT's or SB_H_CHUNK's times
+# the sum and maximum (ns) of SB_H_TTFT's, SB_H_CHUNK's or SB_H_E2E's times
 
 # reaper (reap.c): the supervisor, and a client making room

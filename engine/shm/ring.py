@@ -401,7 +401,7 @@ class Ring:
         return tuple(ffi.unpack(out, 3))
 
     def stream_times(self, which: int):
-        """(sum_ns, max_ns) of H_TTFT's or H_CHUNK's times."""
+        """(sum_ns, max_ns) of H_TTFT's, H_CHUNK's or H_E2E's times."""
         out = self._buffer("stream_times", "uint64_t[2]")
         lib.sb_stream_times(self.r, which, out, out + 1)
         return out[0], out[1]
