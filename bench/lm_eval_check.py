@@ -2,30 +2,29 @@
 reports checked against the model alone on the same ids.
 
     PYTHONPATH=TREE:TREE/bench python bench/lm_eval_check.py \
-        --lm-eval /work/venv-lmeval/bin/lm_eval [--docs 32] [--out DIR]
+        --lm-eval /work/venv-lmeval/bin/lm_eval [--model readme|causal] [--docs 32] [--out DIR]
 
-Everything is offline. The tokenizer is a byte-level BPE (the `tokenizers`
-library) trained here on a few KB of the tasks' own words and saved as a
-transformers tokenizer, which lm-eval (tokenizer_backend=huggingface) and the
-server's openai table load from the same folder. The model is a causal numpy
-logit model over that vocabulary: the logits after a prefix p are
-A[p[-1]] + B[sum(p) % V] / 2 (A, B fixed random [V, V]), in join (every
-position's with positions="all") and step alike, so `loglikelihood` below can
-compute any continuation's log-probability directly. It is served with
-sampling=True, prompt_logprobs=True.
+Everything is offline. `--model readme` (the default) serves the README's
+examples/tinygpt.toml unchanged and calls its `tinygpt` engine (TinyGPT,
+sampling=True, prompt_logprobs=True, the byte tokenizer); lm-eval tokenizes
+with a transformers tokenizer built here whose ids are a text's UTF-8 bytes and
+256 its end, as examples/bytetok.py's are. `--model causal` serves a causal
+numpy logit model over a byte-level BPE trained here on the tasks' own words:
+the logits after a prefix p are A[p[-1]] + B[sum(p) % V] / 2 (A, B fixed random
+[V, V]), in join and step alike.
 
 Two tasks from jsonl files written here (lm-eval's custom task YAML,
 dataset_path: json): a multiple-choice one (`shm_mc`, 4 choices a doc: one
 loglikelihood request per choice, lm-eval's echo + logprobs request) and a
-generate_until one (`shm_gen`, until "\\n", 8 tokens at most, temperature 0),
+generate_until one (`shm_gen`, until "\n", 8 tokens at most, temperature 0),
 --batch_size 4 (lists of 4 prompts per request). Then every loglikelihood
 sample lm-eval logged (--log_samples) is recomputed: its context and
 continuation tokenized as lm-eval does (trailing spaces of the context moved
 to the continuation; the continuation the whole's ids past the context's),
-summed with the model alone in float64, and compared: the largest difference
-must be within 1e-4, and lm-eval's is_greedy must equal the model's argmax
-chain. Each generate_until answer is checked against the greedy chain
-decoded and cut at "\\n".
+summed with the model alone in float64 (every position's logits of one
+forward pass), and compared: the largest difference must be within 1e-4, and
+lm-eval's is_greedy must equal the model's argmax chain. Each generate_until
+answer is checked against the model's greedy chain decoded and cut at "\n".
 """
 import argparse
 import glob
@@ -37,6 +36,8 @@ import sys
 import tempfile
 import time
 
+import shutil
+
 import numpy as np
 
 WORDS = ("red green blue yellow black white cat dog bird fish horse apple pear plum "
@@ -44,6 +45,7 @@ WORDS = ("red green blue yellow black white cat dog bird fish horse apple pear p
          "sun moon star rain snow wind hot cold big small fast slow up down left right").split()
 TOKENIZER_ENV = "SHMBATCH_LMEVAL_TOKENIZER"
 SEED = 39
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
 
 def tokenizer():
@@ -60,6 +62,26 @@ def train_tokenizer(folder: str, corpus: str) -> int:
     bpe.train_from_iterator([corpus], vocab_size=400, special_tokens=["<|endoftext|>"],
                             show_progress=False)
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
+    tok.save_pretrained(folder)
+    return len(tok)
+
+
+def byte_tokenizer(folder: str) -> int:
+    """A transformers tokenizer whose ids are a text's UTF-8 bytes and 256 its end
+    (examples/bytetok.py's ids), saved in folder; its vocabulary's size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    # byte-level BPE's printable stand-in for each byte, as GPT-2's tokenizer maps them
+    shown = [b for b in range(256) if 33 <= b <= 126 or 161 <= b <= 172 or 174 <= b <= 255]
+    char = {b: chr(b) for b in shown}
+    char.update((b, chr(256 + k)) for k, b in enumerate(b for b in range(256) if b not in char))
+    bpe = Tokenizer(models.BPE(vocab={char[b]: b for b in range(256)}, merges=[]))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    bpe.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
+    tok.add_special_tokens({"eos_token": "<|endoftext|>"})
+    assert tok.eos_token_id == 256 and tok("é €", add_special_tokens=False).input_ids == \
+        list("é €".encode()), "the byte tokenizer's ids are not the text's bytes"
     tok.save_pretrained(folder)
     return len(tok)
 
@@ -113,15 +135,39 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return x - m - np.log(np.exp(x - m).sum())
 
 
-def loglikelihood(model: Causal, context: list, continuation: list):
+class Alone:
+    """The served model run alone: every position's logits of ids [L, V]."""
+
+    def __init__(self, kind: str, vocab: int) -> None:
+        if kind == "causal":
+            model = Causal(vocab)
+            self.every = lambda ids: np.stack([model.logits(ids[:j + 1])
+                                               for j in range(len(ids))])
+        else:
+            import runpy
+            tinygpt = runpy.run_path(os.path.join(EXAMPLES, "tinygpt.py"))["TinyGPT"]()
+            one = np.zeros(1, np.int64)
+
+            def every(ids):
+                logits = tinygpt.join(one, np.array([ids]), np.array([len(ids)]), "all")[0]
+                tinygpt.leave(one)
+                return logits
+            self.every = every
+
+    def greedy(self, ids: list, steps: int) -> list:
+        """ids with the model's greedy chain of `steps` tokens after them."""
+        ids = list(ids)
+        for _ in range(steps):
+            ids.append(int(np.argmax(self.every(ids)[-1])))
+        return ids
+
+
+def loglikelihood(model: Alone, context: list, continuation: list):
     """(sum of the continuation's logprobs, whether it is the greedy chain), the model alone."""
-    total, greedy, ids = 0.0, True, list(context)
-    for token in continuation:
-        lp = log_softmax(model.logits(ids))
-        total += lp[token]
-        greedy = greedy and int(np.argmax(lp)) == token
-        ids.append(token)
-    return total, greedy
+    logits = model.every(list(context) + list(continuation))[len(context) - 1:-1]
+    lps = [log_softmax(row) for row in logits]
+    total = sum(lp[t] for lp, t in zip(lps, continuation))
+    return total, all(int(np.argmax(lp)) == t for lp, t in zip(lps, continuation))
 
 
 def write_tasks(folder: str, docs: int) -> str:
@@ -151,18 +197,24 @@ def write_tasks(folder: str, docs: int) -> str:
     return " ".join(json.dumps(r) for r in mc + gen) * 4
 
 
-def serve(folder: str, vocab: int, env: dict):
+def serve(folder: str, kind: str, vocab: int, env: dict):
     """`shmbatch serve` of the model; (its process, its HTTP address)."""
     config = os.path.join(folder, "models.toml")
-    with open(config, "w") as f:
-        f.write("http_workers = 1\n[engines.lmeval]\nbackend = \"lm_eval_check:steps\"\n"
-                f"backend_args = {{vocab = {vocab}}}\niterative = true\nsampling = true\n"
-                "prompt_logprobs = true\nmax_logprobs = 5\ninput_shape = [\"none\"]\n"
-                "max_input_shape = [256]\ninput_dtype = \"int64\"\noutput_shape = []\n"
-                "output_dtype = \"int64\"\nmax_steps = 16\nmax_batch_size = 16\n"
-                "[engines.lmeval.openai]\ntokenizer = \"lm_eval_check:tokenizer\"\n")
+    if kind == "readme":  # the README's config as it is, its files beside it
+        for name in ("tinygpt.toml", "tinygpt.py", "bytetok.py"):
+            shutil.copy(os.path.join(EXAMPLES, name), folder)
+        config = os.path.join(folder, "tinygpt.toml")
+    else:
+        with open(config, "w") as f:
+            f.write("http_workers = 1\n[engines.lmeval]\nbackend = \"lm_eval_check:steps\"\n"
+                    f"backend_args = {{vocab = {vocab}}}\niterative = true\nsampling = true\n"
+                    "prompt_logprobs = true\nmax_logprobs = 5\ninput_shape = [\"none\"]\n"
+                    "max_input_shape = [256]\ninput_dtype = \"int64\"\noutput_shape = []\n"
+                    "output_dtype = \"int64\"\nmax_steps = 16\nmax_batch_size = 16\n"
+                    "[engines.lmeval.openai]\ntokenizer = \"lm_eval_check:tokenizer\"\n")
     proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--config", config,
-                             "--http-port", "0"], env=env, stdout=subprocess.PIPE, text=True)
+                             "--http-port", "0"], env=env, stdout=subprocess.PIPE, text=True,
+                            cwd=folder)
     deadline = time.monotonic() + 120
     for line in proc.stdout:
         if "ready" in line:
@@ -173,10 +225,9 @@ def serve(folder: str, vocab: int, env: dict):
     raise SystemExit(f"serve did not start (exit {proc.wait()})")
 
 
-def check(out: str, tok_folder: str, vocab: int) -> dict:
+def check(out: str, tok_folder: str, model: Alone) -> dict:
     from transformers import PreTrainedTokenizerFast
     tok = PreTrainedTokenizerFast.from_pretrained(tok_folder)
-    model = Causal(vocab)
 
     def encode(text):
         return tok(text, add_special_tokens=False).input_ids
@@ -199,9 +250,7 @@ def check(out: str, tok_folder: str, vocab: int) -> dict:
                     greedy_agree += str(got_greedy) == str(greedy)
                     n_ll += 1
                 else:  # generate_until: the greedy chain, cut at "\n"
-                    ids = encode(context)
-                    for _ in range(8):
-                        ids.append(int(np.argmax(model.logits(ids))))
+                    ids = model.greedy(encode(context), 8)
                     answer = tok.decode(ids[len(encode(context)):])
                     if tok.eos_token in answer:
                         answer = answer[:answer.index(tok.eos_token)]
@@ -214,21 +263,25 @@ def check(out: str, tok_folder: str, vocab: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lm-eval", default="lm_eval")
+    parser.add_argument("--model", choices=("readme", "causal"), default="readme")
     parser.add_argument("--docs", type=int, default=32)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     folder = args.out or tempfile.mkdtemp(prefix="lm_eval_check-")
     tok_folder = os.path.join(folder, "tokenizer")
-    vocab = train_tokenizer(tok_folder, write_tasks(folder, args.docs))
+    corpus = write_tasks(folder, args.docs)
+    vocab = byte_tokenizer(tok_folder) if args.model == "readme" else \
+        train_tokenizer(tok_folder, corpus)
     here = os.path.dirname(os.path.abspath(__file__))
     env = {**os.environ, TOKENIZER_ENV: tok_folder, "HF_DATASETS_OFFLINE": "1",
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join([os.path.dirname(here), here,
                                           os.environ.get("PYTHONPATH", "")])}
-    proc, url = serve(folder, vocab, env)
+    proc, url = serve(folder, args.model, vocab, env)
+    name = "tinygpt" if args.model == "readme" else "lmeval"
     try:
         began = time.monotonic()
-        model_args = (f"base_url=http://{url}/v1/completions,model=lmeval,"
+        model_args = (f"base_url=http://{url}/v1/completions,model={name},"
                       f"tokenized_requests=True,tokenizer_backend=huggingface,"
                       f"tokenizer={tok_folder},max_length=256")
         run = subprocess.run([args.lm_eval, "run", "--model", "local-completions", "--model_args",
@@ -244,8 +297,8 @@ def main() -> None:
         print(run.stdout[-3000:], run.stderr[-6000:])
         raise SystemExit(f"lm_eval failed: exit {run.returncode}")
     print("\n".join(line for line in run.stdout.splitlines() if line.startswith("|")))
-    figures = check(os.path.join(folder, "out"), tok_folder, vocab)
-    print(json.dumps({"vocab": vocab, "docs": args.docs, "lm_eval_wall_s": round(wall_s, 1),
+    figures = check(os.path.join(folder, "out"), tok_folder, Alone(args.model, vocab))
+    print(json.dumps({"model": args.model, "vocab": vocab, "docs": args.docs, "lm_eval_wall_s": round(wall_s, 1),
                       **figures}))
     ok = (figures["loglikelihoods"] == 4 * args.docs and figures["max_abs_diff"] <= 1e-4
           and figures["is_greedy_agree"] == figures["loglikelihoods"]
