@@ -4,5 +4,6 @@
 through the one child launcher `launch`), restarts them (`restarts`), swaps
 them on a reload (`reloading`), answers the control socket (`control`) and
 exports metrics (`metrics`); `notify` tells a service manager it is ready,
-and `admission_log` says, bounded, when requests are refused.
+`admission_log` says, bounded, when requests are refused, and `catalog` tells
+a serve's HTTP workers which engines it has now.
 """

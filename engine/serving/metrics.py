@@ -283,6 +283,13 @@ class Collectors:
     def __init__(self, segments):
         self.parts = [Collector(segment) for segment in segments]
 
+    # a scrape iterates the list it found: these replace it, never change it
+    def add(self, segment) -> None:
+        self.parts = [*self.parts, Collector(segment)]
+
+    def remove(self, segment) -> None:
+        self.parts = [p for p in self.parts if p.segment is not segment]
+
     def collect(self):
         families = {}
         for part in self.parts:
@@ -295,9 +302,11 @@ class Collectors:
 
 
 def serve_http(segments, port: int, host: str = "127.0.0.1"):
-    """Serves GET /metrics for these engines' segments (a list, or one);
-    returns (server, thread)."""
+    """Serves GET /metrics for these engines' segments (a list, or one, or
+    Collectors, whose engines may change); returns (server, thread)."""
     from prometheus_client import CollectorRegistry, start_http_server
     registry = CollectorRegistry()
-    registry.register(Collectors(segments if isinstance(segments, (list, tuple)) else [segments]))
+    if not isinstance(segments, Collectors):
+        segments = Collectors(segments if isinstance(segments, (list, tuple)) else [segments])
+    registry.register(segments)
     return start_http_server(port, addr=host, registry=registry)
