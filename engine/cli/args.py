@@ -4,6 +4,12 @@ import argparse
 import json
 import tomllib
 
+# serve's own keys: its flags, and a --config file's top level beside an
+# engine's keys or [engines.NAME] tables
+SERVE_ONLY_KEYS = ("metrics_port", "metrics_host", "metrics_compat", "http_port", "http_host",
+                   "http_workers", "http_timeout_s", "http_max_body_bytes", "http_read_timeout_s",
+                   "http_max_connections", "api_key", "model_control")
+
 
 class Parser(argparse.ArgumentParser):
     """Bad flags: one line on stderr, exit 2 (argparse would add its usage)."""
@@ -121,3 +127,40 @@ def metrics_flags(p) -> None:
                    help="/metrics also carries these servers' names for the same figures "
                         "(vllm:num_requests_waiting, nv_inference_request_success, ...), for "
                         "their dashboards and autoscaler recipes (default: none)")
+
+
+def flag_of(key: str) -> str:
+    return "--backend-arg" if key == "backend_args" else "--" + key.replace("_", "-")
+
+
+def engine_settings(settings: dict, args, where) -> dict:
+    """One engine's settings: its keys (a file's or a table's, at `where`),
+    overridden by the flags in args (None: none)."""
+    all_knobs = knobs()
+    keys = [k.name for k in all_knobs]
+    if where:
+        unknown = sorted(set(settings) - set(keys))
+        if unknown:  # a table holds an engine's keys alone; a one-engine file serve's too
+            expected = keys if args is None else keys + list(SERVE_ONLY_KEYS)
+            raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)}; "
+                             f"expected some of {', '.join(expected)}")
+    for key in keys if args is not None else ():
+        value = getattr(args, key, None)
+        if value is not None and key != "backend_args":
+            settings[key] = value
+    flags = key_values(args.backend_arg) if args is not None else {}
+    settings["backend_args"] = {**settings.get("backend_args", {}), **flags}
+    for knob in all_knobs:
+        if knob.metadata["cli"] == "shape" and knob.name in settings:
+            settings[knob.name] = config_shape(settings[knob.name], knob.name)
+        if knob.metadata["cli"] == "gpus" and isinstance(settings.get(knob.name), str):
+            settings[knob.name] = [g.strip() for g in settings[knob.name].split(",") if g.strip()]
+    spec = ("inputs", "outputs") if "inputs" in settings else ("input_shape", "output_shape")
+    spec = spec[:1] if settings.get("sampling") else spec  # a sampling engine's outputs: its own
+    missing = [k for k in ("name", "backend", *spec) if k not in settings]
+    if missing and args is None:
+        raise ValueError(f"{where}: missing key(s) {', '.join(missing)}")
+    if missing:
+        raise ValueError("missing " + ", ".join(flag_of(k) for k in missing)
+                         + " (or the key in --config)")
+    return settings

@@ -6,15 +6,18 @@ import sys
 import tomllib
 
 from engine.cli import tooling
-from engine.cli.args import Parser, config_shape, key_values, knob_flag, knobs, metrics_flags
+from engine.cli.args import (
+    SERVE_ONLY_KEYS,
+    Parser,
+    engine_settings,
+    flag_of,
+    key_values,
+    knob_flag,
+    knobs,
+    metrics_flags,
+)
 from engine.errors import EngineError
 from engine.http import auth
-
-# serve's own keys: its flags, and a --config file's top level beside an
-# engine's keys or [engines.NAME] tables
-SERVE_ONLY_KEYS = ("metrics_port", "metrics_host", "metrics_compat", "http_port", "http_host",
-                   "http_workers", "http_timeout_s", "http_max_body_bytes", "http_read_timeout_s",
-                   "http_max_connections", "api_key")
 
 
 def _serve_parser(sub):
@@ -48,6 +51,11 @@ def _serve_parser(sub):
                         "'Authorization: Bearer KEY' (401 otherwise); the flag wins over the "
                         f"{auth.ENV} environment variable, which wins over api_key in --config. "
                         "A flag shows in the process list: prefer the variable")
+    p.add_argument("--model-control", choices=("none", "explicit"),
+                   help="explicit: POST /v2/repository/models/NAME/load (start, or reload with "
+                        "a new config) and /unload (drain, then stop) on --http-port, as "
+                        "Triton's mode of that name; none (the default): the engines are "
+                        "fixed at serve time")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", default="text", help="text, or json: one JSON object per "
                    "line on stderr (ts, level, engine, event, fields), from every process")
@@ -72,7 +80,7 @@ def serve_plan(args):
     tables = settings.pop("engines", None)
     if tables is None:
         openai = settings.pop("openai", None)  # this engine also on the OpenAI API
-        engine = _engine_settings(settings, args, args.config)
+        engine = engine_settings(settings, args, args.config)
         if openai is not None:
             serve["openai"] = {engine["name"]: openai}
         return [engine], serve
@@ -85,7 +93,7 @@ def serve_plan(args):
              if getattr(args, "backend_arg" if k.name == "backend_args" else k.name, None)
              is not None]
     if given:
-        raise ValueError(f"{', '.join(_flag(k) for k in given)}: {where} has [engines.NAME] "
+        raise ValueError(f"{', '.join(flag_of(k) for k in given)}: {where} has [engines.NAME] "
                          f"tables; set each engine's knobs in its table")
     if not isinstance(tables, dict) or not tables or \
             not all(isinstance(t, dict) for t in tables.values()):
@@ -99,14 +107,10 @@ def serve_plan(args):
         table = dict(table)
         if "openai" in table:  # [engines.NAME.openai]: this engine also on the OpenAI API
             openai[name] = table.pop("openai")
-        engines.append(_engine_settings({**table, "name": name}, None, f"{where}: engine {name!r}"))
+        engines.append(engine_settings({**table, "name": name}, None, f"{where}: engine {name!r}"))
     if openai:
         serve["openai"] = openai
     return engines, serve
-
-
-def _flag(key: str) -> str:
-    return "--backend-arg" if key == "backend_args" else "--" + key.replace("_", "-")
 
 
 def serve_settings(args) -> dict:
@@ -117,39 +121,6 @@ def serve_settings(args) -> dict:
         raise ValueError(f"{args.config}: expected one engine, got [engines.NAME] tables of "
                          f"{len(engines)}")
     return {**engines[0], **serve}
-
-
-def _engine_settings(settings: dict, args, where) -> dict:
-    """One engine's settings: its keys (a file's or a table's, at `where`),
-    overridden by the flags in args (None: none)."""
-    all_knobs = knobs()
-    keys = [k.name for k in all_knobs]
-    if where:
-        unknown = sorted(set(settings) - set(keys))
-        if unknown:  # a table holds an engine's keys alone; a one-engine file serve's too
-            expected = keys if args is None else keys + list(SERVE_ONLY_KEYS)
-            raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)}; "
-                             f"expected some of {', '.join(expected)}")
-    for key in keys if args is not None else ():
-        value = getattr(args, key, None)
-        if value is not None and key != "backend_args":
-            settings[key] = value
-    flags = key_values(args.backend_arg) if args is not None else {}
-    settings["backend_args"] = {**settings.get("backend_args", {}), **flags}
-    for knob in all_knobs:
-        if knob.metadata["cli"] == "shape" and knob.name in settings:
-            settings[knob.name] = config_shape(settings[knob.name], knob.name)
-        if knob.metadata["cli"] == "gpus" and isinstance(settings.get(knob.name), str):
-            settings[knob.name] = [g.strip() for g in settings[knob.name].split(",") if g.strip()]
-    spec = ("inputs", "outputs") if "inputs" in settings else ("input_shape", "output_shape")
-    spec = spec[:1] if settings.get("sampling") else spec  # a sampling engine's outputs: its own
-    missing = [k for k in ("name", "backend", *spec) if k not in settings]
-    if missing and args is None:
-        raise ValueError(f"{where}: missing key(s) {', '.join(missing)}")
-    if missing:
-        raise ValueError("missing " + ", ".join(_flag(k) for k in missing)
-                         + " (or the key in --config)")
-    return settings
 
 
 def _api_key_of_environment(args, serve: dict) -> None:

@@ -22,6 +22,7 @@ from typing import Dict, List, Optional
 
 from engine.errors import EngineError
 from engine.segment import remove_if_dead
+from engine.cli import models
 from engine.serving import metrics
 from engine.serving.metrics_compat import parse as metrics_compat_kinds
 from engine.serving.supervisor import Engine
@@ -46,7 +47,7 @@ class Serving:
                  http_read_timeout_s: Optional[float] = None,
                  http_max_connections: Optional[int] = None,
                  openai: Optional[Dict[str, dict]] = None,
-                 api_key: Optional[str] = None) -> None:
+                 api_key: Optional[str] = None, model_control: Optional[str] = None) -> None:
         self.engines: List[Engine] = []
         several = len(engines) > 1  # a single engine's errors read as they always did
         for settings in engines:
@@ -62,7 +63,8 @@ class Serving:
         given = {"--http-host": http_host, "--http-workers": http_workers,
                  "--http-timeout-s": http_timeout_s, "--http-max-body-bytes": http_max_body_bytes,
                  "--http-read-timeout-s": http_read_timeout_s,
-                 "--http-max-connections": http_max_connections, "--api-key": api_key}
+                 "--http-max-connections": http_max_connections, "--api-key": api_key,
+                 "--model-control": model_control if model_control == "explicit" else None}
         if http_port is None:
             if any(v is not None for v in given.values()):
                 raise ValueError(f"{', '.join(k for k, v in given.items() if v is not None)} "
@@ -73,6 +75,13 @@ class Serving:
             from engine.http import auth
             self._api_key = None if api_key is None else auth.checked(api_key)
         self.openai = self._check_openai(openai or {})
+        self.model_control = model_control or "none"
+        if self.model_control not in models.CHOICES:
+            raise ValueError(f"expected --model-control {' or '.join(models.CHOICES)}, got "
+                             f"{model_control!r}")
+        self._settings = engines  # each engine's keys, for --model-control explicit
+        self.collectors: Optional[metrics.Collectors] = None  # /metrics' engines
+        self.repository: Optional[models.Repository] = None
         self._sock = None
         self._workers = None
 
@@ -150,15 +159,19 @@ class Serving:
                         raise StartFailed(f"engine {eng.name!r} did not start: "
                                           f"{type(e).__name__}: {e}") from e
             if self.metrics_port is not None:
+                self.collectors = metrics.Collectors([eng.segment for eng in self.engines])
                 try:
-                    metrics.serve_http([eng.segment for eng in self.engines], self.metrics_port,
-                                       self.metrics_host, self.metrics_compat)
+                    metrics.serve_http(self.collectors, self.metrics_port, self.metrics_host,
+                                       self.metrics_compat)
                 except OSError as e:
                     raise OSError(f"--metrics-port {self.metrics_port}: cannot listen on "
                                   f"{self.metrics_host}:{self.metrics_port} "
                                   f"({e.strerror or e})") from None
                 log.info("metrics on http://%s:%d/metrics", self.metrics_host, self.metrics_port)
             if self._sock is not None:
+                if self.model_control == "explicit":
+                    self.repository = models.Repository(self, self._settings)
+                    self.repository.listen()
                 self._start_http()
         except BaseException:
             self.stop()
@@ -172,7 +185,9 @@ class Serving:
             graceful_s=max(e.options.drain_timeout_s for e in self.engines),
             read_timeout_s=self.http_read_timeout_s, max_connections=self.http_max_connections,
             log_level=logging.getLevelName(log.getEffectiveLevel()), openai=self.openai,
-            api_key=self._api_key)
+            api_key=self._api_key,
+            catalog_fd=None if self.repository is None else self.repository.catalog.fd,
+            control_at=None if self.repository is None else self.repository.address)
         self._workers.start()
         log.info("Open Inference Protocol on %s (%d HTTP worker(s), pids %s%s)", self.http_url,
                  self.http_workers, self._workers.pids,
@@ -208,12 +223,17 @@ class Serving:
 
     def stop(self) -> None:
         """Stops the HTTP workers, then drains every engine at once."""
+        if self.repository is not None:
+            self.repository.close()  # a load in progress ends first
         if self._workers is not None:
             self._workers.stop()
             self._workers = None
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        if self.repository is not None:
+            self.repository.release()
+            self.repository = None
         stoppers = [threading.Thread(target=_stop, args=(eng,), name=f"shmbatch-stop-{eng.name}")
                     for eng in self.engines]  # stop() of one not started returns at once
         for t in stoppers:

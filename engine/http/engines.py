@@ -6,46 +6,113 @@ queue. The Clients attach at the front's start (or at the first request,
 under a server without lifespan events). A protocol's routes see only
 this: an engine's config and Client, whether it is ready, when a refused
 caller should try again, and answers_of() for a request of several rows.
+
+Under `serve --model-control explicit` the engines change while the worker
+runs: serve's catalog (engine.serving.catalog) says which, and refresh(),
+called before each request, reads it when it moved. A Client of an engine
+gone or restarted is closed once the requests it may still answer have had
+their timeout; load and unload travel to serve (control()).
 """
 import asyncio
 import math
-from typing import Dict, List, Optional, Sequence
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from engine.client.client import Client
 from engine.config import EngineConfig
 from engine.errors import EngineError, EngineUnavailable, Overloaded, QueueFull
+from engine.serving import catalog, control
 
 DEFAULT_TIMEOUT_S = 30.0  # a request's, when neither it nor the server sets one
+CONTROL_TIMEOUT_S = 600.0  # a load's bound here; serve bounds it by the engine's timeouts
 
 
 class Engines:
     """configs: {engine: its config}; clients: Clients lent already (else
-    one of each is made at open()). close() closes them all."""
+    one of each is made at open()). close() closes them all. With
+    catalog_fd and control_at (serve's): the engines serve's catalog holds."""
 
     def __init__(self, configs: Dict[str, EngineConfig], timeout_s: float = DEFAULT_TIMEOUT_S,
                  max_body_bytes: Optional[int] = None,
-                 clients: Optional[Dict[str, Client]] = None) -> None:
+                 clients: Optional[Dict[str, Client]] = None,
+                 catalog_fd: Optional[int] = None, control_at: Optional[str] = None) -> None:
         self.configs, self.timeout_s = configs, timeout_s
         # None: each route's limit derived from its engines
         self.max_body_bytes = max_body_bytes
         self.clients: Dict[str, Client] = dict(clients or {})
+        self.control_at = control_at
+        self.catalog = None if catalog_fd is None else catalog.Reader(catalog_fd)
+        self.entries: List[dict] = []  # the catalog's, as last read
+        self._starts: Dict[str, tuple] = {}  # engine -> (its config's JSON, its start)
+        self._retired: List[Tuple[float, Client]] = []  # (when to close it, a Client)
+        self.refresh()
+
+    @property
+    def explicit(self) -> bool:
+        """Whether models are loaded and unloaded while serve runs."""
+        return self.catalog is not None
+
+    def refresh(self) -> None:
+        """The catalog's engines, if it moved since it was last read."""
+        if self.catalog is None or not self.catalog.changed():
+            return
+        entries = self.catalog.read()
+        configs, starts = {}, {}
+        for entry in entries:
+            if entry["config"] is None:
+                continue
+            name, key = entry["name"], (entry["config"], entry["start"])
+            same = self._starts.get(name) == key and name in self.configs
+            configs[name] = self.configs[name] if same else \
+                EngineConfig.from_json(entry["config"].encode())
+            starts[name] = key
+        now = time.monotonic()
+        for name in [n for n in self.clients if configs.get(n) is not self.configs.get(n)]:
+            self._retired.append((now + self.timeout_s, self.clients.pop(name)))
+        for when, client in [r for r in self._retired if r[0] <= now]:
+            client.close()
+        self._retired = [r for r in self._retired if r[0] > now]
+        self.configs, self._starts, self.entries = configs, starts, entries
+
+    def counted(self) -> List[str]:
+        """The engines the server's readiness counts: every one, but one that
+        unloads (it refuses new requests while it drains)."""
+        if self.catalog is None:
+            return list(self.configs)
+        return [e["name"] for e in self.entries if e["name"] in self.configs
+                and e["state"] != "UNLOADING"]
+
+    async def control(self, message: dict) -> dict:
+        """serve's answer to a load or unload (engine.cli.models)."""
+        if self.control_at is None:
+            raise EngineUnavailable("models are fixed at serve time")
+        return await asyncio.to_thread(control.request, "serve", message, CONTROL_TIMEOUT_S,
+                                       self.control_at)
 
     def open(self) -> None:
-        """A Client of each engine (EngineUnavailable if one is not running)."""
+        """A Client of each engine (EngineUnavailable if one is not running;
+        under explicit model control, one that is not is attached later)."""
         for name in self.configs:
             if name not in self.clients:
-                self.clients[name] = Client(name)
+                try:
+                    self.clients[name] = Client(name)
+                except EngineUnavailable:
+                    if not self.explicit:
+                        raise
 
     def close(self) -> None:
         clients, self.clients = self.clients, {}
-        for client in clients.values():
+        retired, self._retired = self._retired, []
+        for client in [*clients.values(), *(c for _, c in retired)]:
             client.close()
+        if self.catalog is not None:
+            self.catalog.close()
+            self.catalog = None
 
     def client(self, name: str) -> Client:
         client = self.clients.get(name)  # per request: one lookup once attached
         if client is None:
-            self.open()
-            client = self.clients[name]
+            client = self.clients[name] = Client(name)
         return client
 
     def ready(self, name: str) -> None:

@@ -37,14 +37,18 @@ class Front:
     """The ASGI app of one HTTP worker for the engines `configs` names;
     openai: {engine: its OpenAI settings} for those that serve /v1/;
     clients: Clients lent already (else one per engine, made at start);
-    api_key: the key every route but the health probes needs (None: none)."""
+    api_key: the key every route but the health probes needs (None: none);
+    catalog_fd, control_at: serve's, under --model-control explicit
+    (engine.http.engines)."""
 
     def __init__(self, configs: Dict[str, EngineConfig], timeout_s: float = DEFAULT_TIMEOUT_S,
                  max_body_bytes: Optional[int] = None, on_ready=None,
                  openai: Optional[Dict[str, dict]] = None,
                  clients: Optional[Dict[str, Client]] = None,
-                 api_key: Optional[str] = None) -> None:
-        self.engines = Engines(configs, timeout_s, max_body_bytes, clients)
+                 api_key: Optional[str] = None, catalog_fd: Optional[int] = None,
+                 control_at: Optional[str] = None) -> None:
+        self.engines = Engines(configs, timeout_s, max_body_bytes, clients, catalog_fd,
+                               control_at)
         self.api_key = None if api_key is None else ApiKey(api_key)
         self.parser = parsing.Parser()  # large bodies, of either protocol
         self.oip = oip_routes.App(self.engines, self.parser)
@@ -76,6 +80,7 @@ class Front:
             why = self.api_key.refusal(scope)
             if why is not None:
                 return await _unauthorized(scope, receive, send, why, app is self.openai)
+        self.engines.refresh()  # explicit model control: the engines serve has now
         if scope["path"] == "/health":
             return await self._health(scope, send)
         token = tracing.continued(scope["headers"])  # the caller's traceparent, when tracing
@@ -92,7 +97,7 @@ class Front:
             if scope["method"] not in ("GET", "HEAD"):
                 raise BadRequest(f"expected GET or HEAD, got {scope['method']}", 405,
                                  ((b"allow", b"GET, HEAD"),))
-            for name in self.engines.configs:
+            for name in self.engines.counted():
                 try:
                     self.engines.ready(name)
                 except EngineError as e:

@@ -40,7 +40,8 @@ def _entry() -> None:
         configs = {name: EngineConfig.from_json(blob) for name, blob in args["configs"].items()}
         app = Front(configs, args["timeout_s"], args["max_body_bytes"],
                     on_ready=lambda: launch.tell_ready(ready), openai=args.get("openai"),
-                    api_key=args.get("api_key"))
+                    api_key=args.get("api_key"), catalog_fd=args.get("catalog_fd"),
+                    control_at=args.get("control_at"))
         guard = connections.Guard(args["read_timeout_s"],
                                   connections.max_connections(args["max_connections"], nofile))
         # uvicorn's own lines at INFO (four per worker start and stop) say what

@@ -21,7 +21,7 @@ import struct
 import threading
 import time
 import weakref
-from typing import Callable
+from typing import Callable, Optional
 
 from engine.errors import EngineUnavailable
 
@@ -77,17 +77,18 @@ def _send(sock: socket.socket, message: dict) -> None:
 
 
 class Server:
-    """Serves handle(request: dict) -> dict on the engine's control socket, one
-    connection at a time, in a daemon thread; close() then join() stop it."""
+    """Serves handle(request: dict) -> dict on the engine's control socket (or
+    on the abstract address `at`), one connection at a time, in a daemon
+    thread; close() then join() stop it."""
 
-    def __init__(self, name: str, handle: Callable[[dict], dict]):
+    def __init__(self, name: str, handle: Callable[[dict], dict], at: Optional[str] = None):
         self.name = name
         self._handle = handle
         self._pid = os.getpid()  # a forked copy has closed its fds: close() and join() skip them
         self._closed = threading.Event()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
-            self._sock.bind(address(name))  # EADDRINUSE: another engine of this name has it
+            self._sock.bind(at or address(name))  # EADDRINUSE: another engine of this name has it
             self._sock.listen(8)
             self._sock.setblocking(False)
         except OSError:
@@ -158,14 +159,14 @@ class Server:
         _send(conn, reply)
 
 
-def request(name: str, message: dict, timeout_s: float) -> dict:
-    """Sends one request to engine `name`'s control socket and returns its
-    answer. EngineUnavailable when no engine of that name listens (here, in
+def request(name: str, message: dict, timeout_s: float, at: Optional[str] = None) -> dict:
+    """Sends one request to engine `name`'s control socket (or to the abstract
+    address `at`, `name` naming its server) and returns its answer. EngineUnavailable when no engine of that name listens (here, in
     this network namespace); TimeoutError when none comes within timeout_s."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
         sock.settimeout(timeout_s)
         try:
-            sock.connect(address(name))
+            sock.connect(at or address(name))
         except (ConnectionRefusedError, FileNotFoundError):
             raise EngineUnavailable(f"no engine named {name!r} answers (none running, or not "
                                     f"in this network namespace)") from None

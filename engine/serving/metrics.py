@@ -283,6 +283,17 @@ class Collectors:
     def __init__(self, segments):
         self.parts = [Collector(segment) for segment in segments]
 
+    # a scrape iterates the list it found: these replace it, never change it
+    def add(self, segment) -> None:
+        self.parts = [*self.parts, Collector(segment)]
+
+    def remove(self, segment) -> None:
+        self.parts = [p for p in self.parts if p.segment is not segment]
+
+    def segments(self) -> list:
+        """The engines' segments now (a scrape's, as it begins)."""
+        return [p.segment for p in self.parts]
+
     def collect(self):
         families = {}
         for part in self.parts:
@@ -295,14 +306,17 @@ class Collectors:
 
 
 def serve_http(segments, port: int, host: str = "127.0.0.1", compat=()):
-    """Serves GET /metrics for these engines' segments (a list, or one), and
-    with compat ("vllm", "triton") their figures under those names too
-    (engine.serving.metrics_compat); returns (server, thread)."""
+    """Serves GET /metrics for these engines' segments (a list, or one, or
+    Collectors, whose engines may change), and with compat ("vllm", "triton")
+    their figures under those names too (engine.serving.metrics_compat);
+    returns (server, thread)."""
     from prometheus_client import CollectorRegistry, start_http_server
-    segments = list(segments) if isinstance(segments, (list, tuple)) else [segments]
     registry = CollectorRegistry()
-    registry.register(Collectors(segments))
+    if not isinstance(segments, Collectors):
+        segments = Collectors(segments if isinstance(segments, (list, tuple)) else [segments])
+    registry.register(segments)
     if compat:
         from engine.serving import metrics_compat
-        return metrics_compat.serve_http(registry, segments, compat, read_stats, port, host)
+        return metrics_compat.serve_http(registry, segments.segments, compat, read_stats, port,
+                                         host)
     return start_http_server(port, addr=host, registry=registry)

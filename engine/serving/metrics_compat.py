@@ -16,7 +16,7 @@ only where the engine has them (generation: an iterative engine's chunks;
 prompt: the real lengths along a one-shot engine's variable dim).
 """
 import math
-from typing import Iterable, List, Sequence, Tuple
+from typing import Callable, Iterable, List, Sequence, Tuple
 
 import numpy as np
 
@@ -204,9 +204,11 @@ def render(segments: Sequence, kinds: Sequence[str], read_stats) -> str:
     return "".join(f.text() for f in families if f.lines)
 
 
-def serve_http(registry, segments: Sequence, kinds: Sequence[str], read_stats, port: int,
-               host: str):
-    """GET /metrics: the registry's families and then these kinds', always in
+def serve_http(registry, segments: Callable[[], Sequence], kinds: Sequence[str], read_stats,
+               port: int, host: str):
+    """GET /metrics: the registry's families and then these kinds' of the
+    engines segments() gives at each scrape (they change as models load and
+    unload), always in
     the text format 0.0.4 (an OpenMetrics answer would add `_total` to
     Triton's counters); returns (server, thread)."""
     import threading
@@ -219,7 +221,7 @@ def serve_http(registry, segments: Sequence, kinds: Sequence[str], read_stats, p
         if environ.get("PATH_INFO") not in ("/metrics", "/"):
             start_response("404 Not Found", [("Content-Type", "text/plain")])
             return [b"expected GET /metrics\n"]
-        body = generate_latest(registry) + render(segments, kinds, read_stats).encode()
+        body = generate_latest(registry) + render(segments(), kinds, read_stats).encode()
         start_response("200 OK", [("Content-Type", "text/plain; version=0.0.4; charset=utf-8"),
                                   ("Content-Length", str(len(body)))])
         return [body]

@@ -3,5 +3,6 @@
 `routes` the protocol's routes over the front's engines; `tensors` tensors
 in JSON and binary (a body's bytes in, a response's out); `request` an
 infer read against its engine, and the body limits derived from it;
-`generate` Triton's generate extension for iterative engines.
+`generate` Triton's generate extension for iterative engines; `repository`
+Triton's model repository extension (index, load, unload).
 """

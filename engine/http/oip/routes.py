@@ -5,7 +5,8 @@ engine is a model of its own name, reached through its worker's Client
 (engine.http.engines). The routes: GET /v2/health/live, /v2/health/ready, /v2, /v2/models/NAME (also
 under /versions/1), .../ready, .../config; POST .../infer, and Triton's
 generate extension, .../generate and .../generate_stream (engine.http.oip.generate);
-POST /v2/repository/index.
+Triton's model repository extension, POST /v2/repository/index and
+.../models/NAME/load and /unload (engine.http.oip.repository).
 
 As Triton does for a model with max_batch_size > 0, a tensor's first dim
 counts requests: an infer of shape [k, *shape] is k engine requests, its
@@ -49,13 +50,13 @@ from engine.http import asgi, body
 from engine.http.asgi import Receive, Scope, Send
 from engine.http.engines import Engines, answers_of
 from engine.http.errors import BadRequest, Disconnected, NotFound, allowed, retry_after, status_of
-from engine.http.oip import generate, request, tensors
+from engine.http.oip import generate, repository, request, tensors
 from engine.http.oip.tensors import datatype_of
 from engine.http.server import parsing
 
 log = logging.getLogger("shmbatch")
 
-VERSION = "1"  # every engine is one model of one version
+VERSION = repository.VERSION
 RESPONSE_INLINE_VALUES = 4096  # a response of more values in JSON is written in a thread
 EXTENSIONS = ("binary_tensor_data", "model_configuration", "model_repository", "generate")
 
@@ -184,7 +185,12 @@ class App:
             return _get(method, self._server_ready)
         if parts == ["repository", "index"]:
             allowed(method, "POST")
-            return _json(self._index())
+            return _json(await repository.index(self.engines, scope, receive))
+        if parts[:2] == ["repository", "models"] and len(parts) == 4 and \
+                parts[3] in ("load", "unload"):
+            allowed(method, "POST")
+            await repository.control(self.engines, parts[2], parts[3], scope, receive)
+            return 200, b"", []
         if len(parts) < 2 or parts[0] != "models":
             raise NotFound(f"no route {path}")
         model, rest = self._model(parts[1]), parts[2:]
@@ -225,9 +231,10 @@ class App:
 
     def _model(self, name: str) -> Model:
         model = self.models.get(name)
-        if model is None:
-            config = self.engines.configs.get(name)
+        config = self.engines.configs.get(name)
+        if model is None or model.config is not config:  # loaded again, or unloaded
             if config is None:
+                self.models.pop(name, None)
                 raise NotFound(f"unknown model {name!r}; this server has "
                                f"{sorted(self.engines.configs)}")
             model = self.models[name] = Model(name, config, self.engines.client(name))
@@ -241,24 +248,13 @@ class App:
         return {"name": "shmbatch", "version": version, "extensions": list(EXTENSIONS)}
 
     def _server_ready(self) -> dict:
-        for name in self.engines.configs:
+        for name in self.engines.counted():
             self.engines.ready(name)
         return {"ready": True}
 
     def _model_ready(self, model: Model) -> dict:
         self.engines.ready(model.name)
         return {"name": model.name, "ready": True}
-
-    def _index(self) -> list:
-        states = []
-        for name in sorted(self.engines.configs):
-            try:
-                self.engines.ready(name)
-                states.append({"name": name, "version": VERSION, "state": "READY"})
-            except EngineUnavailable as e:
-                states.append({"name": name, "version": VERSION, "state": "UNAVAILABLE",
-                               "reason": str(e)})
-        return states
 
     async def _infer(self, model: Model, scope: Scope, receive: Receive) -> Answer:
         arrived = time.monotonic()  # the request's timeout counts from here

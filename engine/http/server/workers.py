@@ -59,13 +59,16 @@ def bind(host: str, port: int) -> socket.socket:
 
 class Workers:
     """`count` worker processes serving the engines `configs` ({name: the
-    config's JSON}) on `sock`."""
+    config's JSON}) on `sock`; with catalog_fd (engine.serving.catalog) and
+    control_at (serve's control address), the engines serve's catalog holds
+    now, loaded and unloaded through serve."""
 
     def __init__(self, sock: socket.socket, count: int, configs: Dict[str, bytes], *,
                  timeout_s: float, max_body_bytes: Optional[int], graceful_s: float,
                  read_timeout_s: float, max_connections: Optional[int] = None,
                  log_level: str = "INFO", openai: Optional[Dict[str, dict]] = None,
-                 api_key: Optional[str] = None) -> None:
+                 api_key: Optional[str] = None, catalog_fd: Optional[int] = None,
+                 control_at: Optional[str] = None) -> None:
         if count < 1:
             raise ValueError(f"http_workers must be >= 1, got {count}")
         self.sock, self.count = sock, count
@@ -73,7 +76,10 @@ class Workers:
         self._args = dict(configs=configs, timeout_s=timeout_s, max_body_bytes=max_body_bytes,
                           graceful_s=max(1, math.ceil(graceful_s)), log_level=log_level.lower(),
                           fd=sock.fileno(), read_timeout_s=read_timeout_s,
-                          max_connections=max_connections, openai=openai, api_key=api_key)
+                          max_connections=max_connections, openai=openai, api_key=api_key,
+                          catalog_fd=catalog_fd, control_at=control_at)
+        # --model-control explicit: the engines' catalog, read by each worker
+        self._fds = (sock.fileno(),) + (() if catalog_fd is None else (catalog_fd,))
         self.procs: List[Optional[launch.Child]] = [None] * count
         # each slot's replacement not ready yet (its readiness pipe, its deadline),
         # when it became ready, no new start before, the next failure's delay
@@ -182,8 +188,7 @@ class Workers:
         self.procs = [None] * self.count
 
     def _launch(self):
-        return launch.launch("engine.http.worker", self._args,
-                             pass_fds=(self.sock.fileno(),))
+        return launch.launch("engine.http.worker", self._args, pass_fds=self._fds)
 
 
 def _await_ready(i: int, proc: launch.Child, reader, timeout_s: float) -> None:
