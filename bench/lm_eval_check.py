@@ -268,6 +268,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     folder = args.out or tempfile.mkdtemp(prefix="lm_eval_check-")
+    os.makedirs(folder, exist_ok=True)
     tok_folder = os.path.join(folder, "tokenizer")
     corpus = write_tasks(folder, args.docs)
     vocab = byte_tokenizer(tok_folder) if args.model == "readme" else \
