@@ -22,20 +22,24 @@ from conftest import shm_entries, unique_name  # noqa: E402
 from test_multi_engine import AFFINE, Served, table, top  # noqa: E402
 
 F32 = np.dtype(np.float32)
+BIG = 1 << 16
 
 
 class Server:
     """One serve, 2 HTTP workers: `single` y = 2x + 1 on float32[16], `named` the
-    mixed engine (x float32[4], n int64[2] -> s float32, t int64[2], flag bool)."""
+    mixed engine (x float32[4], n int64[2] -> s float32, t int64[2], flag bool),
+    `big` y = 2x + 1 on float32[65536] (256 KiB a request)."""
 
     def __init__(self, folder):
-        self.names = {tag: unique_name(f"sysshm-{tag}") for tag in ("single", "named")}
+        self.names = {tag: unique_name(f"sysshm-{tag}") for tag in ("single", "named", "big")}
         self.serve = Served(
             folder, top(http_workers=2)
             + table(self.names["single"], **AFFINE, max_batch_size=8)
             + table(self.names["named"], backend="serve_backends:mixed",
                     inputs={"x": ["float32", [4]], "n": ["int64", [2]]},
-                    outputs={"s": ["float32", []], "t": ["int64", [2]], "flag": ["bool", []]}),
+                    outputs={"s": ["float32", []], "t": ["int64", [2]], "flag": ["bool", []]})
+            + table(self.names["big"], backend="helpers:affine", input_shape=[BIG],
+                    output_shape=[BIG], queue_capacity=8, max_batch_size=8),
             "--http-port", "0")
         self.url = self.serve.url
         self.host, self.port = self.url.rsplit(":", 1)
@@ -169,6 +173,20 @@ def test_named_tensors_mix_regions_with_body_data_each_answer_its_own(server):
             "shared_memory_offset": 96}
         assert np.array_equal(result.as_numpy("s"), x.sum(axis=1))
         assert np.array_equal(result.as_numpy("flag"), x.sum(axis=1) > 0)
+    c.close()
+
+
+def test_regions_past_a_mebibyte_are_copied_off_the_loop_and_answer_the_same(server):
+    x = np.random.default_rng(7).standard_normal((5, BIG)).astype(np.float32)  # 1.25 MiB
+    c = triton.InferenceServerClient(server.url)
+    with region(x.nbytes, "big-in", c) as (_, ih), region(x.nbytes, "big-out", c) as (_, oh):
+        shm.set_shared_memory_region(ih, [x])
+        i = triton.InferInput("INPUT", list(x.shape), "FP32")
+        i.set_shared_memory("big-in", x.nbytes)
+        o = triton.InferRequestedOutput("OUTPUT")
+        o.set_shared_memory("big-out", x.nbytes)
+        c.infer(server.names["big"], [i], outputs=[o])
+        assert np.array_equal(shm.get_contents_as_numpy(oh, F32, list(x.shape)), x * 2 + 1)
     c.close()
 
 
