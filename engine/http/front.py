@@ -39,19 +39,21 @@ class Front:
     clients: Clients lent already (else one per engine, made at start);
     api_key: the key every route but the health probes needs (None: none);
     catalog_fd, control_at: serve's, under --model-control explicit
-    (engine.http.engines)."""
+    (engine.http.engines); regions_fd: the file of the shared-memory regions
+    every worker of a serve shares (engine.http.oip.regions; None: this
+    front's own)."""
 
     def __init__(self, configs: Dict[str, EngineConfig], timeout_s: float = DEFAULT_TIMEOUT_S,
                  max_body_bytes: Optional[int] = None, on_ready=None,
                  openai: Optional[Dict[str, dict]] = None,
                  clients: Optional[Dict[str, Client]] = None,
                  api_key: Optional[str] = None, catalog_fd: Optional[int] = None,
-                 control_at: Optional[str] = None) -> None:
+                 control_at: Optional[str] = None, regions_fd: Optional[int] = None) -> None:
         self.engines = Engines(configs, timeout_s, max_body_bytes, clients, catalog_fd,
                                control_at)
         self.api_key = None if api_key is None else ApiKey(api_key)
         self.parser = parsing.Parser()  # large bodies, of either protocol
-        self.oip = oip_routes.App(self.engines, self.parser)
+        self.oip = oip_routes.App(self.engines, self.parser, regions_fd)
         # the tokenizers load here: a factory that fails fails the worker's start
         self.openai = openai_routes.App(self.engines, openai, self.parser) if openai else None
         self.on_ready = on_ready
@@ -64,6 +66,7 @@ class Front:
     def close(self) -> None:
         self.engines.close()
         self.parser.close()
+        self.oip.close()
         if self.openai is not None:
             self.openai.close()
 

@@ -41,7 +41,7 @@ def _entry() -> None:
         app = Front(configs, args["timeout_s"], args["max_body_bytes"],
                     on_ready=lambda: launch.tell_ready(ready), openai=args.get("openai"),
                     api_key=args.get("api_key"), catalog_fd=args.get("catalog_fd"),
-                    control_at=args.get("control_at"))
+                    control_at=args.get("control_at"), regions_fd=args.get("regions_fd"))
         guard = connections.Guard(args["read_timeout_s"],
                                   connections.max_connections(args["max_connections"], nofile))
         # uvicorn's own lines at INFO (four per worker start and stop) say what

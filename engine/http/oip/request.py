@@ -26,7 +26,7 @@ The generate extension takes one request: its limit is that of one.
 import collections
 import functools
 import math
-from typing import List, NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 
@@ -34,7 +34,7 @@ from engine.config import EngineConfig
 from engine.http.body import HEADER_BYTES, MAX_JSON_BYTES
 from engine.http.errors import BadRequest
 from engine.http.oip import tensors
-from engine.http.oip.tensors import Declared
+from engine.http.oip.tensors import Declared, ShmRef
 from engine.http.values import datatype_of, json_text
 
 JSON_BYTES_PER_VALUE = 32
@@ -69,11 +69,21 @@ class Spec(NamedTuple):
 
 class Parsed(NamedTuple):
     k: int  # requests: every input's first dim
-    arrays: List[np.ndarray]  # [k, *shape] per input, in the engine's order
-    wanted: List[Tuple[int, str, bool]]  # (output index, name, binary) of each output asked
+    # [k, *shape] per input, in the engine's order; None for one in a region (`regions`)
+    arrays: List[Optional[np.ndarray]]
+    # (output index, name, how) of each output asked: how is binary (a bool), or the
+    # shared-memory region it goes to
+    wanted: List[Tuple[int, str, Union[bool, ShmRef]]]
     timeout_s: float
     priority: int  # the engine's level
     request_id: Optional[str]
+    # (index in arrays, datatype, shape, region) of each input given in a region
+    regions: Tuple[Tuple[int, str, Tuple[int, ...], ShmRef], ...] = ()
+
+    @property
+    def shared_memory(self) -> bool:
+        """Whether an input or an output is in a shared-memory region."""
+        return bool(self.regions) or any(isinstance(how, ShmRef) for _, _, how in self.wanted)
 
 
 def spec_of(name: str, config: EngineConfig) -> Spec:
@@ -122,11 +132,14 @@ def parse_infer(body: bytes, header_length: Optional[str], spec: Spec,
     outputs = wanted(spec, request, binary_default)
     read = tensors.read_inputs(request, binary, functools.partial(check, spec))
     if len(read) == 1:  # the common case: one input (check made it the engine's)
-        arrays = [read[0].array]
+        ordered = read
     else:
-        given = {t.name: t.array for t in read}
-        arrays = [given[i.name] for i in spec.inputs]
-    return Parsed(arrays[0].shape[0], arrays, outputs, timeout_s, priority, tensors.request_id(request))
+        given = {t.name: t for t in read}
+        ordered = [given[i.name] for i in spec.inputs]
+    regions = tuple((i, t.datatype, t.shape, t.region) for i, t in enumerate(ordered)
+                    if t.region is not None)
+    return Parsed(read[0].shape[0], [t.array for t in ordered], outputs, timeout_s, priority,
+                  tensors.request_id(request), regions)
 
 
 def check(spec: Spec, declared: List[Declared]) -> None:
@@ -162,8 +175,10 @@ def check(spec: Spec, declared: List[Declared]) -> None:
                          f"queue_capacity) in one infer, got {k}")
 
 
-def wanted(spec: Spec, request: dict, binary_default: bool) -> List[Tuple[int, str, bool]]:
-    """(output index, protocol name, binary) of each output asked for, each once."""
+def wanted(spec: Spec, request: dict,
+           binary_default: bool) -> List[Tuple[int, str, Union[bool, ShmRef]]]:
+    """(output index, protocol name, binary or the region it goes to) of each
+    output asked for, each once."""
     index = {name: i for i, name in enumerate(spec.outputs)}
     asked = request.get("outputs")
     if asked is None:
@@ -171,18 +186,20 @@ def wanted(spec: Spec, request: dict, binary_default: bool) -> List[Tuple[int, s
     if not isinstance(asked, list):
         raise BadRequest(f"\"outputs\": expected a list of {{\"name\"}} objects, got "
                          f"{json_text(asked)}")
-    out = []
+    out: List[Tuple[int, str, Union[bool, ShmRef]]] = []
     for obj in asked:
         name = obj.get("name") if isinstance(obj, dict) else None
         if not isinstance(name, str) or name not in index:
             raise BadRequest(f"model {spec.name!r}: expected outputs among "
                              f"{list(index)}, got {json_text(name or obj)}")
-        params = tensors.parameters(obj, f"output {name!r}", ("binary_data",))
+        params = tensors.parameters(obj, f"output {name!r}",
+                                    ("binary_data",) + tensors.SHM_PARAMETERS)
         binary = params.get("binary_data", binary_default)
         if not isinstance(binary, bool):
             raise BadRequest(f"output {name!r}: binary_data: expected true or false, got "
                              f"{json_text(binary)}")
-        out.append((index[name], name, binary))
+        ref = tensors.shm_ref(params, f"output {name!r}")
+        out.append((index[name], name, binary if ref is None else ref))
     _once("output", [name for _, name, _ in out])
     return out
 

@@ -7,6 +7,9 @@ under /versions/1), .../ready, .../config; POST .../infer, and Triton's
 generate extension, .../generate and .../generate_stream (engine.http.oip.generate);
 Triton's model repository extension, POST /v2/repository/index and
 .../models/NAME/load and /unload (engine.http.oip.repository).
+Triton's system shared-memory extension under /v2/systemsharedmemory/
+(engine.http.oip.sysshm: an infer's inputs read from and outputs written to
+registered regions).
 
 As Triton does for a model with max_batch_size > 0, a tensor's first dim
 counts requests: an infer of shape [k, *shape] is k engine requests, its
@@ -50,7 +53,8 @@ from engine.http import asgi, body
 from engine.http.asgi import Receive, Scope, Send
 from engine.http.engines import Engines, answers_of
 from engine.http.errors import BadRequest, Disconnected, NotFound, allowed, retry_after, status_of
-from engine.http.oip import generate, repository, request, tensors
+from engine.http.oip import generate, repository, request, sysshm, tensors
+from engine.http.oip.regions import Regions
 from engine.http.oip.tensors import datatype_of
 from engine.http.server import parsing
 
@@ -58,7 +62,8 @@ log = logging.getLogger("shmbatch")
 
 VERSION = repository.VERSION
 RESPONSE_INLINE_VALUES = 4096  # a response of more values in JSON is written in a thread
-EXTENSIONS = ("binary_tensor_data", "model_configuration", "model_repository", "generate")
+EXTENSIONS = ("binary_tensor_data", "model_configuration", "model_repository", "generate",
+              "system_shared_memory")
 
 # a route's answer: status, body, headers
 Answer = Tuple[int, bytes, List[Tuple[bytes, bytes]]]
@@ -135,11 +140,17 @@ class Model:
 
 class App:
     """The protocol's routes over `engines`, as an ASGI app (the front
-    handles the lifespan)."""
+    handles the lifespan); regions_fd: the table of shared-memory regions
+    every worker of a serve shares (None: this app's own)."""
 
-    def __init__(self, engines: Engines, parser: parsing.Parser) -> None:
+    def __init__(self, engines: Engines, parser: parsing.Parser,
+                 regions_fd: Optional[int] = None) -> None:
         self.engines, self.parser = engines, parser
         self.models: Dict[str, Model] = {}
+        self.regions = Regions(regions_fd, lambda: list(engines.configs))
+
+    def close(self) -> None:
+        self.regions.close()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers: List[Tuple[bytes, bytes]] = []
@@ -191,6 +202,9 @@ class App:
             allowed(method, "POST")
             await repository.control(self.engines, parts[2], parts[3], scope, receive)
             return 200, b"", []
+        if parts[0] == "systemsharedmemory":
+            answer = await sysshm.route(self.regions, parts[1:], method, scope, receive)
+            return (200, b"", []) if answer is None else _json(answer)
         if len(parts) < 2 or parts[0] != "models":
             raise NotFound(f"no route {path}")
         model, rest = self._model(parts[1]), parts[2:]
@@ -268,17 +282,22 @@ class App:
         parsed = await self.parser.parse(_size(raw, header_length), request.parse_infer, raw,
                                          header_length, model.spec, engines.timeout_s)
         del raw
+        arrays = parsed.arrays
+        if parsed.shared_memory:
+            arrays = await sysshm.read_inputs(self.regions, model, parsed)
         left_s = parsed.timeout_s - (time.monotonic() - arrived)
         if left_s <= 0:
             raise RequestTimeout(f"expected an answer within {parsed.timeout_s:g} s of the "
                                  f"request's arrival, got none: its body took that long to "
                                  f"come and be read (nothing was enqueued)")
         try:
-            answers = await model.infer(parsed.arrays, parsed.k, left_s, parsed.priority)
+            answers = await model.infer(arrays, parsed.k, left_s, parsed.priority)
         except QueueFull as e:
             e.retry_after_s = engines.retry_after_s(model.name, e, parsed.priority)  # type: ignore
             raise
         outputs = [(name, answers[i], b) for i, name, b in parsed.wanted]
+        if parsed.shared_memory:
+            outputs = await sysshm.write_outputs(self.regions, outputs)
         if sum(a.size for _, a, b in outputs if not b) > RESPONSE_INLINE_VALUES:
             out, json_length = await asyncio.to_thread(
                 tensors.response, model.name, parsed.request_id, outputs)

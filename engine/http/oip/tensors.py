@@ -13,7 +13,10 @@ a declared size can refuse a body, never make one. A bad body is BadRequest,
 whose message names what was expected and what came; matching the tensors
 to an engine's is engine.http.oip.request's (read_inputs takes its check,
 which sees every tensor's declared name, datatype and shape before any
-tensor's data is converted).
+tensor's data is converted). A tensor whose parameters name a system
+shared-memory region (Triton's extension) is read here as that reference
+alone (ShmRef, its size checked against the tensor's); the region itself is
+engine.http.oip.sysshm's to read or write, in the worker that holds it.
 """
 import json
 import math
@@ -31,13 +34,50 @@ MAX_TIMEOUT_US = 7 * 24 * 3600 * 10**6
 # a request's `id`, echoed in its answer (in each event of a stream): bounded, so
 # that an answer never costs more than its own data
 MAX_ID_CHARS = 256
+# the parameters of Triton's shared-memory extension, on an input or a requested output
+SHM_PARAMETERS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
+MAX_REGION_CHARS = 128  # a region's name (engine.http.oip.regions checks its characters)
+MAX_SHM_BYTES = (1 << 63) - 1  # an offset or size past an int64 is no file's
 
 
 class Tensor(NamedTuple):
     name: str
     datatype: str
     shape: Tuple[int, ...]
-    array: np.ndarray  # of that shape; a read-only view of the body for binary data
+    array: Optional[np.ndarray]  # of that shape (a view of the body for binary data);
+    region: Optional["ShmRef"] = None  # None, or where the data is instead of an array
+
+
+class ShmRef(NamedTuple):
+    """A tensor's bytes in a registered system shared-memory region."""
+    region: str
+    offset: int  # in the region
+    byte_size: int
+
+
+def shm_ref(params: dict, where: str) -> Optional[ShmRef]:
+    """The shared-memory region a tensor's parameters name, or None when they
+    name none; region and byte size come together, the offset is optional."""
+    region = params.get("shared_memory_region")
+    size = params.get("shared_memory_byte_size")
+    offset = params.get("shared_memory_offset", 0)
+    if region is None and size is None:
+        if "shared_memory_offset" in params:
+            raise BadRequest(f"{where}: expected shared_memory_region and "
+                             f"shared_memory_byte_size with shared_memory_offset, got neither")
+        return None
+    if region is None or size is None:
+        missing = "shared_memory_region" if region is None else "shared_memory_byte_size"
+        raise BadRequest(f"{where}: expected shared_memory_region and shared_memory_byte_size "
+                         f"together, got no {missing}")
+    if not isinstance(region, str) or not 1 <= len(region) <= MAX_REGION_CHARS:
+        raise BadRequest(f"{where}: shared_memory_region: expected a region's name of 1.."
+                         f"{MAX_REGION_CHARS} characters, got {json_text(region)}")
+    for key, value in (("shared_memory_byte_size", size), ("shared_memory_offset", offset)):
+        if type(value) is not int or not 0 <= value <= MAX_SHM_BYTES:
+            raise BadRequest(f"{where}: {key}: expected a byte count >= 0, got "
+                             f"{json_text(value)}")
+    return ShmRef(region, offset, size)
 
 
 def split(body: bytes, header_length: Optional[str]) -> Tuple[dict, memoryview]:
@@ -123,22 +163,36 @@ def read_inputs(request: dict, binary: memoryview,
     if not isinstance(inputs, list) or not inputs:
         raise BadRequest(f"\"inputs\": expected a non-empty list of tensors, got "
                          f"{json_text(inputs)}")
-    declared, sizes = [], []
+    declared: List[Declared] = []
+    sizes: list = []  # each input's binary_data_size, ShmRef, or None (its "data")
     for i, obj in enumerate(inputs):
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             raise BadRequest(f"inputs[{i}]: expected a tensor {{\"name\", \"datatype\", "
                              f"\"shape\", \"data\"}}, got {json_text(obj)}")
         name = obj["name"]
         declared.append(Declared(name, _datatype(obj, name), _shape(obj, name)))
-        size = parameters(obj, f"input {name!r}", ("binary_data_size",)).get("binary_data_size")
-        if (size is None) == ("data" not in obj):
-            raise BadRequest(f"input {name!r}: expected \"data\" or a binary_data_size "
-                             f"parameter, got {'neither' if size is None else 'both'}")
-        sizes.append(size)
+        params = parameters(obj, f"input {name!r}", ("binary_data_size",) + SHM_PARAMETERS)
+        size = params.get("binary_data_size")
+        ref = shm_ref(params, f"input {name!r}")
+        given = [what for what, there in (('"data"', "data" in obj),
+                                          ("binary_data_size", size is not None),
+                                          ("shared_memory_region", ref is not None)) if there]
+        if len(given) != 1:
+            raise BadRequest(f"input {name!r}: expected one of \"data\", a binary_data_size "
+                             f"or a shared_memory_region parameter, got "
+                             f"{' and '.join(given) or 'none'}")
+        sizes.append(ref or size)
     if check is not None:
         check(declared)
     tensors, offset = [], 0
     for (name, datatype, shape), obj, size in zip(declared, inputs, sizes):
+        if isinstance(size, ShmRef):
+            want = math.prod(shape) * NUMPY[datatype].itemsize
+            if size.byte_size != want:
+                raise BadRequest(f"input {name!r}: shared_memory_byte_size: expected {want} "
+                                 f"bytes ({datatype}{list(shape)}), got {size.byte_size}")
+            tensors.append(Tensor(name, datatype, shape, None, size))
+            continue
         if size is None:
             array = from_json(obj["data"], datatype, shape, name)
         else:
@@ -185,11 +239,14 @@ def _from_binary(binary: memoryview, offset: int, size, datatype: str, shape, na
 
 def response(model: str, request_id, outputs, version: str = "1") -> Tuple[bytes, Optional[int]]:
     """(body, JSON length or None) of an infer response: outputs are
-    (name, array, binary) in order, binary ones after the JSON."""
+    (name, array, how) in order, how True for binary data (after the JSON),
+    False for JSON, or the parameters of a region it was written to (no data)."""
     tensors, buffers = [], []
     for name, array, binary in outputs:
         tensor = {"name": name, "datatype": datatype_of(array.dtype), "shape": list(array.shape)}
-        if binary:
+        if isinstance(binary, dict):
+            tensor["parameters"] = binary
+        elif binary:
             raw = np.ascontiguousarray(array, array.dtype.newbyteorder("<")).tobytes()
             tensor["parameters"] = {"binary_data_size": len(raw)}
             buffers.append(raw)

@@ -7,7 +7,10 @@ uvicorn on that socket with the front and one Client per engine
 (engine.http.worker, each worker's entry): the kernel hands each
 connection to one worker, and the requests of every worker batch together
 in the engines' queues. Its arguments (the API key among them) travel on
-its stdin, never on its command line. A worker is ready once
+its stdin, never on its command line. Every worker also inherits one small
+anonymous file (a memfd, made here, gone with the last process holding
+it) where the protocol keeps what must hold across workers: the system
+shared-memory regions registered (engine.http.oip.regions). A worker is ready once
 its Clients attached; it dies with serve (parent-death signal). serve's
 loop calls watch() every second, which never waits: a worker that died is
 replaced at once, and one that fails to start (or dies within STABLE_S of
@@ -20,6 +23,7 @@ cap (engine.http.server.connections).
 """
 import logging
 import math
+import os
 import signal
 import socket
 import subprocess
@@ -73,13 +77,16 @@ class Workers:
             raise ValueError(f"http_workers must be >= 1, got {count}")
         self.sock, self.count = sock, count
         self.graceful_s = graceful_s
+        shared = os.memfd_create("shmbatch-http-shared", os.MFD_CLOEXEC)
+        self.shared_fd: Optional[int] = shared
         self._args = dict(configs=configs, timeout_s=timeout_s, max_body_bytes=max_body_bytes,
                           graceful_s=max(1, math.ceil(graceful_s)), log_level=log_level.lower(),
                           fd=sock.fileno(), read_timeout_s=read_timeout_s,
                           max_connections=max_connections, openai=openai, api_key=api_key,
-                          catalog_fd=catalog_fd, control_at=control_at)
+                          catalog_fd=catalog_fd, control_at=control_at,
+                          regions_fd=shared)
         # --model-control explicit: the engines' catalog, read by each worker
-        self._fds = (sock.fileno(),) + (() if catalog_fd is None else (catalog_fd,))
+        self._fds = (sock.fileno(), shared) + (() if catalog_fd is None else (catalog_fd,))
         self.procs: List[Optional[launch.Child]] = [None] * count
         # each slot's replacement not ready yet (its readiness pipe, its deadline),
         # when it became ready, no new start before, the next failure's delay
@@ -186,8 +193,12 @@ class Workers:
                 proc.wait(10)
             proc.close()
         self.procs = [None] * self.count
+        if self.shared_fd is not None:
+            os.close(self.shared_fd)
+            self.shared_fd = None
 
     def _launch(self):
+        assert self.shared_fd is not None  # no worker starts after stop()
         return launch.launch("engine.http.worker", self._args, pass_fds=self._fds)
 
 
