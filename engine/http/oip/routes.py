@@ -7,6 +7,8 @@ under /versions/1), .../ready, .../config; POST .../infer, and Triton's
 generate extension, .../generate and .../generate_stream (engine.http.oip.generate);
 Triton's model repository extension, POST /v2/repository/index and
 .../models/NAME/load and /unload (engine.http.oip.repository).
+Triton's statistics extension, GET .../stats and /v2/models/stats
+(engine.http.oip.stats).
 
 As Triton does for a model with max_batch_size > 0, a tensor's first dim
 counts requests: an infer of shape [k, *shape] is k engine requests, its
@@ -50,7 +52,7 @@ from engine.http import asgi, body
 from engine.http.asgi import Receive, Scope, Send
 from engine.http.engines import Engines, answers_of
 from engine.http.errors import BadRequest, Disconnected, NotFound, allowed, retry_after, status_of
-from engine.http.oip import generate, repository, request, tensors
+from engine.http.oip import generate, repository, request, stats, tensors
 from engine.http.oip.tensors import datatype_of
 from engine.http.server import parsing
 
@@ -58,7 +60,8 @@ log = logging.getLogger("shmbatch")
 
 VERSION = repository.VERSION
 RESPONSE_INLINE_VALUES = 4096  # a response of more values in JSON is written in a thread
-EXTENSIONS = ("binary_tensor_data", "model_configuration", "model_repository", "generate")
+EXTENSIONS = ("binary_tensor_data", "model_configuration", "model_repository", "generate",
+              "statistics")
 
 # a route's answer: status, body, headers
 Answer = Tuple[int, bytes, List[Tuple[bytes, bytes]]]
@@ -193,6 +196,8 @@ class App:
             return 200, b"", []
         if len(parts) < 2 or parts[0] != "models":
             raise NotFound(f"no route {path}")
+        if parts == ["models", "stats"]:  # every engine's (as Triton, before a model's route)
+            return _get(method, self._all_stats)
         model, rest = self._model(parts[1]), parts[2:]
         try:
             return await self._model_route(model, rest, method, scope, receive, send)
@@ -215,6 +220,9 @@ class App:
             return _get(method, lambda: self._model_ready(model))
         if rest == ["config"]:
             return _get(method, model.triton_config)
+        if rest == ["stats"]:
+            return _get(method, lambda: {"model_stats": [
+                stats.model_stat(model.name, VERSION, self.engines.segment(model.name))]})
         if rest == ["infer"]:
             allowed(method, "POST")
             return await self._infer(model, scope, receive)
@@ -255,6 +263,17 @@ class App:
     def _model_ready(self, model: Model) -> dict:
         self.engines.ready(model.name)
         return {"name": model.name, "ready": True}
+
+    def _all_stats(self) -> dict:
+        """Every running engine's statistics, by name (one that does not run
+        has none to show, as Triton shows only the models it has loaded)."""
+        found = []
+        for name in sorted(self.engines.configs):
+            try:
+                found.append(stats.model_stat(name, VERSION, self.engines.segment(name)))
+            except EngineUnavailable:
+                continue
+        return {"model_stats": found}
 
     async def _infer(self, model: Model, scope: Scope, receive: Receive) -> Answer:
         arrived = time.monotonic()  # the request's timeout counts from here
