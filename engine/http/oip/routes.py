@@ -243,8 +243,8 @@ class App:
         if model is None or model.config is not config:  # loaded again, or unloaded
             if config is None:
                 self.models.pop(name, None)
-                raise NotFound(f"unknown model {name!r}; this server has "
-                               f"{sorted(self.engines.configs)}")
+                raise NotFound(f"Request for unknown model: {name!r} is not found; this "
+                               f"server has {sorted(self.engines.configs)}")
             model = self.models[name] = Model(name, config, self.engines.client(name))
         return model
 
