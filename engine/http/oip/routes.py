@@ -153,7 +153,7 @@ class App:
             status, out, headers = answered
         except Disconnected:
             return
-        except body.TooLarge as e:  # answered, then the rest of its body read and dropped
+        except body.Refused as e:  # answered, then the rest of its body read and dropped
             return await body.refuse(scope, receive, send, _error(str(e)), e)
         except BadRequest as e:
             status, out, headers = e.status, _error(str(e)), list(e.headers)
