@@ -39,7 +39,7 @@
  *          |16400 stream_sum[2], stream_max[2], e2e_sum, e2e_max (ns)|
  *          |16448 active[32] u64: each batcher's running batch size    |
  *          |16896 stream_hist[2][128] u64: SB_H_TTFT, SB_H_CHUNK       |
- *          |18944 e2e_hist[128] u64: arrival to end (SB_H_E2E)         |
+ *          |18944 e2e_hist[128]; 19968 batch_ns[63], last_done_ns u64  |
  *  20480   +-----------------------------------------------------------+
  *          | ctl[C]      u64 per slot: each slot's one control word    |
  *          +------------------------------------------- 64-aligned ----+

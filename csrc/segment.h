@@ -29,6 +29,8 @@
 #define SB_MAGIC 0x48435441424d4853ull /* "SHMBATCH" as little-endian bytes */
 
 #define SB_WAITING_BIT 0x10ull
+#define SB_BATCH_NS_SIZES 63
+#define SB_OFF_BATCH_FIGURES 19968
 #define SB_CTL(gen, pid, batcher, state)                                       \
 	(((uint64_t)(gen) << 32) | ((uint64_t)(pid) << SB_PID_SHIFT) |         \
 	 ((uint64_t)(batcher) << SB_BATCHER_SHIFT) | (uint64_t)(state))
@@ -79,7 +81,12 @@ typedef struct {
 	uint64_t _pad9[(16896 - 16704) / 8];
 	uint64_t stream_hist[2][SB_HIST_BUCKETS]; /* time to first chunk, between chunks */
 	uint64_t e2e_hist[SB_HIST_BUCKETS]; /* a request's arrival to its end */
-	uint64_t _pad10[(SB_HEADER_BYTES - 19968) / 8];
+	/* for Triton's statistics: service ns summed by batch size (sizes from
+	 * SB_BATCH_NS_SIZES - 1 on in the last), and when the latest batch (or
+	 * step) ended. Beside ring.h's figures, which is at its cap: Python reads
+	 * them at SB_OFF_BATCH_FIGURES (engine/shm/codes.py). */
+	uint64_t batch_ns[SB_BATCH_NS_SIZES];
+	uint64_t last_done_ns;
 } sb_header;
 
 /* An iterative engine's slot: how many of its chunks are written. chunks
@@ -139,6 +146,9 @@ _Static_assert(offsetof(sb_header, words2) == 7040, "layout drawing");
 _Static_assert(offsetof(sb_header, off_stream) == 96, "layout drawing");
 _Static_assert(offsetof(sb_header, steps) == 112, "layout drawing");
 _Static_assert(offsetof(sb_header, level_hist) == 8192, "layout drawing");
+_Static_assert(offsetof(sb_header, batch_ns) == SB_OFF_BATCH_FIGURES, "layout drawing");
+_Static_assert(offsetof(sb_header, last_done_ns) == SB_OFF_BATCH_FIGURES + 8 * SB_BATCH_NS_SIZES,
+	       "layout drawing");
 _Static_assert(offsetof(sb_header, steps_total) == 16384, "layout drawing");
 _Static_assert(offsetof(sb_header, active) == 16448, "layout drawing");
 _Static_assert(offsetof(sb_header, stream_hist) == 16896, "layout drawing");

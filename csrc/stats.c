@@ -140,13 +140,16 @@ static inline void record_waits(sb_ring *r, const uint32_t *slots, uint32_t n,
 		sb_add_relaxed(word_at(r, SB_W_SERVED_NS), served);
 }
 
-/* A backend call's figures: n requests in service_ns; the fit's, with fit */
-static inline int record_call(sb_ring *r, uint32_t n, uint64_t service, uint64_t worst,
-			      uint64_t total_wait, int which, sb_fit *fit)
+/* A backend call's figures: n requests in service_ns, ended at done_ns; the
+ * fit's, with fit */
+static inline int record_call(sb_ring *r, uint32_t n, uint64_t service, uint64_t done_ns,
+			      uint64_t worst, uint64_t total_wait, int which, sb_fit *fit)
 {
 	sb_header *h = hdr(r);
 	sb_add_relaxed(&h->hist[SB_H_SERVICE][bucket_of(service)], 1);
 	sb_add_relaxed(&h->hist[SB_H_BATCH_SIZE][n < SB_HIST_BUCKETS ? n : SB_HIST_BUCKETS - 1], 1);
+	sb_add_relaxed(&h->batch_ns[n < SB_BATCH_NS_SIZES ? n : SB_BATCH_NS_SIZES - 1], service);
+	record_max(&h->last_done_ns, done_ns);
 	record_max(&h->words[SB_W_QUEUE_WAIT_MAX_NS], worst);
 	record_max(&h->words[SB_W_SERVICE_MAX_NS], service);
 	sb_add_relaxed(&h->words[SB_W_QUEUE_WAIT_SUM_NS], total_wait);
@@ -171,7 +174,7 @@ int sb_finish_batch(sb_ring *r, const uint32_t *slots, uint32_t n,
 	uint64_t worst = 0, total_wait = 0;
 	record_waits(r, slots, n, claim_ns, done_ns, 1, &worst, &total_wait);
 	uint64_t service = done_ns > claim_ns ? done_ns - claim_ns : 0;
-	return record_call(r, n, service, worst, total_wait,
+	return record_call(r, n, service, done_ns, worst, total_wait,
 			   zero_copy ? SB_W_ZERO_COPY : SB_W_GATHERED, fit);
 }
 
@@ -184,7 +187,7 @@ int sb_finish_step(sb_ring *r, const uint32_t *joined, uint32_t k, uint32_t acti
 	uint64_t service = done_ns > start_ns ? done_ns - start_ns : 0;
 	/* each running request spent the step in the backend */
 	sb_add_relaxed(word_at(r, SB_W_SERVED_NS), (uint64_t)active * service);
-	return record_call(r, active, service, worst, total_wait, -1, fit);
+	return record_call(r, active, service, done_ns, worst, total_wait, -1, fit);
 }
 
 void sb_set_active(sb_ring *r, uint32_t batcher, uint32_t active, uint32_t room_steps)

@@ -311,7 +311,8 @@ BAD = [
     ("a JSON length past the body", "single", body(single()),
      {"Inference-Header-Content-Length": str(1 << 40)}, 400,
      "Inference-Header-Content-Length: expected a byte count in 0.."),
-    ("an unknown model", None, body(single()), {}, 404, "unknown model 'no-such-model'"),
+    ("an unknown model", None, body(single()), {}, 404,
+     "Request for unknown model: 'no-such-model' is not found"),
     ("an unknown output", "single", body(single(), outputs=[{"name": "NOPE"}]), {}, 400,
      "expected outputs among ['OUTPUT'], got \"NOPE\""),
     ("a missing input", "named", body(
@@ -323,8 +324,6 @@ BAD = [
      "input 'n': expected 2 requests in its first dim, as input 'x' has, got 3"),
     ("more requests than the queue holds", "single", body(single(shape=(65, 16))), {}, 400,
      "expected at most 64 requests (the engine's queue_capacity) in one infer, got 65"),
-    ("an unsupported parameter", "single", body(single(), parameters={"sequence_id": 7}), {},
-     400, "request parameters: unsupported 'sequence_id'"),
     ("a negative timeout", "single", body(single(), parameters={"timeout": -1}), {}, 400,
      "timeout: expected microseconds >= 0"),
 ]

@@ -13,7 +13,7 @@ each other:
 
 `asgi` the ASGI types, named once, and a whole response; `errors` what is
 refused and each engine error's status; `body` a body under its limit and
-the 413; `values` JSON values as an engine's arrays, and as a refusal
+the 413; `encoding` a body's Content-Encoding, undone in bounded steps; `values` JSON values as an engine's arrays, and as a refusal
 shows them; `watch` a caller's disconnect and deadline, watched; `events`
 a stream followed at the engine's pace and written as server-sent events;
 `engines` the engines a worker serves, a Client each; `auth` the API key a

@@ -10,9 +10,15 @@ for at most DRAIN_S: a caller still sending after that is cut off), then the
 connection closes. A caller that sent `Expect: 100-continue` and no byte yet
 is answered and closed at once: it sends nothing more. refuse() answers any
 refusal made before the body is read (the front's 401) the same way.
+
+A body with a Content-Encoding (gzip, deflate) is decoded as it comes
+(engine.http.encoding): its limit is the decoded body's, its compressed bytes
+bounded near it; a coding not taken is refused (415) and a stream that does
+not decode (400) as a large body is: answered, then drained.
 """
 import asyncio
 
+from engine.http import encoding
 from engine.http.asgi import JSON, Receive, Scope, Send, header
 from engine.http.errors import BadRequest, Disconnected
 
@@ -23,23 +29,42 @@ HEADER_BYTES = 64 << 10
 MAX_JSON_BYTES = 64 << 20
 DRAIN_BYTES = 64 << 20
 DRAIN_S = 10.0
+ACCEPTED = ((b"accept-encoding", b"gzip, deflate"),)  # what a 415 says is taken (RFC 7694)
 
 
-class TooLarge(BadRequest):
-    """A body over its limit (413); started: whether some of it was read."""
+class Refused(BadRequest):
+    """A body refused as it comes (413, 415, or 400 for one that does not
+    decode): answered, then the rest drained; started: whether some of it
+    was read."""
 
-    def __init__(self, message: str, started: bool) -> None:
-        super().__init__(message, 413)
+    def __init__(self, message: str, status: int, started: bool,
+                 headers: tuple = ()) -> None:
+        super().__init__(message, status, headers)
         self.started = started
 
 
+class TooLarge(Refused):
+    """A body over its limit (413)."""
+
+    def __init__(self, message: str, started: bool) -> None:
+        super().__init__(message, 413, started)
+
+
 async def read(scope: Scope, receive: Receive, limit: int, why: str) -> bytes:
-    """The request's body; TooLarge if it is over `limit` bytes (`why` says
-    what the limit is made of)."""
+    """The request's body, decoded from its Content-Encoding; TooLarge if it
+    is over `limit` bytes (`why` says what the limit is made of), Refused for
+    a coding not taken (415) or bytes that do not decode (400)."""
+    try:
+        coding = encoding.coding_of(header(scope, b"content-encoding"))
+    except encoding.Unsupported as e:
+        raise Refused(str(e), 415, started=False, headers=ACCEPTED) from None
+    wire = limit if coding is None else encoding.wire_limit(limit)
+    what = "a body" if coding is None else f"a {coding} body"
     declared = header(scope, b"content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise TooLarge(f"expected a body of at most {limit} bytes ({why}), got "
+    if declared is not None and declared.isdigit() and int(declared) > wire:
+        raise TooLarge(f"expected {what} of at most {wire} bytes ({why}), got "
                        f"Content-Length {declared}", started=False)
+    inflater = None if coding is None else encoding.Inflater(coding, limit)
     chunks: list = []
     size = 0
     while True:
@@ -48,23 +73,56 @@ async def read(scope: Scope, receive: Receive, limit: int, why: str) -> bytes:
             raise Disconnected
         chunk = message.get("body", b"")
         size += len(chunk)
-        if size > limit:
-            raise TooLarge(f"expected a body of at most {limit} bytes ({why}), got more",
+        if size > wire:
+            raise TooLarge(f"expected {what} of at most {wire} bytes ({why}), got more",
                            started=True)
-        chunks.append(chunk)
+        if inflater is None:
+            chunks.append(chunk)
+        else:
+            await _inflate(inflater, chunk, chunks, limit, why)
         if not message.get("more_body", False):
+            if inflater is not None:
+                _finish(inflater)
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def _inflate(inflater: encoding.Inflater, chunk: bytes, into: list, limit: int,
+                   why: str) -> None:
+    """chunk's decoded bytes onto `into`, a step at a time, the event loop
+    free between steps."""
+    steps = inflater.feed(chunk)
+    while True:
+        try:
+            out = next(steps, None)
+        except encoding.OverLimit:
+            raise TooLarge(f"expected a body of at most {limit} bytes ({why}) once decoded "
+                           f"from {inflater.coding}, got more", started=True) from None
+        except encoding.Undecodable as e:
+            raise Refused(f"Content-Encoding {inflater.coding}: expected {e}", 400,
+                          started=True) from None
+        if out is None:
+            return
+        into.append(out)
+        await asyncio.sleep(0)
+
+
+def _finish(inflater: encoding.Inflater) -> None:
+    try:
+        inflater.finish()
+    except encoding.Undecodable as e:
+        raise Refused(f"Content-Encoding {inflater.coding}: expected {e}", 400,
+                      started=True) from None
 
 
 async def refuse(scope: Scope, receive: Receive, send: Send, body: bytes,
                  error: BadRequest) -> None:
-    """Answers `error` (a 413 TooLarge, or a refusal made before any of the
+    """Answers `error` (a Refused body, or a refusal made before any of the
     body was read; body: its JSON, in the protocol's shape), then reads what
     the caller still sends (bounded) before the connection closes."""
     await send({"type": "http.response.start", "status": error.status,
                 "headers": [JSON, *error.headers, (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close")]})
-    started = isinstance(error, TooLarge) and error.started
+    started = isinstance(error, Refused) and error.started
     expects = (header(scope, b"expect") or "").lower() == "100-continue"
     if expects and not started:  # it waits for a 100 Continue that never comes
         await send({"type": "http.response.body", "body": body})

@@ -4,7 +4,7 @@ Each engine is reached through one Client per worker process, so the
 requests of every worker and of every protocol batch together in its
 queue. The Clients attach at the front's start (or at the first request,
 under a server without lifespan events). A protocol's routes see only
-this: an engine's config and Client, whether it is ready, when a refused
+this: an engine's config, Client and segment, whether it is ready, when a refused
 caller should try again, and answers_of() for a request of several rows.
 
 Under `serve --model-control explicit` the engines change while the worker
@@ -21,6 +21,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from engine.client.client import Client
 from engine.config import EngineConfig
 from engine.errors import EngineError, EngineUnavailable, Overloaded, QueueFull
+from engine.segment import Segment
 from engine.serving import catalog, control
 
 DEFAULT_TIMEOUT_S = 30.0  # a request's, when neither it nor the server sets one
@@ -118,13 +119,20 @@ class Engines:
     def ready(self, name: str) -> None:
         """EngineUnavailable (503) unless the engine runs and a live batcher
         that has loaded its model serves it."""
-        client = self.client(name)
-        client.predicted_wait_s()  # attached (again, after a restart) and running
-        seg = client.attached
-        if seg is None or not seg.serves():
+        if not self.segment(name).serves():
             raise EngineUnavailable(f"model {name!r} is not ready: expected a live batcher "
                                     f"that has loaded its model, got none (the engine starts, "
                                     f"or replaces a batcher)")
+
+    def segment(self, name: str) -> Segment:
+        """The engine's segment (its figures: any worker reads the same), attached
+        again after a restart; EngineUnavailable while the engine does not run."""
+        client = self.client(name)
+        client.predicted_wait_s()  # attached (again, after a restart) and running
+        seg = client.attached
+        if seg is None:  # closed meanwhile
+            raise EngineUnavailable(f"model {name!r} is not running")
+        return seg
 
     def retry_after_s(self, name: str, error: EngineError, priority: int = 0) -> int:
         """A 503's Retry-After: the engine's predicted wait, whole seconds, >= 1."""

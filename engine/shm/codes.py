@@ -11,6 +11,10 @@ CONFIG_BYTES = lib.SB_CONFIG_BYTES
 OFF_CONFIG = lib.SB_OFF_CONFIG
 OFF_WORDS = lib.SB_OFF_WORDS
 OFF_WORDS2 = 7040  # words2[], as ring.h draws it (csrc/segment.h asserts it)
+# batch_ns[BATCH_NS_SIZES] (the last: sizes from BATCH_NS_SIZES - 1 on), last_done_ns, as
+# csrc/segment.h draws (and asserts) them
+OFF_BATCH_FIGURES = 19968
+BATCH_NS_SIZES = 63
 ERRMSG_BYTES = lib.SB_ERRMSG_BYTES
 MAX_CAPACITY = lib.SB_MAX_CAPACITY
 MAX_INSTANCES = lib.SB_MAX_INSTANCES

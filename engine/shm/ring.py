@@ -166,6 +166,16 @@ class Ring:
         return memoryview(self._mapping)[codes.OFF_WORDS2:codes.OFF_WORDS2 +
                                          (codes.WORDS_ALL - codes.WORDS) * 8].cast("Q")
 
+    def batch_figures(self):
+        """(service ns summed by batch size, sizes from BATCH_NS_SIZES - 1 on
+        in the last; when the latest batch or step ended, monotonic ns, 0 for
+        none), copied out of the header."""
+        start, words = codes.OFF_BATCH_FIGURES, codes.BATCH_NS_SIZES + 1
+        with memoryview(self._mapping) as whole, whole[start:start + words * 8] as part, \
+                part.cast("Q") as view:
+            values = view.tolist()
+        return values[:-1], values[-1]
+
     # -- client -----------------------------------------------------------
     def _buffer(self, name: str, ctype: str):
         out = getattr(self._tls, name, None)

@@ -7,5 +7,6 @@ infer read against its engine, and the body limits derived from it;
 Triton's model repository extension (index, load, unload); `sysshm`
 Triton's system shared-memory extension (its routes, an infer's tensors in
 regions), over `regions` the table of registered regions every worker shares
-and `region_files` the regions' objects, opened only when safe and copied by offset.
+and `region_files` the regions' objects, opened only when safe and copied by
+offset; `stats` Triton's statistics extension, read from each engine's segment.
 """

@@ -10,6 +10,8 @@ Triton's model repository extension, POST /v2/repository/index and
 Triton's system shared-memory extension under /v2/systemsharedmemory/
 (engine.http.oip.sysshm: an infer's inputs read from and outputs written to
 registered regions).
+Triton's statistics extension, GET .../stats and /v2/models/stats
+(engine.http.oip.stats).
 
 As Triton does for a model with max_batch_size > 0, a tensor's first dim
 counts requests: an infer of shape [k, *shape] is k engine requests, its
@@ -53,7 +55,7 @@ from engine.http import asgi, body
 from engine.http.asgi import Receive, Scope, Send
 from engine.http.engines import Engines, answers_of
 from engine.http.errors import BadRequest, Disconnected, NotFound, allowed, retry_after, status_of
-from engine.http.oip import generate, repository, request, sysshm, tensors
+from engine.http.oip import generate, repository, request, stats, sysshm, tensors
 from engine.http.oip.regions import Regions
 from engine.http.oip.tensors import datatype_of
 from engine.http.server import parsing
@@ -63,7 +65,7 @@ log = logging.getLogger("shmbatch")
 VERSION = repository.VERSION
 RESPONSE_INLINE_VALUES = 4096  # a response of more values in JSON is written in a thread
 EXTENSIONS = ("binary_tensor_data", "model_configuration", "model_repository", "generate",
-              "system_shared_memory")
+              "system_shared_memory", "statistics")
 
 # a route's answer: status, body, headers
 Answer = Tuple[int, bytes, List[Tuple[bytes, bytes]]]
@@ -161,7 +163,7 @@ class App:
             status, out, headers = answered
         except Disconnected:
             return
-        except body.TooLarge as e:  # answered, then the rest of its body read and dropped
+        except body.Refused as e:  # answered, then the rest of its body read and dropped
             return await body.refuse(scope, receive, send, _error(str(e)), e)
         except BadRequest as e:
             status, out, headers = e.status, _error(str(e)), list(e.headers)
@@ -207,6 +209,8 @@ class App:
             return (200, b"", []) if answer is None else _json(answer)
         if len(parts) < 2 or parts[0] != "models":
             raise NotFound(f"no route {path}")
+        if parts == ["models", "stats"]:  # every engine's (as Triton, before a model's route)
+            return _get(method, self._all_stats)
         model, rest = self._model(parts[1]), parts[2:]
         try:
             return await self._model_route(model, rest, method, scope, receive, send)
@@ -229,6 +233,9 @@ class App:
             return _get(method, lambda: self._model_ready(model))
         if rest == ["config"]:
             return _get(method, model.triton_config)
+        if rest == ["stats"]:
+            return _get(method, lambda: {"model_stats": [
+                stats.model_stat(model.name, VERSION, self.engines.segment(model.name))]})
         if rest == ["infer"]:
             allowed(method, "POST")
             return await self._infer(model, scope, receive)
@@ -249,8 +256,8 @@ class App:
         if model is None or model.config is not config:  # loaded again, or unloaded
             if config is None:
                 self.models.pop(name, None)
-                raise NotFound(f"unknown model {name!r}; this server has "
-                               f"{sorted(self.engines.configs)}")
+                raise NotFound(f"Request for unknown model: {name!r} is not found; this "
+                               f"server has {sorted(self.engines.configs)}")
             model = self.models[name] = Model(name, config, self.engines.client(name))
         return model
 
@@ -269,6 +276,17 @@ class App:
     def _model_ready(self, model: Model) -> dict:
         self.engines.ready(model.name)
         return {"name": model.name, "ready": True}
+
+    def _all_stats(self) -> dict:
+        """Every running engine's statistics, by name (one that does not run
+        has none to show, as Triton shows only the models it has loaded)."""
+        found = []
+        for name in sorted(self.engines.configs):
+            try:
+                found.append(stats.model_stat(name, VERSION, self.engines.segment(name)))
+            except EngineUnavailable:
+                continue
+        return {"model_stats": found}
 
     async def _infer(self, model: Model, scope: Scope, receive: Receive) -> Answer:
         arrived = time.monotonic()  # the request's timeout counts from here

@@ -109,18 +109,16 @@ def split(body: bytes, header_length: Optional[str]) -> Tuple[dict, memoryview]:
 
 
 def parameters(obj: dict, where: str, known: Tuple[str, ...]) -> dict:
-    """obj's "parameters" (a JSON object of known keys), or {}."""
+    """The known keys of obj's "parameters" (a JSON object), or {}. Other keys
+    are ignored, as Triton and KServe do: the protocol's parameters are open
+    (KServe's clients send content_type), and the caller checks the values."""
     params = obj.get("parameters")
     if params is None:
         return {}
     if not isinstance(params, dict):
         raise BadRequest(f"{where} parameters: expected a JSON object, got "
                          f"{type(params).__name__}")
-    unknown = sorted(set(params) - set(known))
-    if unknown:
-        raise BadRequest(f"{where} parameters: unsupported {', '.join(map(repr, unknown))}; "
-                         f"this server takes {', '.join(known) or 'none'}")
-    return params
+    return {key: params[key] for key in known if key in params}
 
 
 def request_id(obj: dict) -> Optional[str]:

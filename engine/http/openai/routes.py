@@ -104,8 +104,9 @@ class App:
             await self._route(scope, receive, send)
         except Disconnected:
             return
-        except bodies.TooLarge as e:  # answered, then the rest of its body read and dropped
-            await bodies.refuse(scope, receive, send, OpenAIError(413, str(e)).encoded(), e)
+        except bodies.Refused as e:  # answered, then the rest of its body read and dropped
+            await bodies.refuse(scope, receive, send,
+                                OpenAIError(e.status, str(e), headers=e.headers).encoded(), e)
         except BadRequest as e:
             await send_error(send, OpenAIError(e.status, str(e), headers=e.headers))
         except OpenAIError as e:
