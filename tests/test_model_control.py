@@ -193,3 +193,34 @@ def test_without_explicit_model_control_load_and_unload_are_refused(tmp_path):
     finally:
         assert s.stop() == 0, s.stderr()
 
+
+
+def test_the_asyncio_client_loads_infers_unloads_and_loads_again(served):
+    import asyncio
+    aio = pytest.importorskip("tritonclient.http.aio")
+    name, x = unique_name("mc-aio"), rows(2, 1.0)
+    config = json.dumps({**OFFSET, "backend_args": {"bias": 4.0}})
+
+    async def infer_aio(c):
+        inp = aio.InferInput("INPUT", list(x.shape), "FP32")
+        inp.set_data_from_numpy(x)
+        return (await c.infer(name, [inp], headers=AUTH)).as_numpy("OUTPUT")
+
+    async def scenario():
+        c = aio.InferenceServerClient(served.url, conn_timeout=TIMEOUT_S)
+        try:
+            await c.load_model(name, config=config, headers=AUTH)
+            first = await infer_aio(c)
+            await c.unload_model(name, headers=AUTH)
+            with pytest.raises(InferenceServerException) as gone:
+                await infer_aio(c)
+            await c.load_model(name, headers=AUTH)  # its last settings again
+            again = await infer_aio(c)
+            await c.unload_model(name, headers=AUTH)
+            return first, gone.value, again
+        finally:
+            await c.close()
+
+    first, gone, again = asyncio.run(asyncio.wait_for(scenario(), 2 * TIMEOUT_S))
+    assert np.array_equal(first, x + 4) and np.array_equal(again, x + 4)
+    assert "unknown model" in str(gone)
