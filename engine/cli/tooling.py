@@ -286,6 +286,7 @@ def cmd_tune(args) -> int:
 MANIFEST_SYNOPSIS = """\
 shmbatch manifest kubernetes --config models.toml --image IMAGE [--app-image IMG --app-command "CMD ARGS"]
                              [--replicas 2] [--autoscaler hpa|keda] [--target-queue-wait-ms 20]
+                             [--autoscaler-metric vllm:num_requests_waiting --autoscaler-threshold 5]
                              [--max-replicas N] [--prometheus-url URL] [--run-as-user 1000]
                              [--name NAME] [--namespace NS] [--metrics-port 9090]
                              [--shm-headroom-mib 64] [--process-memory-mib 256]
@@ -346,8 +347,16 @@ def manifest_parser(sub):
     k8s.add_argument("--autoscaler", choices=("none", "hpa", "keda"), default="none",
                      help="hpa: a pods metric from prometheus-adapter; keda: a ScaledObject "
                           "with a Prometheus trigger")
-    k8s.add_argument("--target-queue-wait-ms", type=float, default=20.0, metavar="MS",
-                     help="the p90 queue wait the autoscaler holds (default %(default)s)")
+    k8s.add_argument("--target-queue-wait-ms", type=float, metavar="MS",
+                     help="the p90 queue wait the autoscaler holds (default 20)")
+    k8s.add_argument("--autoscaler-metric", metavar="NAME",
+                     help="keda: scale on this family of `serve --metrics-compat` instead "
+                          "(vllm:num_requests_waiting, nv_inference_pending_request_count, "
+                          "...: serve gets the flag); a gauge is summed over the pods' "
+                          "engines, a counter's rate too, a histogram's p90 taken")
+    k8s.add_argument("--autoscaler-threshold", type=float, metavar="X",
+                     help="keda, with --autoscaler-metric: the value it holds (a gauge's or a "
+                          "counter's per pod, a histogram's p90 in its unit)")
     k8s.add_argument("--prometheus-url", help="keda: the Prometheus server it queries")
     k8s.add_argument("--run-as-user", type=int, metavar="UID",
                      help="the pod's user: serve and the app share it, as a segment is its "
@@ -394,7 +403,9 @@ def cmd_manifest(args, plan) -> int:
             app_image=args.app_image, app_command=args.app_command, autoscaler=args.autoscaler,
             target_queue_wait_ms=args.target_queue_wait_ms, max_replicas=args.max_replicas,
             prometheus_url=args.prometheus_url or manifest.DEFAULT_PROMETHEUS_URL,
-            run_as_user=or_default(args.run_as_user, manifest_pod.DEFAULT_RUN_AS_USER))
+            run_as_user=or_default(args.run_as_user, manifest_pod.DEFAULT_RUN_AS_USER),
+            autoscaler_metric=args.autoscaler_metric,
+            autoscaler_threshold=args.autoscaler_threshold)
     out = make()  # every check first: minutes of a model's start are not spent on a typo
     if args.measure:
         from engine.tools import manifest_measure

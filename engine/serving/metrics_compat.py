@@ -61,6 +61,17 @@ def parse(text) -> Tuple[str, ...]:
     return tuple(k for k in KINDS if k in kinds)  # each once, in a fixed order
 
 
+def counts_prompt_tokens(config) -> bool:
+    """Whether vllm:prompt_tokens_total counts this engine's: a one-shot
+    engine with a variable dim has real lengths to count."""
+    return not config.iterative and any(s.var_axis is not None for s in config.input_specs)
+
+
+# the families some engines alone carry: the rule of which (an EngineConfig's)
+ONLY_WHERE = {"vllm:prompt_tokens_total": counts_prompt_tokens,
+              "vllm:generation_tokens_total": lambda config: bool(config.iterative)}
+
+
 class Family:
     """One family of the text format: its HELP and TYPE once, then every
     engine's samples."""
@@ -124,8 +135,7 @@ class Figures:
             self.ttft, self.ttft_sum_ns = r.histogram(codes.H_TTFT), r.stream_times(codes.H_TTFT)[0]
         else:  # a one-shot answer is its first output
             self.ttft, self.ttft_sum_ns = self.e2e, self.e2e_sum_ns
-        self.prompt_tokens = (not self.iterative and any(
-            s.var_axis is not None for s in self.config.input_specs))
+        self.prompt_tokens = counts_prompt_tokens(self.config)
 
 
 def vllm_families(engines: Iterable[Figures]) -> List[Family]:

@@ -14,7 +14,8 @@ The tuner, `shmbatch tune`: `tune` a one-shot engine's max_batch_size and
 max_delay_ms, `tune_steps` an iterative engine's. Deployment: `manifest`
 Kubernetes objects from a serve config, `manifest_pod` what its pod needs,
 `manifest_measure` the memory its processes take, measured (`--measure`),
-`manifest_kserve` a KServe ServingRuntime, `manifest_yaml` their YAML text;
+`manifest_keda` its KEDA ScaledObject, `manifest_kserve` a KServe
+ServingRuntime, `manifest_yaml` their YAML text;
 `dashboard` a Grafana dashboard of the engine's metrics.
 """
 

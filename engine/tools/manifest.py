@@ -4,7 +4,9 @@ The ConfigMap holds the config file as given; the Deployment runs `shmbatch
 serve` on it (engine.tools.manifest_pod sizes that container, its /dev/shm,
 probes and grace period), beside the app's container when there is one; a
 Service fronts the HTTP port when there is one; an autoscaler scales on the
-engines' queue wait (the p90 of shmbatch_queue_wait_seconds, per pod).
+engines' queue wait (the p90 of shmbatch_queue_wait_seconds, per pod) or,
+with keda, on a vLLM or Triton family of `serve --metrics-compat`
+(engine.tools.manifest_keda).
 
 With an app container, serve runs as a native sidecar (an init container with
 restartPolicy Always, Kubernetes 1.29+): its startupProbe is the readiness
@@ -15,16 +17,17 @@ PID namespace: an engine judges a client's death by its pid, and the app's
 pids must mean the same processes in both containers. Both run as one user:
 a segment is its creator's alone (mode 0600).
 """
+import dataclasses
 import shlex
 from decimal import Decimal
 from typing import Optional
 
+from engine.tools import manifest_keda
+from engine.tools.manifest_keda import QUANTILE, RATE_WINDOW
 from engine.tools.manifest_pod import GRACE_MARGIN_S, PRESTOP_SLEEP_S, ServePod, metadata
 from engine.tools.manifest_yaml import Comment, documents
 
-QUANTILE = 0.9
 METRIC = "shmbatch_queue_wait_seconds_p90"  # the pods metric prometheus-adapter serves
-RATE_WINDOW = "2m"
 DEFAULT_PROMETHEUS_URL = "http://prometheus-operated.monitoring.svc:9090"
 AUTOSCALERS = ("none", "hpa", "keda")
 
@@ -129,49 +132,40 @@ def hpa(pod: ServePod, namespace, replicas: int, max_replicas: int, target_ms: f
                                     "averageValue": target_seconds(target_ms)}}}]}}
 
 
-def promql(pod: ServePod, namespace) -> str:
-    # a Deployment's pods are NAME-<ReplicaSet hash>-<5 characters>
-    where = f'pod=~"{pod.name}-[a-z0-9]+-[a-z0-9]{{5}}"' + (f',namespace="{namespace}"' if namespace else "")
-    return (f"histogram_quantile({QUANTILE}, sum by (le) "
-            f"(rate(shmbatch_queue_wait_seconds_bucket{{{where}}}[{RATE_WINDOW}])))")
-
-
-def scaled_object(pod: ServePod, namespace, replicas: int, max_replicas: int, target_ms: float,
-                  prometheus_url: str) -> dict:
-    return {"apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject",
-            "metadata": metadata(pod.name, pod.labels, namespace),
-            "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment",
-                                        "name": pod.name},
-                     "minReplicaCount": replicas, "maxReplicaCount": max_replicas,
-                     # Value: replicas grow in proportion to wait / threshold (a quantile
-                     # is not divided among pods, as AverageValue would)
-                     "triggers": [{"type": "prometheus", "metricType": "Value", "metadata": {
-                         "serverAddress": prometheus_url, "query": promql(pod, namespace),
-                         "threshold": format(Decimal(repr(float(target_ms))).scaleb(-3)
-                                             .normalize(), "f")}}]}}
-
-
 def kubernetes(pod: ServePod, config_text: str, *, namespace: Optional[str] = None,
                replicas: int = 1, app_image: Optional[str] = None,
                app_command: Optional[str] = None, autoscaler: str = "none",
-               target_queue_wait_ms: float = 20.0, max_replicas: Optional[int] = None,
-               prometheus_url: str = DEFAULT_PROMETHEUS_URL, run_as_user: int = 1000) -> str:
+               target_queue_wait_ms: Optional[float] = None, max_replicas: Optional[int] = None,
+               prometheus_url: str = DEFAULT_PROMETHEUS_URL, run_as_user: int = 1000,
+               autoscaler_metric: Optional[str] = None,
+               autoscaler_threshold: Optional[float] = None) -> str:
     """The manifest's YAML text; ValueError for settings that make no pod."""
     if autoscaler not in AUTOSCALERS:
         raise ValueError(f"--autoscaler: expected one of {', '.join(AUTOSCALERS)}, "
                          f"got {autoscaler!r}")
+    if autoscaler != "keda" and (autoscaler_metric, autoscaler_threshold) != (None, None):
+        raise ValueError(f"--autoscaler-metric and --autoscaler-threshold set KEDA's trigger: "
+                         f"expected --autoscaler keda, got --autoscaler {autoscaler}")
     if app_command is not None and not app_image:
         raise ValueError("--app-command without --app-image")
     if not app_image and pod.http_port is None:
         raise ValueError("nothing could reach the engines: expected http_port in the config "
                          "(a Service for it) or --app-image (a client in the pod)")
     max_replicas = max_replicas if max_replicas is not None else max(10, 4 * replicas)
-    if replicas < 1 or max_replicas < replicas or not target_queue_wait_ms > 0:
+    wait_ms = 20.0 if target_queue_wait_ms is None else target_queue_wait_ms
+    if replicas < 1 or max_replicas < replicas or not wait_ms > 0:
         raise ValueError(f"expected 1 <= --replicas <= --max-replicas and "
                          f"--target-queue-wait-ms > 0, got {replicas}, {max_replicas} and "
-                         f"{target_queue_wait_ms:g}")
+                         f"{wait_ms:g}")
     if run_as_user < 0:
         raise ValueError(f"--run-as-user: expected a uid >= 0, got {run_as_user}")
+    scaled = None
+    if autoscaler == "keda":
+        scaled = manifest_keda.target(autoscaler_metric, autoscaler_threshold,
+                                      target_queue_wait_ms, [cfg for cfg, _ in pod.engines])
+        if scaled.kind is not None:  # its /metrics must carry the name the trigger queries
+            pod = dataclasses.replace(pod, metrics_compat=manifest_keda.with_kind(
+                pod.metrics_compat, scaled.kind))
     docs = [(f"shmbatch serve's config, as given (engines {', '.join(pod.names)})",
              pod.config_map(config_text, namespace)),
             ("", deployment(pod, namespace=namespace, replicas=replicas, app_image=app_image,
@@ -180,11 +174,9 @@ def kubernetes(pod: ServePod, config_text: str, *, namespace: Optional[str] = No
         docs.append(("the Open Inference Protocol (KServe v2) of every engine",
                      service(pod, namespace)))
     if autoscaler == "hpa":
-        docs.append((adapter_rule(), hpa(pod, namespace, replicas, max_replicas,
-                                         target_queue_wait_ms)))
-    elif autoscaler == "keda":
-        docs.append((f"scales on the p{QUANTILE * 100:g} of the engines' queue wait over "
-                     f"the Deployment's pods", scaled_object(
-                         pod, namespace, replicas, max_replicas, target_queue_wait_ms,
-                         prometheus_url)))
+        docs.append((adapter_rule(), hpa(pod, namespace, replicas, max_replicas, wait_ms)))
+    elif scaled is not None:
+        docs.append((manifest_keda.note(scaled), manifest_keda.scaled_object(
+            scaled, pod.name, metadata(pod.name, pod.labels, namespace), namespace, pod.names,
+            replicas, max_replicas, prometheus_url)))
     return documents(docs)

@@ -28,6 +28,7 @@ import shlex
 import textwrap
 from typing import List, Optional, Tuple
 
+from engine.serving import metrics_compat
 from engine.shm import codes, ring
 from engine.shm.sizing import SHM_MARGIN_DIVISOR, SHM_MARGIN_MIN_BYTES
 
@@ -165,6 +166,7 @@ class ServePod:
     api_key_secret: Optional[str] = None  # a Secret whose API_KEY_KEY is serve's API key
     batcher_bytes: Optional[int] = None  # --memory-per-batcher; None: process_bytes
     measured: Optional[Measured] = None  # sizes the memory instead of the budgets
+    metrics_compat: Tuple[str, ...] = ()  # serve's --metrics-compat kinds (vllm, triton)
 
     @property
     def names(self) -> List[str]:
@@ -248,6 +250,8 @@ class ServePod:
     def args(self) -> List[str]:
         args = ["serve", "--config", f"{CONFIG_DIR}/{CONFIG_KEY}",
                 "--metrics-port", str(self.metrics_port), "--metrics-host", "0.0.0.0"]
+        if self.metrics_compat:
+            args += ["--metrics-compat", ",".join(self.metrics_compat)]
         if self.http_port is not None:
             args += ["--http-port", str(self.http_port), "--http-host", "0.0.0.0"]
         return args
@@ -371,7 +375,8 @@ def serve_pod(engines: List[dict], serve: dict, *, name: Optional[str], image: s
                    http_port=None if http is None else int(http),
                    http_workers=int(serve.get("http_workers") or 1), metrics_port=int(metrics),
                    headroom_bytes=headroom_mib * MIB, process_bytes=process_mib * MIB,
-                   api_key_secret=api_key_secret, batcher_bytes=batcher_bytes)
+                   api_key_secret=api_key_secret, batcher_bytes=batcher_bytes,
+                   metrics_compat=metrics_compat.parse(serve.get("metrics_compat")))
     if api_key_secret is not None and pod.http_port is None:
         raise ValueError("--api-key-secret: the API key guards the HTTP port: expected "
                          "http_port in the config, got none")
