@@ -134,7 +134,7 @@ def _api_key_of_environment(args, serve: dict) -> None:
 
 def cmd_serve(args) -> int:
     import logging
-    import threading
+    import select
 
     from engine import logfmt
     from engine.cli.serve import Serving
@@ -145,16 +145,19 @@ def cmd_serve(args) -> int:
     _api_key_of_environment(args, serve)
     serving = Serving(engines, **serve)  # validates every engine, creates nothing
     names = ", ".join(serving.names)
-    stop = threading.Event()
-    handler = lambda signum, frame: stop.set()  # noqa: E731
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
+    # a signal wakes the loop below by a byte on this pipe: a handler that took a lock
+    # (Event.set) could wait forever on the one the main thread held when interrupted
+    woken, wake = os.pipe()
+    os.set_blocking(wake, False)
+    signal.set_wakeup_fd(wake)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     serving.start()
     try:
         print(serving.ready_line(), flush=True)
         what = "engine" if len(serving.names) == 1 else "engines"
         notify.sd_notify(f"READY=1\nMAINPID={os.getpid()}\nSTATUS={what} {names} ready")
-        while not stop.wait(1.0):
+        while not select.select([woken], [], [], 1.0)[0]:
             serving.watch()
         log.info("%s %s: signal received; draining", what, names,
                  extra={"engine": names} if len(serving.names) == 1 else None)
