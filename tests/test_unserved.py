@@ -91,11 +91,15 @@ def test_over_http_a_request_is_answered_503_with_retry_after_at_once(tmp_path):
     gate = Gate()
     gate.open()
     name = unique_name("unserved-http")
-    # each start takes 2 s: a successor is expected no sooner than 4 s after a death
-    s = Served(tmp_path, table(name, backend="helpers:starts_on_gate",
-                               backend_args={"gate": gate.name, "start_s": 2.0}, input_shape=[4],
-                               output_shape=[4], start_timeout_s=60.0), "--http-port", "0",
-               "--http-timeout-s", "20")
+    try:  # the gate goes even if serve does not start
+        # each start takes 2 s: a successor is expected no sooner than 4 s after a death
+        s = Served(tmp_path, table(name, backend="helpers:starts_on_gate",
+                                   backend_args={"gate": gate.name, "start_s": 2.0},
+                                   input_shape=[4], output_shape=[4], start_timeout_s=60.0),
+                   "--http-port", "0", "--http-timeout-s", "20")
+    except BaseException:
+        gate.close()
+        raise
     try:
         head = Segment.attach(name, header_only=True)
         try:
