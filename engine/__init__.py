@@ -19,11 +19,11 @@ those below it, never up; on one floor, only within its own sub-package
     floor 1  engine.shm       the C ring's binding, its constants, slot owners
 
 and on floor 1 beside engine.shm, the modules directly in engine/: `errors`,
-`tensors`, `config`, `segment` (a segment made from a config), `spec` (what a
-backend is), `backends` (the built-in models), `launch` (child processes),
-`logfmt` (the log's format), `sampling` (a request's sampling parameters and
-their record). This module, the package's face, is above them
-all; `__main__` runs the command.
+`tensors`, `knobs` (a knob's field and its kind's check), `config`, `segment`
+(a segment made from a config), `spec` (what a backend is), `backends` (the
+built-in models), `launch` (child processes), `logfmt` (the log's format),
+`sampling` (a request's sampling parameters and their record). This module,
+the package's face, is above them all; `__main__` runs the command.
 """
 from typing import TYPE_CHECKING
 

@@ -13,21 +13,14 @@ from typing import TYPE_CHECKING, ClassVar, Optional, Tuple
 
 import numpy as np
 
-from engine import spec, tensors
+from engine import knobs, spec, tensors
 from engine.errors import InvalidInput
 from engine.sampling import MAX_LOGPROBS, MAX_TOKEN_ID, RECORD_BYTES, prompt_specs
 from engine.shm import codes
+from engine.knobs import knob
 from engine.tensors import TensorSpec, describe
 
 NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}\Z")
-
-def knob(default, cli: str, doc: str):
-    """A dataclass field that is one of Engine(...)'s knobs: its default, how
-    `shmbatch serve` parses its flag (str, int, float, shape, cpus, gpus,
-    key_values, callable), and what it does. Engine, the CLI's flags and the
-    TOML keys are all read off these fields (EngineConfig, EngineOptions)."""
-    return dataclasses.field(default=default, metadata={"cli": cli, "doc": doc})
-
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -84,6 +77,7 @@ class EngineConfig:
         output_specs: ClassVar[Tuple[TensorSpec, ...]]
 
     def __post_init__(self):
+        knobs.check(self)
         put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen)
         if not isinstance(self.name, str) or not NAME_RE.match(self.name):
             raise ValueError(f"name must match [A-Za-z0-9_.-]{{1,64}}, got {self.name!r}")
@@ -437,6 +431,7 @@ class EngineOptions:
                                   "finds the ring full reclaims them at once)")
 
     def __post_init__(self):
+        knobs.check(self)
         spec.check_spec(self.backend)
         object.__setattr__(self, "backend_args", dict(self.backend_args or {}))
         if self.batch_timeout_s is not None and not self.batch_timeout_s > 0:

@@ -178,3 +178,17 @@ def test_no_timeout_waits_as_long_as_the_engine_lives(served):
     assert np.array_equal(c.infer(X, timeout=None), X * 2 + 1)
     assert np.array_equal(c.submit(X + 1, timeout=None).result(timeout=60), (X + 1) * 2 + 1)
     assert np.array_equal(c.infer_many(np.stack([X, X]), timeout=None)[1], X * 2 + 1)
+
+
+@pytest.mark.parametrize("knobs, says", [
+    (dict(max_batch_size="eight"), "max_batch_size: expected an integer, got 'eight' (str)"),
+    (dict(max_batch_size=True), "max_batch_size: expected an integer, got True (bool)"),
+    (dict(max_delay_ms="1"), "max_delay_ms: expected a number, got '1' (str)"),
+    (dict(isolate_failures="no"), "isolate_failures: expected true or false, got 'no' (str)"),
+    (dict(allowed_batch_sizes=[1, "2"]), "allowed_batch_sizes: expected a list of integers"),
+    (dict(start_timeout_s=None), "start_timeout_s: expected a number, got None"),
+])
+def test_a_knob_of_the_wrong_kind_is_refused_naming_it(knobs, says):
+    with pytest.raises(ValueError) as refused:
+        engine.Engine(name="kinds", input_shape=(4,), output_shape=(4,), **knobs)
+    assert says in str(refused.value)

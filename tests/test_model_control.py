@@ -194,6 +194,19 @@ def test_without_explicit_model_control_load_and_unload_are_refused(tmp_path):
         assert s.stop() == 0, s.stderr()
 
 
+@pytest.mark.parametrize("body, says", [
+    ({"parameters": {"config": "{not json"}}, "config"),
+    ({"parameters": {"config": "[1, 2]"}}, "object"),
+    ({"parameters": {"config": {"max_batch_sise": 8}}}, "max_batch_sise"),
+    ({"parameters": {"config": {"max_batch_size": "eight"}}}, "max_batch_size"),
+])
+def test_a_bad_load_body_in_plain_http_is_400_saying_what_was_wrong(served, body, says):
+    name = served.names["reload"]
+    status, _, answer = request(served.url, f"/v2/repository/models/{name}/load", KEY, "POST",
+                                body)
+    assert status == 400 and says in json.loads(answer)["error"], answer
+    assert client(served).is_model_ready(name, headers=AUTH)
+
 
 def test_the_asyncio_client_loads_infers_unloads_and_loads_again(served):
     import asyncio
