@@ -29,6 +29,7 @@ import pytest
 import engine
 from engine.config import EngineConfig
 from engine.segment import Segment
+from engine.shm import codes
 from engine.shm import ring
 
 # A process forked by a test must not collect the objects it inherited: the
@@ -194,3 +195,17 @@ def raw_segment(tag: str, **config):
     finally:
         seg.unlink()
         seg.close()
+
+
+def engine_word(name: str, word: int) -> int:
+    """One word of a running engine's header (engine.shm.codes' W_*), read from its segment."""
+    seg = Segment.attach(name, header_only=True)
+    try:
+        return seg.ring.word(word)
+    finally:
+        seg.close()
+
+
+def requests_total(name: str) -> int:
+    """Requests the engine has taken in."""
+    return engine_word(name, codes.W_REQUESTS)

@@ -5,7 +5,7 @@ import socket
 import urllib.request
 
 import openai
-from conftest import unique_name, wait_for
+from conftest import engine_word, requests_total, unique_name, wait_for  # noqa: F401 (re-exported)
 from test_multi_engine import Served, table, top, toml_value
 
 from engine.segment import Segment
@@ -81,21 +81,10 @@ def raw_post(served, path: str, body: dict) -> socket.socket:
     return sock
 
 
-def requests_total(engine: str) -> int:
-    seg = Segment.attach(engine, header_only=True)
-    try:
-        return seg.ring.word(codes.W_REQUESTS)
-    finally:
-        seg.close()
-
 
 def withdrawn(engine: str) -> int:
     """Requests of the engine that their client withdrew."""
-    seg = Segment.attach(engine, header_only=True)
-    try:
-        return seg.ring.word(codes.W_WITHDRAWN)
-    finally:
-        seg.close()
+    return engine_word(engine, codes.W_WITHDRAWN)
 
 
 def queued(engine: str) -> int:

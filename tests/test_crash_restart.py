@@ -7,7 +7,6 @@ The serve runs in a private mount namespace with that tmpfs over /dev/shm,
 so the host's /dev/shm is never at risk; skipped where such a namespace
 cannot be made (not root)."""
 import json
-import os
 import pathlib
 import re
 import subprocess

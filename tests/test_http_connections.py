@@ -23,11 +23,10 @@ import psutil
 import pytest
 
 pytest.importorskip("uvicorn")
-from conftest import reap, shm_entries, unique_name, wait_for, wait_for_line  # noqa: E402
+from conftest import reap, requests_total, shm_entries, unique_name, wait_for, wait_for_line  # noqa: E402
+from engine.segment import segment_name  # noqa: E402
 from test_sidecar import ENV, free_port  # noqa: E402
 
-from engine.segment import Segment, segment_name  # noqa: E402
-from engine.shm import codes  # noqa: E402
 
 X = np.arange(16, dtype=np.float32)
 READ_TIMEOUT_S = 1.0
@@ -164,13 +163,6 @@ def test_a_half_sent_body_is_answered_408_and_closed(front):
     assert requests_total(front.name) == before  # nothing reached the engine
     assert front.infer().tolist() == (X * 2 + 1).tolist()
 
-
-def requests_total(name: str) -> int:
-    seg = Segment.attach(name, header_only=True)
-    try:
-        return seg.ring.word(codes.W_REQUESTS)
-    finally:
-        seg.close()
 
 
 def test_metrics_listen_on_loopback_by_default(front):

@@ -9,11 +9,9 @@ import socket
 import pytest
 
 pytest.importorskip("uvicorn")
-from conftest import unique_name, wait_for  # noqa: E402
+from conftest import requests_total, unique_name, wait_for  # noqa: E402
 from test_multi_engine import Served, table, top  # noqa: E402
 
-from engine.segment import Segment  # noqa: E402
-from engine.shm import codes  # noqa: E402
 
 STEPS = dict(input_shape=[2], input_dtype="int64", output_shape=[], output_dtype="int64")
 WIDTH = 1024
@@ -74,13 +72,6 @@ def raw_post(url: str, path: str, body: dict) -> socket.socket:
                  f"\r\n".encode() + data)
     return sock
 
-
-def requests_total(name: str) -> int:
-    seg = Segment.attach(name, header_only=True)
-    try:
-        return seg.ring.word(codes.W_REQUESTS)
-    finally:
-        seg.close()
 
 
 def slot_comes_back(url: str, name: str, within_s: float = 60) -> None:

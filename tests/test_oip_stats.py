@@ -14,11 +14,10 @@ import pytest
 pytest.importorskip("uvicorn")
 triton = pytest.importorskip("tritonclient.http")
 import tritonclient.http.aio as triton_aio  # noqa: E402
-from conftest import shm_entries, unique_name, wait_for  # noqa: E402
+from conftest import engine_word, shm_entries, unique_name, wait_for  # noqa: E402
 from test_multi_engine import Served, table, top  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-from engine.segment import Segment  # noqa: E402
 from engine.shm import codes  # noqa: E402
 
 N = 24
@@ -57,11 +56,7 @@ def get(served, path: str):
 
 
 def batches_total(engine: str) -> int:
-    seg = Segment.attach(engine, header_only=True)
-    try:
-        return seg.ring.word(codes.W_BATCHES)
-    finally:
-        seg.close()
+    return engine_word(engine, codes.W_BATCHES)
 
 
 def settled(fetch, n: int) -> dict:

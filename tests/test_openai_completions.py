@@ -4,7 +4,6 @@ answers its prompt back, then EOS); several prompts and choices in one request; 
 default max_tokens; vLLM's priority."""
 import asyncio
 import json
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest

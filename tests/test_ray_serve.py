@@ -35,7 +35,7 @@ from engine.ray.owner import NAMESPACE, actor_name  # noqa: E402
 from engine.segment import Segment  # noqa: E402
 from engine.serving import metrics  # noqa: E402
 from engine.shm import codes  # noqa: E402
-from conftest import unique_name, wait_for  # noqa: E402
+from conftest import engine_word, unique_name, wait_for  # noqa: E402
 
 ROOT = pathlib.Path(engine.__file__).resolve().parent.parent
 LOOPBACK = "127.0.0.1"
@@ -181,11 +181,7 @@ def stats(name: str) -> dict:
 
 
 def supervisor_pid(name: str) -> int:
-    seg = Segment.attach(name, header_only=True)
-    try:
-        return seg.ring.word(codes.W_SUPERVISOR_PID)
-    finally:
-        seg.close()
+    return engine_word(name, codes.W_SUPERVISOR_PID)
 
 
 def owner_status(name: str) -> dict:

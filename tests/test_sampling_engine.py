@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 from conftest import unique_name, wait_until_no_slot_in_use
-from logit_models import DONE_AT, EOS, FORCE_EOS, V, logits_of, prompt_logits
+from logit_models import DONE_AT, EOS, FORCE_EOS, logits_of, prompt_logits
 
 import engine
 from engine.batching.sampler import Rows

@@ -3,18 +3,15 @@
 never an engine's segment, never a byte written outside a region."""
 import contextlib
 import http.client
-import json
 import os
 
 import numpy as np
 import pytest
 
 pytest.importorskip("uvicorn")
-from conftest import unique_name  # noqa: E402
+from conftest import requests_total, unique_name  # noqa: E402
 from test_sysshm import Server, request  # noqa: E402
 
-from engine.segment import Segment  # noqa: E402
-from engine.shm import codes  # noqa: E402
 
 X = np.arange(16, dtype=np.float32)[None]
 ROW = X.nbytes  # one request of the single engine: 64 bytes
@@ -275,11 +272,4 @@ def test_an_object_replaced_after_register_is_refused_by_a_worker_that_did_not_o
         on_a.close()
         on_b.close()
 
-
-def requests_total(name: str) -> int:
-    seg = Segment.attach(name, header_only=True)
-    try:
-        return seg.ring.word(codes.W_REQUESTS)
-    finally:
-        seg.close()
 

@@ -16,7 +16,7 @@ from conftest import Gate, unique_name, wait_for
 import engine
 from engine.segment import Segment
 from engine.serving import restarts
-from engine.shm import codes, ring
+from engine.shm import codes
 
 X = np.arange(4, dtype=np.float32)
 

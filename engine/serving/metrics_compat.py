@@ -225,7 +225,7 @@ def serve_http(registry, segments: Callable[[], Sequence], kinds: Sequence[str],
     from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
     from socketserver import ThreadingMixIn
 
-    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+    from prometheus_client import generate_latest
 
     def app(environ, start_response):
         if environ.get("PATH_INFO") not in ("/metrics", "/"):
