@@ -82,7 +82,8 @@ def launch(module: str, args: dict, *, pass_fds: Sequence[int] = (),
         # sys.path first: the entry's own module may be one only the parent's path finds
         command = (f"import pickle, sys; sys.path[:] = pickle.load(sys.stdin.buffer); "
                    f"from {module} import _entry; _entry()")
-        proc = Child([sys.executable, "-c", command, str(write_fd)], stdin=subprocess.PIPE,
+        proc = Child([sys.executable, "-c", command, str(write_fd), str(os.getpid())],
+                     stdin=subprocess.PIPE,
                      pass_fds=(write_fd, *pass_fds), env=env, process_group=0)
         os.close(write_fd)
         write_fd = None
@@ -126,6 +127,12 @@ def child_args() -> Tuple[dict, multiprocessing.connection.Connection]:
     logfmt.from_environment()
     args = pickle.load(sys.stdin.buffer)
     return args, multiprocessing.connection.Connection(int(sys.argv[1]), readable=False)
+
+
+def parent_pid() -> int:
+    """In the child: the pid of the process that launched it, which an
+    orphan's os.getppid() no longer is."""
+    return int(sys.argv[2])
 
 
 def tell_ready(conn, info: Any = None) -> None:

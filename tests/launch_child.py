@@ -9,7 +9,7 @@ def _entry() -> None:
     args, conn = launch.child_args()
     what = args["do"]
     if what == "ready":
-        launch.tell_ready(conn)
+        launch.tell_ready(conn, {"parent_pid": launch.parent_pid()})
         conn.close()
         os.read(0, 1)  # until the parent closes our stdin or kills us
     elif what == "raise":

@@ -1,6 +1,10 @@
 """One launcher starts every child process (batchers, HTTP workers): it hands
 the child its arguments, waits for its one readiness message, and reports a
 failure by its kind and message."""
+import os
+import subprocess
+import sys
+
 import pytest
 
 from engine import launch
@@ -17,6 +21,7 @@ def test_a_ready_child_is_reported_ready_and_keeps_running():
     try:
         launch.await_ready(proc, reader, 30, "child", died="ChildDied")
         assert proc.is_alive()
+        assert proc.ready_info == {"parent_pid": os.getpid()}  # whoever reaps it later
     finally:
         reader.close()
         launch.kill(proc)
@@ -54,3 +59,15 @@ def test_arguments_that_cannot_be_pickled_fail_before_any_process_starts():
     with pytest.raises(launch.ChildFailed) as info:
         start(do="ready", fn=lambda: None)
     assert "pickle" in info.value.message.lower() or "lambda" in info.value.message
+
+
+@pytest.mark.parametrize("parent", ["os.getppid()", "os.getppid() + 1"])
+def test_a_child_whose_spawner_is_gone_dies_at_once_whoever_adopted_it(parent):
+    # an orphan is adopted by init or by a subreaper (a container's init): the check is
+    # against the spawner's pid passed down, not against pid 1
+    code = (f"import os; from engine.shm import liveness; "
+            f"liveness.die_with_parent({parent}); print('alive')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert (done.returncode, done.stdout.strip()) == \
+        ((0, "alive") if parent == "os.getppid()" else (1, ""))

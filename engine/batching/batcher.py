@@ -300,7 +300,7 @@ def main(name: str, instance: int, backend, backend_args: dict, cpus, gpu, conn,
     failure to start on conn once (engine.launch), then serves; an exception
     that ends its loop is reported on conn too, before it dies."""
     try:
-        liveness.die_with_parent()
+        liveness.die_with_parent(launch.parent_pid())
         if gpu is not None:  # before the factory runs, as a CUDA runtime reads it once
             os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
         if cpus:

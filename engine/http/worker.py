@@ -19,7 +19,7 @@ def _entry() -> None:
     """A worker process (engine.launch): uvicorn with the protocol's app on the
     socket serve passed."""
     from engine.shm import liveness
-    liveness.die_with_parent()
+    liveness.die_with_parent(launch.parent_pid())
     args, ready = launch.child_args()
     logging.basicConfig(level=args["log_level"].upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

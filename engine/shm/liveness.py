@@ -33,9 +33,11 @@ def is_alive(pid: int, ticks: int = 0) -> bool:
     return now is not None and (ticks == 0 or now == ticks)
 
 
-def die_with_parent() -> None:
-    """SIGKILL this process when the thread that spawned it exits (Linux)."""
+def die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when the thread that spawned it exits (Linux);
+    parent_pid is the spawner's, passed down: an orphan's parent is init or
+    a subreaper (a container's init, systemd --user), not always pid 1."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() == 1:  # the parent died before prctl took effect
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)

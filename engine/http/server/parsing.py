@@ -115,7 +115,7 @@ def _entry() -> None:
     """The parser process (engine.launch): parses each body it is sent,
     until its pipe closes."""
     from engine.shm import liveness
-    liveness.die_with_parent()
+    liveness.die_with_parent(launch.parent_pid())
     args, ready = launch.child_args()
     conn = Connection(args["fd"])
     launch.tell_ready(ready)
