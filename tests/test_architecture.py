@@ -23,6 +23,9 @@ LONG = {
     "engine/serving/supervisor.py": "one engine's lifecycle and its monitor's loop, each "
                                     "policy delegated (restarts, reloading, control): what "
                                     "is left is the order of their steps",
+    "engine/http/grpc/generated/grpc_service_pb2_grpc.py": "protoc's stub and servicer of "
+                                                          "Triton's service, never edited "
+                                                          "(engine/http/grpc/regenerate.py)",
 }
 # modules under MIN_MODULE_LINES (package faces aside): why each stands alone
 SHORT = {

@@ -7,7 +7,7 @@ import tomllib
 # serve's own keys: its flags, and a --config file's top level beside an
 # engine's keys or [engines.NAME] tables
 SERVE_ONLY_KEYS = ("metrics_port", "metrics_host", "metrics_compat", "http_port", "http_host",
-                   "http_workers", "http_timeout_s", "http_max_body_bytes", "http_read_timeout_s",
+                   "grpc_port", "grpc_host", "http_workers", "http_timeout_s", "http_max_body_bytes", "http_read_timeout_s",
                    "http_max_connections", "api_key", "model_control")
 
 

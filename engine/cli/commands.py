@@ -32,6 +32,11 @@ def _serve_parser(sub):
                    help="serve the Open Inference Protocol (KServe v2 REST) for every engine "
                         "on this port (0: any free one); needs the http extra")
     p.add_argument("--http-host", help="address for --http-port (default 127.0.0.1)")
+    p.add_argument("--grpc-port", type=int, metavar="PORT",
+                   help="also serve the Open Inference Protocol over gRPC (Triton's "
+                        "inference.GRPCInferenceService) on this port, in the HTTP workers (0: "
+                        "any free one); needs --http-port and the grpc extra")
+    p.add_argument("--grpc-host", help="address for --grpc-port (default 127.0.0.1)")
     p.add_argument("--http-workers", type=int, metavar="N",
                    help="HTTP worker processes, each a Client of every engine (default 1)")
     p.add_argument("--http-timeout-s", type=float, metavar="S",

@@ -1,7 +1,7 @@
-"""Several engines in one `shmbatch serve`, and what serves them all: /metrics and HTTP.
+"""Several engines in one `shmbatch serve`, and what serves them all: /metrics, HTTP and gRPC.
 
 All start or none. Every engine is built (its settings validated) before
-any is created, and the HTTP port is bound before any starts; then the
+any is created, and the HTTP port is bound (the gRPC port held) before any starts; then the
 segments crashed engines of these names left are removed (a restart after a
 crash finds its /dev/shm as the crash left it), and the engines start one
 after another, and one that fails stops those already
@@ -42,6 +42,7 @@ class Serving:
                  metrics_host: Optional[str] = None, metrics_compat=None,
                  http_port: Optional[int] = None,
                  http_host: Optional[str] = None, http_workers: Optional[int] = None,
+                 grpc_port: Optional[int] = None, grpc_host: Optional[str] = None,
                  http_timeout_s: Optional[float] = None,
                  http_max_body_bytes: Optional[int] = None,
                  http_read_timeout_s: Optional[float] = None,
@@ -64,6 +65,7 @@ class Serving:
                  "--http-timeout-s": http_timeout_s, "--http-max-body-bytes": http_max_body_bytes,
                  "--http-read-timeout-s": http_read_timeout_s,
                  "--http-max-connections": http_max_connections, "--api-key": api_key,
+                 "--grpc-port": grpc_port, "--grpc-host": grpc_host,
                  "--model-control": model_control if model_control == "explicit" else None}
         if http_port is None:
             if any(v is not None for v in given.values()):
@@ -74,6 +76,11 @@ class Serving:
             self._check_connections(http_read_timeout_s, http_max_connections)
             from engine.http import auth
             self._api_key = None if api_key is None else auth.checked(api_key)
+        self.grpc_port, self.grpc_host = grpc_port, grpc_host or "127.0.0.1"
+        if grpc_port is not None:
+            _check_grpc(grpc_port)
+        elif grpc_host is not None:
+            raise ValueError("--grpc-host without --grpc-port (or grpc_port in --config)")
         self.openai = self._check_openai(openai or {})
         self.model_control = model_control or "none"
         if self.model_control not in models.CHOICES:
@@ -83,6 +90,7 @@ class Serving:
         self.collectors: Optional[metrics.Collectors] = None  # /metrics' engines
         self.repository: Optional[models.Repository] = None
         self._sock = None
+        self._grpc_sock = None  # the gRPC port, held bound (engine.http.server.workers.reserve)
         self._workers = None
 
     def _check_http(self, workers, timeout_s, max_body_bytes) -> None:
@@ -147,6 +155,8 @@ class Serving:
             if self.http_port is not None:
                 from engine.http.server import workers
                 self._sock = workers.bind(self.http_host, self.http_port)
+                if self.grpc_port is not None:
+                    self._grpc_sock = workers.reserve(self.grpc_host, self.grpc_port)
             # every crashed engine's leftover goes before the first size check:
             # the space one holds may be what another of these engines needs
             for step in (lambda eng: remove_if_dead(eng.name), lambda eng: eng.start()):
@@ -187,9 +197,12 @@ class Serving:
             log_level=logging.getLevelName(log.getEffectiveLevel()), openai=self.openai,
             api_key=self._api_key,
             catalog_fd=None if self.repository is None else self.repository.catalog.fd,
-            control_at=None if self.repository is None else self.repository.address)
+            control_at=None if self.repository is None else self.repository.address,
+            grpc_at=None if self._grpc_sock is None else
+            (self.grpc_host, self._grpc_sock.getsockname()[1]))
         self._workers.start()
-        log.info("Open Inference Protocol on %s (%d HTTP worker(s), pids %s%s)", self.http_url,
+        log.info("Open Inference Protocol on %s%s (%d HTTP worker(s), pids %s%s)", self.http_url,
+                 f" and gRPC {self.grpc_url}" if self.grpc_url else "",
                  self.http_workers, self._workers.pids,
                  "; every route but the health probes needs the API key" if self._api_key
                  else "")
@@ -200,6 +213,14 @@ class Serving:
             return None
         host, port = self._sock.getsockname()[:2]
         return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+    @property
+    def grpc_url(self) -> Optional[str]:
+        """host:port of the gRPC server (None: none), as a gRPC client takes it."""
+        if self._grpc_sock is None:
+            return None
+        host, port = self._grpc_sock.getsockname()[:2]
+        return f"{f'[{host}]' if ':' in host else host}:{port}"
 
     def ready_line(self) -> str:
         if len(self.engines) == 1:
@@ -212,6 +233,8 @@ class Serving:
             line = f"shmbatch serve: engines {each} ready (pid {os.getpid()})"
         if self._workers is not None:
             line += f"; Open Inference Protocol on {self.http_url}"
+            if self._grpc_sock is not None:
+                line += f" and gRPC {self.grpc_url}"
         return line
 
     def watch(self) -> None:
@@ -228,9 +251,10 @@ class Serving:
         if self._workers is not None:
             self._workers.stop()
             self._workers = None
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        for sock in (self._sock, self._grpc_sock):
+            if sock is not None:
+                sock.close()
+        self._sock = self._grpc_sock = None
         if self.repository is not None:
             self.repository.release()
             self.repository = None
@@ -240,6 +264,15 @@ class Serving:
             t.start()
         for t in stoppers:
             t.join()
+
+
+def _check_grpc(port) -> None:
+    """ValueError unless the gRPC server can be served: grpcio and protobuf installed."""
+    import importlib.util
+    find = importlib.util.find_spec
+    if find("grpc") is None or find("google.protobuf") is None:
+        raise ValueError(f"--grpc-port {port} needs grpcio and protobuf: "
+                         f"pip install 'shmbatch[grpc]'")
 
 
 def _stop(eng: Engine) -> None:

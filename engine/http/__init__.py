@@ -2,10 +2,11 @@
 
 Its rooms, top down; a module imports only from its own room or those below
 (tests/test_architecture.py reads this table); oip and openai never import
-each other:
+each other; grpc reads its requests by oip's rules:
 
     worker   one HTTP worker process of `serve --http-port`: uvicorn running the front
     front    the ASGI app: the engines' Clients, the lifespan, each protocol mounted
+    grpc     the Open Inference Protocol over gRPC, beside the ASGI app on its loop
     oip      the Open Inference Protocol (KServe v2, Triton's extensions)
     openai   the OpenAI API (/v1/)
     server   the processes and connections around the app, knowing no protocol

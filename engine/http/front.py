@@ -13,10 +13,13 @@ at its startup, and a worker says it is ready then), a caller's W3C
 traceparent, continued for the request's spans, the API key (engine.http.auth),
 checked before any route reads a body and refused 401 in the shape of the
 route asked, and GET /health, vLLM's probe that gateways use: 200 while every
-engine serves (as /v2/health/ready), else 503 with Retry-After.
+engine serves (as /v2/health/ready), else 503 with Retry-After. With
+grpc_at, the front also runs the Open Inference Protocol over gRPC
+(engine.http.grpc) on its event loop, over the same Engines: started at
+startup (before the worker says it is ready), stopped by drain().
 """
 import json
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 from engine.client import tracing
 from engine.client.client import Client
@@ -41,16 +44,25 @@ class Front:
     catalog_fd, control_at: serve's, under --model-control explicit
     (engine.http.engines); regions_fd: the file of the shared-memory regions
     every worker of a serve shares (engine.http.oip.regions; None: this
-    front's own)."""
+    front's own); grpc_at: (host, port) of its gRPC server (None: none), which
+    runs at most max_rpcs calls at once (engine.http.grpc.server)."""
 
     def __init__(self, configs: Dict[str, EngineConfig], timeout_s: float = DEFAULT_TIMEOUT_S,
                  max_body_bytes: Optional[int] = None, on_ready=None,
                  openai: Optional[Dict[str, dict]] = None,
                  clients: Optional[Dict[str, Client]] = None,
                  api_key: Optional[str] = None, catalog_fd: Optional[int] = None,
-                 control_at: Optional[str] = None, regions_fd: Optional[int] = None) -> None:
+                 control_at: Optional[str] = None, regions_fd: Optional[int] = None,
+                 grpc_at: Optional[Tuple[str, int]] = None, max_rpcs: int = 1024) -> None:
         self.engines = Engines(configs, timeout_s, max_body_bytes, clients, catalog_fd,
                                control_at)
+        self.grpc = None
+        if grpc_at is not None:  # grpcio is imported only where gRPC is served
+            from engine.http.grpc.server import GrpcServer
+            from engine.http.oip.request import spec_of
+            self.grpc = GrpcServer(self.engines, *grpc_at,
+                                   [spec_of(name, c) for name, c in configs.items()],
+                                   max_body_bytes, max_rpcs)
         self.api_key = None if api_key is None else ApiKey(api_key)
         self.parser = parsing.Parser()  # large bodies, of either protocol
         self.oip = oip_routes.App(self.engines, self.parser, regions_fd)
@@ -62,6 +74,12 @@ class Front:
     def open(self) -> None:
         """A Client of each engine (EngineUnavailable if one is not running)."""
         self.engines.open()
+
+    async def drain(self, grace_s: Optional[float]) -> None:
+        """Stops the gRPC server (if any): new calls refused, those running
+        given grace_s to end; the HTTP server drains its own requests beside."""
+        if self.grpc is not None:
+            await self.grpc.stop(grace_s)
 
     def close(self) -> None:
         self.engines.close()
@@ -118,6 +136,8 @@ class Front:
             if message["type"] == "lifespan.startup":
                 try:
                     self.open()
+                    if self.grpc is not None:
+                        await self.grpc.start()
                 except Exception as e:
                     self.startup_error = f"{type(e).__name__}: {e}"
                     await send({"type": "lifespan.startup.failed",
@@ -127,6 +147,7 @@ class Front:
                 if self.on_ready is not None:
                     self.on_ready()
             elif message["type"] == "lifespan.shutdown":
+                await self.drain(None)  # stopped already by a graceful drain, if one ran
                 self.close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return

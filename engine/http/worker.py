@@ -3,7 +3,8 @@
 Started by serve's engine.http.server.workers (through engine.launch) on the
 listening socket serve passed, it runs uvicorn with the front
 (engine.http.front) and the connections' guard (engine.http.server.connections),
-and says it is ready once its Clients attached (the lifespan's startup).
+and says it is ready once its Clients attached (the lifespan's startup) and,
+with serve's --grpc-port, its gRPC server listens (engine.http.grpc.server).
 It dies with serve (parent-death signal), raises its open-file limit to the
 hard limit and its oom_score_adj by 500.
 """
@@ -38,12 +39,14 @@ def _entry() -> None:
         # keep-alive request then waits ~40 ms for the client's delayed ACK)
         sock = socket.socket(fileno=args["fd"])
         configs = {name: EngineConfig.from_json(blob) for name, blob in args["configs"].items()}
+        cap = connections.max_connections(args["max_connections"], nofile)
+        grpc_at = args.get("grpc_at")
         app = Front(configs, args["timeout_s"], args["max_body_bytes"],
                     on_ready=lambda: launch.tell_ready(ready), openai=args.get("openai"),
                     api_key=args.get("api_key"), catalog_fd=args.get("catalog_fd"),
-                    control_at=args.get("control_at"), regions_fd=args.get("regions_fd"))
-        guard = connections.Guard(args["read_timeout_s"],
-                                  connections.max_connections(args["max_connections"], nofile))
+                    control_at=args.get("control_at"), regions_fd=args.get("regions_fd"),
+                    grpc_at=None if grpc_at is None else tuple(grpc_at), max_rpcs=cap)
+        guard = connections.Guard(args["read_timeout_s"], cap)
         # uvicorn's own lines at INFO (four per worker start and stop) say what
         # serve's one line says already
         level = max(logging.getLevelName(args["log_level"].upper()), logging.WARNING)
@@ -53,7 +56,8 @@ def _entry() -> None:
                                 timeout_graceful_shutdown=args["graceful_s"],
                                 http=connections.protocol(guard), backlog=BACKLOG)
         connections.quiet_floods()
-        connections.Server(config, guard).run(sockets=[sock])
+        graceful_s = args["graceful_s"]
+        connections.Server(config, guard, lambda: app.drain(graceful_s)).run(sockets=[sock])
     except BaseException as e:
         if app is not None and app.startup_error is not None:  # uvicorn exits (SystemExit 3)
             launch.tell_failed(ready, launch.ChildFailed("StartFailed", app.startup_error))

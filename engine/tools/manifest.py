@@ -90,7 +90,10 @@ def service(pod: ServePod, namespace) -> dict:
             "metadata": metadata(pod.name, pod.labels, namespace),
             "spec": {"selector": {"app.kubernetes.io/name": pod.name},
                      "ports": [{"name": "http", "port": pod.http_port,
-                                "targetPort": pod.http_port, "protocol": "TCP"}]}}
+                                "targetPort": pod.http_port, "protocol": "TCP"}] + (
+                         [] if pod.grpc_port is None else
+                         [{"name": "grpc", "port": pod.grpc_port, "targetPort": pod.grpc_port,
+                           "protocol": "TCP", "appProtocol": "kubernetes.io/h2c"}])}}
 
 
 def adapter_rule() -> str:

@@ -167,6 +167,7 @@ class ServePod:
     batcher_bytes: Optional[int] = None  # --memory-per-batcher; None: process_bytes
     measured: Optional[Measured] = None  # sizes the memory instead of the budgets
     metrics_compat: Tuple[str, ...] = ()  # serve's --metrics-compat kinds (vllm, triton)
+    grpc_port: Optional[int] = None  # serve's --grpc-port (in the HTTP workers)
 
     @property
     def names(self) -> List[str]:
@@ -254,6 +255,8 @@ class ServePod:
             args += ["--metrics-compat", ",".join(self.metrics_compat)]
         if self.http_port is not None:
             args += ["--http-port", str(self.http_port), "--http-host", "0.0.0.0"]
+        if self.grpc_port is not None:
+            args += ["--grpc-port", str(self.grpc_port), "--grpc-host", "0.0.0.0"]
         return args
 
     def container(self, name: str = SERVE_CONTAINER, startup: bool = False) -> dict:
@@ -263,6 +266,8 @@ class ServePod:
         ports = [{"name": "metrics", "containerPort": self.metrics_port, "protocol": "TCP"}]
         if self.http_port is not None:
             ports.insert(0, {"name": "http", "containerPort": self.http_port, "protocol": "TCP"})
+        if self.grpc_port is not None:
+            ports.insert(1, {"name": "grpc", "containerPort": self.grpc_port, "protocol": "TCP"})
         out = {
             "name": name, "image": self.image, "command": ["shmbatch"], "args": self.args(),
             "ports": ports,
@@ -363,11 +368,19 @@ def serve_pod(engines: List[dict], serve: dict, *, name: Optional[str], image: s
                          f"([a-z][-a-z0-9]*), got {name!r}")
     http = http_port if http_port is not None else serve.get("http_port")
     metrics = metrics_port or serve.get("metrics_port") or DEFAULT_METRICS_PORT
-    for what, port in (("http_port", http), ("metrics_port", metrics)):
+    grpc = serve.get("grpc_port")
+    ports = (("http_port", http), ("metrics_port", metrics), ("grpc_port", grpc))
+    for what, port in ports:
         if port is not None and not 0 < int(port) < 65536:  # 0 (any free port) has no Service
             raise ValueError(f"{what}: expected a port in 1..65535 for a pod, got {port}")
-    if http is not None and int(http) == int(metrics):
-        raise ValueError(f"http_port and metrics_port are both {http}: expected two ports")
+    for i, (what, port) in enumerate(ports):
+        for other, taken in ports[:i]:
+            if port is not None and taken is not None and int(port) == int(taken):
+                raise ValueError(f"{other} and {what} are both {port}: expected each its own "
+                                 f"port")
+    if grpc is not None and http is None:
+        raise ValueError("grpc_port: gRPC is served by the HTTP workers: expected http_port "
+                         "in the config (or --http-port), got none")
     if headroom_mib < 0 or process_mib < 1:
         raise ValueError(f"expected --shm-headroom-mib >= 0 and --process-memory-mib >= 1, "
                          f"got {headroom_mib} and {process_mib}")
@@ -376,7 +389,8 @@ def serve_pod(engines: List[dict], serve: dict, *, name: Optional[str], image: s
                    http_workers=int(serve.get("http_workers") or 1), metrics_port=int(metrics),
                    headroom_bytes=headroom_mib * MIB, process_bytes=process_mib * MIB,
                    api_key_secret=api_key_secret, batcher_bytes=batcher_bytes,
-                   metrics_compat=metrics_compat.parse(serve.get("metrics_compat")))
+                   metrics_compat=metrics_compat.parse(serve.get("metrics_compat")),
+                   grpc_port=None if grpc is None else int(grpc))
     if api_key_secret is not None and pod.http_port is None:
         raise ValueError("--api-key-secret: the API key guards the HTTP port: expected "
                          "http_port in the config, got none")

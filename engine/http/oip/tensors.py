@@ -168,7 +168,7 @@ def read_inputs(request: dict, binary: memoryview,
             raise BadRequest(f"inputs[{i}]: expected a tensor {{\"name\", \"datatype\", "
                              f"\"shape\", \"data\"}}, got {json_text(obj)}")
         name = obj["name"]
-        declared.append(Declared(name, _datatype(obj, name), _shape(obj, name)))
+        declared.append(declare(obj, name))
         params = parameters(obj, f"input {name!r}", ("binary_data_size",) + SHM_PARAMETERS)
         size = params.get("binary_data_size")
         ref = shm_ref(params, f"input {name!r}")
@@ -201,6 +201,13 @@ def read_inputs(request: dict, binary: memoryview,
         raise BadRequest(f"the binary data after the JSON is {len(binary)} bytes, the inputs' "
                          f"binary_data_size parameters add up to {offset}")
     return tensors
+
+
+def declare(obj: dict, name: str) -> Declared:
+    """An input as obj declares it ({"datatype", "shape"}: a JSON tensor's, or
+    a protobuf tensor's fields): BadRequest for a datatype or shape no engine
+    tensor takes. The gRPC front (engine.http.grpc) checks its tensors here too."""
+    return Declared(name, _datatype(obj, name), _shape(obj, name))
 
 
 def _datatype(obj: dict, name: str) -> str:

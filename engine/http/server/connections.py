@@ -323,18 +323,22 @@ class _Held:
 
 
 class Server(uvicorn.Server):
-    """uvicorn's server, whose graceful stop keeps accepting to refuse (503)."""
+    """uvicorn's server, whose graceful stop keeps accepting to refuse (503);
+    on_drain: a coroutine function run beside that stop (the app's other
+    servers draining)."""
 
-    def __init__(self, config: uvicorn.Config, guard: Guard) -> None:
+    def __init__(self, config: uvicorn.Config, guard: Guard, on_drain=None) -> None:
         super().__init__(config)
         self.guard = guard
+        self.on_drain = on_drain
 
     async def shutdown(self, sockets=None) -> None:
         self.guard.draining = True
         log.info("HTTP worker pid %d draining: new connections are refused (503)", os.getpid())
         servers, self.servers = self.servers, []
+        others = [self.on_drain()] if self.on_drain is not None else []
         try:
-            await super().shutdown(sockets=None)
+            await asyncio.gather(super().shutdown(sockets=None), *others)
         finally:
             for server in servers:
                 server.close()

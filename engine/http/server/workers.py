@@ -61,18 +61,42 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def reserve(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port with SO_REUSEPORT, never listening: it holds
+    the port for the workers' gRPC servers (bound there with SO_REUSEPORT too;
+    the kernel lets only the same user's sockets join) from before any engine
+    starts, and says which port 0 chose. OSError naming the address if taken."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP,
+            flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise OSError(f"--grpc-host {host}: {e.strerror or e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise OSError(f"--grpc-port {port}: cannot listen on {host}:{port} "
+                      f"({e.strerror or e})") from None
+    return sock
+
+
 class Workers:
     """`count` worker processes serving the engines `configs` ({name: the
     config's JSON}) on `sock`; with catalog_fd (engine.serving.catalog) and
     control_at (serve's control address), the engines serve's catalog holds
-    now, loaded and unloaded through serve."""
+    now, loaded and unloaded through serve; with grpc_at (host, port: serve's
+    reserve()d), each worker also serves gRPC there."""
 
     def __init__(self, sock: socket.socket, count: int, configs: Dict[str, bytes], *,
                  timeout_s: float, max_body_bytes: Optional[int], graceful_s: float,
                  read_timeout_s: float, max_connections: Optional[int] = None,
                  log_level: str = "INFO", openai: Optional[Dict[str, dict]] = None,
                  api_key: Optional[str] = None, catalog_fd: Optional[int] = None,
-                 control_at: Optional[str] = None) -> None:
+                 control_at: Optional[str] = None,
+                 grpc_at: Optional[Tuple[str, int]] = None) -> None:
         if count < 1:
             raise ValueError(f"http_workers must be >= 1, got {count}")
         self.sock, self.count = sock, count
@@ -84,7 +108,7 @@ class Workers:
                           fd=sock.fileno(), read_timeout_s=read_timeout_s,
                           max_connections=max_connections, openai=openai, api_key=api_key,
                           catalog_fd=catalog_fd, control_at=control_at,
-                          regions_fd=shared)
+                          regions_fd=shared, grpc_at=grpc_at)
         # --model-control explicit: the engines' catalog, read by each worker
         self._fds = (sock.fileno(), shared) + (() if catalog_fd is None else (catalog_fd,))
         self.procs: List[Optional[launch.Child]] = [None] * count
