@@ -209,3 +209,20 @@ def engine_word(name: str, word: int) -> int:
 def requests_total(name: str) -> int:
     """Requests the engine has taken in."""
     return engine_word(name, codes.W_REQUESTS)
+
+
+def import_proto_client(module: str):
+    """`module` imported, else the test file skipped: missing, or it registers its own
+    copy of the Open Inference Protocol's proto (tritonclient.grpc and kserve each do)
+    where the other's is already loaded, which protobuf refuses in one process; then
+    run the two files apart."""
+    import importlib
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        pytest.skip(f"{module}: {e}", allow_module_level=True)
+    except TypeError as e:
+        if "duplicate symbol" not in str(e):
+            raise
+        pytest.skip(f"{module}: another copy of its proto is loaded in this process; run "
+                    f"this file in a process of its own", allow_module_level=True)

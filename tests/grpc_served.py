@@ -4,9 +4,9 @@ import re
 
 import numpy as np
 
+from conftest import engine_word, requests_total
 from test_multi_engine import Served, table, top
 
-from engine.segment import Segment
 from engine.shm import codes
 
 AFFINE = dict(backend="helpers:affine", input_shape=[4], output_shape=[4], max_batch_size=8)
@@ -31,11 +31,7 @@ class GrpcServed(Served):
 
 def word(name: str, which: int) -> int:
     """One of the engine's counters (engine.shm.codes.W_*), read from its segment."""
-    seg = Segment.attach(name, header_only=True)
-    try:
-        return seg.ring.word(which)
-    finally:
-        seg.close()
+    return engine_word(name, which)
 
 
 def withdrawn(name: str) -> int:
@@ -43,4 +39,4 @@ def withdrawn(name: str) -> int:
 
 
 def requests(name: str) -> int:
-    return word(name, codes.W_REQUESTS)
+    return requests_total(name)

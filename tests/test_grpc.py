@@ -8,7 +8,8 @@ import pytest
 
 pytest.importorskip("uvicorn")
 pytest.importorskip("grpc")
-grpcclient = pytest.importorskip("tritonclient.grpc")
+from conftest import import_proto_client  # noqa: E402
+grpcclient = import_proto_client("tritonclient.grpc")
 import tritonclient.grpc.aio as aioclient  # noqa: E402
 from grpc_served import AFFINE, GrpcServed, affine  # noqa: E402
 

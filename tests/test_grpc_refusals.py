@@ -12,7 +12,8 @@ import pytest
 
 pytest.importorskip("uvicorn")
 grpc = pytest.importorskip("grpc")
-service_pb2 = pytest.importorskip("tritonclient.grpc.service_pb2")
+from conftest import import_proto_client  # noqa: E402
+service_pb2 = import_proto_client("tritonclient.grpc.service_pb2")
 from tritonclient.grpc import service_pb2_grpc  # noqa: E402
 from grpc_served import AFFINE, GrpcServed, affine, requests, word  # noqa: E402
 

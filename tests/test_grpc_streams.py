@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 pytest.importorskip("uvicorn")
-grpcclient = pytest.importorskip("tritonclient.grpc")
+from conftest import import_proto_client  # noqa: E402
+grpcclient = import_proto_client("tritonclient.grpc")
 import tritonclient.grpc.aio as aioclient  # noqa: E402
 from grpc_served import AFFINE, STEPS, GrpcServed, affine, withdrawn  # noqa: E402
 

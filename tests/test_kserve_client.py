@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 pytest.importorskip("uvicorn")
-kserve = pytest.importorskip("kserve")
+from conftest import import_proto_client  # noqa: E402
+kserve = import_proto_client("kserve")
 import httpx  # noqa: E402  (kserve's client is built on it)
 from kserve.protocol.rest.v2_datamodels import ModelMetadataResponse  # noqa: E402
 
