@@ -12,8 +12,8 @@ timeline under it and sleeps after), and each copy allocates its own weights (we
 written). The engine row is engine.ray.deployment: the replicas are Clients of one node
 engine, whose batcher is the one model copy. The baseline row is a deployment whose replicas
 each load a copy and batch their own requests with @serve.batch (the same max_batch_size,
-batch_wait_timeout_s the engine's max_delay_ms; the model called in a thread, so that the
-replica's loop takes requests while its batch waits for the device).
+batch_wait_timeout_s the engine's max_delay_ms unless --baseline-wait-ms; the model called in
+a thread, so that the replica's loop takes requests while its batch waits for the device).
 
 Load: --concurrency callers in one asyncio driver, a closed loop (each sends its next request
 once its answer came, every answer checked against its own request), through the
@@ -255,10 +255,16 @@ def main() -> int:
                         "device's timeline (bench/shared_device.py)")
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--max-delay-ms", type=float, default=0.0)
+    p.add_argument("--baseline-wait-ms", type=float, default=None,
+                   help="@serve.batch's batch_wait_timeout_s, in ms (default: --max-delay-ms); "
+                        "Serve forms a batch before the previous one is done, so with 0 a "
+                        "backlog waits as batches of one")
     p.add_argument("--num-cpus", type=int, default=os.cpu_count())
     p.add_argument("--out", help="every row, as JSON")
     args = p.parse_args()
     counts = [int(n) for n in args.replicas.split(",")]
+    baseline_wait_ms = args.max_delay_ms if args.baseline_wait_ms is None \
+        else args.baseline_wait_ms
     paths = args.paths.split(",")
 
     # Ray's processes listen on loopback only (as tests/conftest.py sets), and its workers
@@ -299,7 +305,7 @@ def main() -> int:
                                        args.max_delay_ms, args.concurrency, max_ongoing) \
                         if setup == ENGINE else \
                         baseline_app(n, backend_args, args.max_batch_size,
-                                     args.max_delay_ms / 1e3, max_ongoing)
+                                     baseline_wait_ms / 1e3, max_ongoing)
                     t0 = time.perf_counter()
                     serve.run(bound, name=app, route_prefix=f"/{app}")
                     apps[setup] = (app, lock)
