@@ -1,7 +1,8 @@
 """The gRPC front through grpcio directly: typed contents beside raw ones, and each
 refusal as its status code, saying what was expected and what came (the HTTP front's
-texts): a bad datatype, a wrong shape, an oversize message, a deadline past, a full
-queue (with when to try again), an unknown model, an RPC not served.
+texts): a bad datatype, a wrong shape, an oversize message (unary or streamed, the limit
+named: what the largest engine can take), a deadline past, a full queue (with when to try
+again), an unknown model, an RPC not served.
 
 The messages are tritonclient's (the same proto), so that one process never holds two
 builds of it in protobuf's pool."""
@@ -19,6 +20,7 @@ from grpc_served import AFFINE, GrpcServed, affine, requests, word  # noqa: E402
 
 from conftest import unique_name, wait_for  # noqa: E402
 
+from engine.http.body import HEADER_BYTES  # noqa: E402
 from engine.shm import codes  # noqa: E402
 
 SLOW_MS = 1000.0
@@ -101,11 +103,30 @@ def test_raw_contents_that_do_not_fill_the_shape_are_invalid_argument(served, st
     assert "expected 32 bytes (FP32[2, 4]), got 12" in e.details()
 
 
-def test_a_message_over_what_the_engines_can_take_is_resource_exhausted(served, stub):
-    xs = np.zeros((1 << 16, 4), np.float32)  # 1 MiB: far past 256 requests of any engine here
-    e = refusal(stub.ModelInfer, infer_request(served[0]["fast"], xs), timeout=30)
+# what the largest engine here can take: "fast"'s 64 requests of 4 values, each value at
+# most a varint's 10 bytes in typed contents, and the room for a message's header
+LIMIT_BYTES = 64 * 4 * 10 + HEADER_BYTES
+
+
+def test_a_message_over_what_the_engines_can_take_is_resource_exhausted_naming_the_limit(
+        served, stub):
+    r = infer_request(served[0]["fast"], np.zeros((1 << 16, 4), np.float32))  # 1 MiB
+    e = refusal(stub.ModelInfer, r, timeout=30)
     assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "larger than max" in e.details()
+    assert f"larger than max ({r.ByteSize()} vs. {LIMIT_BYTES})" in e.details(), e.details()
+
+
+def test_a_stream_message_over_the_limit_ends_the_stream_resource_exhausted(served, stub):
+    r = infer_request(served[0]["fast"], np.zeros((1 << 16, 4), np.float32))
+    e = refusal(lambda: list(stub.ModelStreamInfer(iter([r]), timeout=30)))
+    assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert f"larger than max ({r.ByteSize()} vs. {LIMIT_BYTES})" in e.details(), e.details()
+
+
+def test_the_most_requests_an_engine_takes_fit_in_a_message_in_typed_contents(served, stub):
+    xs = np.arange(64 * 4, dtype=np.float32).reshape(64, 4)  # queue_capacity requests
+    got = stub.ModelInfer(infer_request(served[0]["fast"], xs, raw=False), timeout=30)
+    np.testing.assert_array_equal(answer(got), affine(xs))
 
 
 def test_an_unknown_model_is_not_found(stub):

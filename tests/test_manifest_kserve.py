@@ -2,8 +2,9 @@
 schema and runs serve as an Open Inference Protocol (v2) server on KServe's
 port, with the /dev/shm, memory and readiness that `manifest kubernetes` gives."""
 import pytest
+import yaml
 from manifest_helpers import (KUBERNETES_VERSIONS, by_kind, crd_validate, k8s_validate, manifest,
-                              serve_container, shm_volume, write_config)
+                              run, serve_container, shm_volume, write_config)
 
 ENGINES = {"digits": {"backend": '"engine.backends:synthetic"', "input_shape": "[784]",
                       "output_shape": "[10]", "queue_capacity": 512, "instances": 2}}
@@ -55,3 +56,32 @@ def test_the_pod_gets_the_same_dev_shm_and_memory_as_the_kubernetes_manifest(con
     assert shm_volume(runtime) == shm_volume(deployment)
     assert shm_volume(runtime)["emptyDir"]["medium"] == "Memory"
     assert serve_container(runtime)["resources"] == serve_container(deployment)["resources"]
+
+
+@pytest.fixture
+def grpc_config(tmp_path):
+    return write_config(tmp_path / "digits.toml", ENGINES, http_port=8000, grpc_port=8001)
+
+
+def test_a_grpc_port_is_declared_h2c_after_the_http_port_and_the_runtime_speaks_grpc_v2(
+        grpc_config):
+    code, out, err = run("kserve", "--config", grpc_config, "--image", "i")
+    assert code == 0 and err == "", err
+    runtime = by_kind(list(yaml.safe_load_all(out)))["ServingRuntime"]
+    crd_validate(runtime, "kserve_servingruntime.json")
+    assert runtime["spec"]["protocolVersions"] == ["v2", "grpc-v2"]
+    container = serve_container(runtime)
+    args = container["args"]
+    assert args[args.index("--grpc-port") + 1] == "8001"
+    assert args[args.index("--grpc-host") + 1] == "0.0.0.0"
+    # KServe's Service: the first port on 80, a port whose name holds h2c as gRPC (h2c);
+    # a Service of two ports needs each named
+    assert container["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"},
+                                  {"name": "h2c", "containerPort": 8001, "protocol": "TCP"}]
+    assert "serving.kserve.io/deploymentMode: RawDeployment" in out  # Knative takes one port
+
+
+def test_a_grpc_port_on_kserves_http_service_port_is_refused(tmp_path):
+    config = write_config(tmp_path / "digits.toml", ENGINES, http_port=8000, grpc_port=80)
+    code, _, err = run("kserve", "--config", config, "--image", "i")
+    assert code != 0 and "grpc_port" in err and "got 80" in err
