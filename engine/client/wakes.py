@@ -65,10 +65,6 @@ class Waker:
         self.pending: Dict[int, Item] = {}
         self.owners: Dict[int, Handle] = {}  # key -> the client that sent it
         self.next_key = 0
-        # as Client.spin_ns: whether the next request spins, if alone: only after
-        # one that was alone in flight (on this loop) and answered within SPIN_NS
-        self.spin_ns = 0
-        self.sent = 0  # requests answer_of() awaited here, counted
         self._timer: Optional[asyncio.TimerHandle] = None
         self._timer_ns = 0  # when the timer fires (ring.now_ns() clock)
         self._checked_ns = ring.now_ns()
@@ -247,24 +243,14 @@ def close_client(client: Handle) -> None:
 async def answer_of(client: Handle, seg, slot: int, gen: int, deadline: Optional[int],
                     timeout: Optional[float]) -> Any:
     """ticket.answer_of through the loop's Waker (or the completion thread).
-    A request alone in flight on its loop, whose predecessor was too and came
-    within ring.SPIN_NS, spins for its answer that long first, as infer()
-    does: no wake at all then. With others in flight it never spins: they
-    may be ready to run."""
+    It never spins for the answer, as infer() does: the loop's other work
+    (its connections) may be ready, and on a busy machine a spinner takes the
+    core its batcher needs (bench/RESULTS.md, async_wake.py)."""
     waker = for_loop(seg)
     if waker is None:
         return await ticket.answer_of(client.completer(), seg, slot, gen, deadline, timeout)
-    started_ns, alone = ring.now_ns(), not waker.pending
-    waker.sent += 1
-    mine = waker.sent
-    if waker.spin_ns and alone:
-        seg.ring.wait_slot(slot, gen, waker.spin_ns, waker.spin_ns)
-    try:
-        return await ticket.answer_of(_Sender(waker, client), seg, slot, gen, deadline, timeout,
-                                      DIRECT)
-    finally:
-        alone = alone and waker.sent == mine and not waker.pending
-        waker.spin_ns = ring.SPIN_NS if alone and ring.now_ns() - started_ns <= ring.SPIN_NS else 0
+    return await ticket.answer_of(_Sender(waker, client), seg, slot, gen, deadline, timeout,
+                                  DIRECT)
 
 
 def follow(client: Handle, stream) -> "async_streams.AsyncStream":
