@@ -38,5 +38,8 @@
 #define sb_cas_acq_rel(p, expected, desired)                                   \
 	__atomic_compare_exchange_n((p), (expected), (desired), 0,              \
 				    __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)
+#define sb_cas_seq_cst(p, expected, desired)                                   \
+	__atomic_compare_exchange_n((p), (expected), (desired), 0,              \
+				    __ATOMIC_SEQ_CST, __ATOMIC_ACQUIRE)
 
 #endif

@@ -111,14 +111,14 @@ static uint32_t claim_one(sb_ring *r, uint32_t batcher, uint32_t i, uint32_t gen
  * with status as any claimed request is. 1 if it did. */
 static int fail_unstarted(sb_ring *r, uint32_t batcher, uint32_t slot, uint64_t seen,
 			  uint32_t level, uint32_t status, const char *why,
-			  uint32_t why_len, uint64_t now)
+			  uint32_t why_len, uint64_t now, sb_wakes *w)
 {
 	uint32_t gen = SB_CTL_GEN(seen);
 	if (!claim_exact(r, batcher, slot, gen, level))
 		return 0;
 	/* ours while CLAIMED: its queue wait ends here, unserved (no batch) */
 	sb_store_relaxed(&meta_at(r, slot)->claim_ns, now);
-	return complete_one(r, slot, gen, batcher, status, why, why_len, now, 0) == SB_OK;
+	return complete_one(r, slot, gen, batcher, status, why, why_len, now, 0, w) == SB_OK;
 }
 
 /* Entries {level, arrival_ns, slot, bucket | gen << 32}: x before y when more
@@ -231,6 +231,7 @@ uint32_t sb_claim(sb_ring *r, uint32_t batcher, uint32_t max_n, uint32_t flush_n
 	uint32_t k = 0, ready = 0, claimed = 0, expired = 0, failed = 0, bucket = 0;
 	uint64_t missed = 0, missed_predicted = 0, missed_seen = 0;
 	uint64_t oldest = UINT64_MAX, now = sb_now_ns();
+	sb_wakes w = {0};
 	report[SB_R_CLAIM_NS] = 0;
 	report[SB_R_BUCKET] = 0;
 	report[SB_R_READY] = 0;
@@ -243,7 +244,7 @@ uint32_t sb_claim(sb_ring *r, uint32_t batcher, uint32_t max_n, uint32_t flush_n
 			corrupt(r);
 			failed += fail_unstarted(r, batcher, slot, it.ctl, UINT32_MAX,
 						 SB_STATUS_CORRUPT, corrupt_why,
-						 sizeof(corrupt_why) - 1, now);
+						 sizeof(corrupt_why) - 1, now, &w);
 			continue;
 		}
 		const sb_slot_meta *m = meta_at(r, slot);
@@ -251,7 +252,7 @@ uint32_t sb_claim(sb_ring *r, uint32_t batcher, uint32_t max_n, uint32_t flush_n
 		if (deadline && deadline < expire_ns) {
 			expired += fail_unstarted(r, batcher, slot, it.ctl, it.level,
 						  SB_STATUS_EXPIRED, expired_why,
-						  sizeof(expired_why) - 1, now);
+						  sizeof(expired_why) - 1, now, &w);
 			/* admitted on a prediction: it would have waited past its
 			 * deadline at least. Left out, the predictions would be
 			 * judged by the requests that made it alone (too short
@@ -278,8 +279,10 @@ uint32_t sb_claim(sb_ring *r, uint32_t batcher, uint32_t max_n, uint32_t flush_n
 		e[3] = (uint64_t)SB_CTL_GEN(it.ctl) << 32 |
 		       (shape && shape->buckets ? length_bucket(shape, sb_load_relaxed(&m->length)) : 0);
 	}
-	if (expired + failed)
+	if (expired + failed) {
+		send_wakes(r, &w);
 		bump_done_seq(r);
+	}
 	if (missed)
 		judge_predictions(r, missed, missed_predicted, missed_seen, missed);
 	report[SB_R_READY] = ready;

@@ -27,7 +27,7 @@ void put_error(sb_ring *r, uint32_t slot, uint32_t status, const char *msg,
 
 int complete_one(sb_ring *r, uint32_t slot, uint32_t gen, uint32_t batcher,
 		 uint32_t status, const char *msg, uint32_t msg_len, uint64_t now,
-		 uint32_t batch)
+		 uint32_t batch, sb_wakes *w)
 {
 	sb_header *h = hdr(r);
 	if (slot >= r->capacity)
@@ -54,8 +54,9 @@ int complete_one(sb_ring *r, uint32_t slot, uint32_t gen, uint32_t batcher,
 		} else {
 			want = freed(cur); /* nobody waits: drop the answer */
 		}
-		/* release: the output row (or error) is written before DONE */
-		if (!sb_cas_acq_rel(c, &cur, want))
+		/* release: the output row (or error) is written before DONE;
+		 * seq_cst: the waker word is read after it (note_wake) */
+		if (!sb_cas_seq_cst(c, &cur, want))
 			continue; /* the client set its waiting bit: retry */
 		if (SB_CTL_STATE(want) == SB_FREE) {
 			slot_freed(r, slot);
@@ -66,6 +67,7 @@ int complete_one(sb_ring *r, uint32_t slot, uint32_t gen, uint32_t batcher,
 					 : SB_W_ERRORS], 1);
 		wake_owner(c, cur);
 		wake_stream(r, slot);
+		note_wake(r, w, slot, gen);
 		return SB_OK;
 	}
 	corrupt(r);
@@ -81,9 +83,11 @@ uint32_t sb_complete(sb_ring *r, uint32_t batcher, const uint32_t *slots,
 	/* the n were answered together: one-shot, their batch (a stream's
 	 * batch is its running one, recorded at its first chunk instead) */
 	uint32_t batch = r->steps ? 0 : n;
+	sb_wakes w = {0};
 	for (uint32_t k = 0; k < n; k++)
 		delivered += complete_one(r, slots[k], gens[k], batcher, status,
-					  msg, msg_len, now, batch) == SB_OK;
+					  msg, msg_len, now, batch, &w) == SB_OK;
+	send_wakes(r, &w);
 	return delivered;
 }
 
@@ -94,6 +98,7 @@ uint32_t sb_inherit(sb_ring *r, uint32_t batcher, uint64_t expire_ns, uint32_t m
 				  "could start it (not computed)";
 	uint32_t n = 0, settled = 0;
 	uint64_t now = sb_now_ns();
+	sb_wakes w = {0};
 	for (uint32_t i = 0; i < r->capacity; i++) {
 		/* acquire: pairs with the publish's release, the length and
 		 * deadline read below are the client's (the claim and the
@@ -105,10 +110,10 @@ uint32_t sb_inherit(sb_ring *r, uint32_t batcher, uint64_t expire_ns, uint32_t m
 		const sb_slot_meta *m = meta_at(r, i);
 		uint64_t deadline = sb_load_relaxed(&m->deadline_ns);
 		if (st == SB_ABANDONED) { /* withdrawn while kept: completing frees it */
-			complete_one(r, i, gen, batcher, SB_STATUS_OK, NULL, 0, now, 0);
+			complete_one(r, i, gen, batcher, SB_STATUS_OK, NULL, 0, now, 0, &w);
 		} else if (deadline && deadline < expire_ns) {
 			settled += complete_one(r, i, gen, batcher, SB_STATUS_EXPIRED,
-						why, sizeof(why) - 1, now, 0) == SB_OK;
+						why, sizeof(why) - 1, now, 0, &w) == SB_OK;
 		} else {
 			if (n < max) {
 				slots[n] = i;
@@ -118,6 +123,7 @@ uint32_t sb_inherit(sb_ring *r, uint32_t batcher, uint64_t expire_ns, uint32_t m
 			n++;
 		}
 	}
+	send_wakes(r, &w);
 	if (settled)
 		bump_done_seq(r);
 	return n;

@@ -46,6 +46,7 @@ uint32_t sb_reap_batcher(sb_ring *r, uint32_t batcher, uint32_t retry,
 {
 	uint32_t failed = 0;
 	uint64_t now = sb_now_ns();
+	sb_wakes w = {0};
 	*kept = 0;
 	if (batcher < SB_MAX_INSTANCES) /* relaxed: a figure; its running batch is gone */
 		sb_store_relaxed(&hdr(r)->active[batcher], 0);
@@ -67,8 +68,9 @@ uint32_t sb_reap_batcher(sb_ring *r, uint32_t batcher, uint32_t retry,
 		/* as b would have: failed, or freed if withdrawn meanwhile */
 		failed += complete_one(r, i, SB_CTL_GEN(cur), batcher, SB_STATUS_BATCHER_DIED,
 				       begun ? begun_msg : msg, begun ? begun_len : msg_len,
-				       now, 0) == SB_OK;
+				       now, 0, &w) == SB_OK;
 	}
+	send_wakes(r, &w);
 	if (failed)
 		bump_done_seq(r);
 	return failed;

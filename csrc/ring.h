@@ -21,7 +21,7 @@
  *          |   48 total_bytes u64  56 in_place u32  60 levels u32      |
  *          |   64 off_ctl  72 off_meta  80 off_errmsg  88 off_lengths  |
  *          |   96 off_stream  104 off_ready   (u64 each)               |
- *          |  112 steps u32: chunks per slot (iterative; 0: one-shot)  |
+ *          |  112 steps u32 (0: one-shot)  120 off_waker u64           |
  *          |  128 config: 2048 B of UTF-8 JSON (the engine's settings) |
  *          | 2176 work_seq u32 (futex)  2180 batchers_sleeping u32     |
  *          | 2240 done_seq u32 (futex)  2244 done_waiters u32          |
@@ -58,6 +58,9 @@
  *          |             chunks written (the client's futex word: bits |
  *          |             0-28 the count, 29-31 how it ended), sleepers,|
  *          |             its max_steps, its batch at its first chunk   |
+ *          +------------------------------------------- 64-aligned ----+
+ *          | waker[C]    u64: gen << 32 | the wake id of an asyncio    |
+ *          |             loop awaiting the slot (its owner's; 0: none) |
  *          +------------------------------------------- 4096-aligned --+
  *          | tensor 0    tensor_slot_bytes[0] per slot: ONE C-order    |
  *          |             array [C, *max_shape] of its dtype            |
@@ -98,15 +101,14 @@
  *   A dead batcher b's CLAIMED(g, b) slots may instead stay CLAIMED(g, b) for
  *   b's successor (same number), which retries each alone (meta.retry).
  *
- *   STREAMS (an iterative engine): a slot stays CLAIMED(g, b) while its
- *   batcher writes one chunk per step and publishes the count in the slot's
- *   chunk word; the client reads chunks [seen, count) meanwhile. The step
- *   that completes a request publishes its last count with SB_CHUNKS_END and
- *   why (SB_CHUNKS_STOP: its model said done; SB_CHUNKS_LIMIT: its
- *   max_steps), so its client knows the last chunk as it reads it. Settling
- *   it (DONE, FAILED, or FREE once withdrawn) ends the stream: SB_CHUNKS_END
- *   is set before that CAS, the client woken after it. A dead batcher's slots
- *   that had a chunk fail; those that had none are kept for its successor.
+ *   STREAMS (iterative): a slot stays CLAIMED(g, b) while its batcher writes
+ *   a chunk a step and publishes the count in the slot's chunk word; the
+ *   client reads chunks [seen, count) meanwhile. The step that completes a
+ *   request publishes its last count with SB_CHUNKS_END and why (_STOP: its
+ *   model said done; _LIMIT: its max_steps), so the client knows the last
+ *   chunk as it reads it. Settling it (DONE, FAILED, FREE once withdrawn)
+ *   sets END before its CAS, wakes after. A dead batcher's slots that had a
+ *   chunk fail; those that had none are kept for its successor.
  *
  *   Every transition that leaves a slot FREE bumps the generation, so a late
  *   actor holding an old ticket fails its CAS and changes nothing. Each state
@@ -117,27 +119,24 @@
  * WHY LOCK-FREE AND NOT A ROBUST MUTEX
  *   A queue of positions (Disruptor, Vyukov, ck_ring's MP enqueue) blocks
  *   every consumer behind a producer killed between taking a position and
- *   publishing it. A robust mutex recovers, but its EOWNERDEAD path must then
- *   repair a half-updated multi-word structure. Here the whole shared state
- *   of a request is its one control word: a process killed at any
- *   instruction leaves every slot in one well-defined state whose actor is
- *   named in the word, and one CAS by the reaper moves it on. The batcher
- *   finds READY slots through the ready[] bitmap instead of following a
- *   list, so a dead writer is simply never READY. A request takes the slot
- *   after the last one taken, unless a lower one was freed since: batches
- *   are mostly one contiguous run of rows (no copy), and the slots in use
- *   stay the lowest (their rows stay in the CPU caches).
+ *   publishing it. A robust mutex recovers, but its EOWNERDEAD path must
+ *   repair a half-updated multi-word structure. Here a request's whole
+ *   shared state is its control word: a process killed at any instruction
+ *   leaves every slot in one known state naming its actor, and one CAS by
+ *   the reaper moves it on. The batcher finds READY slots in the ready[]
+ *   bitmap, not a list: a dead writer is never READY. A request takes the
+ *   slot after the last one taken, unless a lower one was freed since:
+ *   batches are mostly one contiguous run of rows (no copy), and the slots
+ *   in use stay the lowest (their rows stay in the CPU caches).
  *
  * THE READY BITMAP: a hint, never the truth (ctl is)
- *   It lets a claim cost O(C/64 + ready) instead of O(C): the batcher reads
- *   the words, and the ctl of each slot whose bit is set. Invariant: every
- *   READY slot's bit is set (a set bit on a slot that is not READY is only a
- *   wasted look). Each bit change sits where no other party can move the slot:
- *   - publish sets the bit BEFORE its CAS WRITING -> READY (the slot is its
- *     owner's alone while WRITING);
+ *   A claim costs O(C/64 + ready), not O(C): the batcher reads the words,
+ *   and the ctl of each slot whose bit is set. Invariant: every READY slot's
+ *   bit is set (a set bit on a slot not READY is only a wasted look). Each
+ *   bit change sits where no other party can move the slot:
+ *   - publish sets it BEFORE its CAS WRITING -> READY (the owner's alone);
  *   - claim clears it AFTER its CAS READY -> CLAIMED (only that batcher
- *     moves a CLAIMED slot on, and only after the clear: no new READY can
- *     be cleared by mistake);
+ *     moves a CLAIMED slot on, after the clear: no new READY is cleared);
  *   - abandon and reap clear it BEFORE their CAS READY -> FREE (the slot
  *     cannot be published again until that CAS).
  *   A process killed between two of these steps leaves a set bit on a
@@ -146,17 +145,20 @@
  *   between the bit and the CAS leave a WRITING slot that the reaper frees.
  *
  * BLOCKING: futexes on shared words, never polling. Clients sleep on their
- * slot's ctl (low half); batchers sleep on work_seq, which every publish
- * bumps; async waiters sleep on done_seq, which every finished batch bumps.
- * A client that found the ring full sleeps on free_seq, which a freed slot
- * bumps only while someone waits (free_waiters); each client process's
- * evictor sleeps on evict_seq, which such a client bumps to ask every
- * process to move its finished, unread answers out of the ring.
- * A wake is a hint: every waiter re-reads the word it waits for. A waiter
- * may first spin for a bounded spin_ns, re-reading the word: a spinner is
- * not marked asleep, so its waker skips the syscall and it skips the
- * kernel's wake-up (about half of a short round trip). The caller chooses
- * spin_ns (0: sleep at once); the C never spins on its own.
+ * slot's ctl (low half); batchers on work_seq, which every publish bumps;
+ * completion threads on done_seq, which every finished batch bumps; a
+ * client that found the ring full on free_seq, which a freed slot bumps
+ * while someone waits (free_waiters); each client process's evictor on
+ * evict_seq, bumped to ask every process to move its unread answers out.
+ * A wake is a hint: every waiter re-reads its word. A waiter may first spin
+ * a bounded spin_ns, re-reading it: a spinner is not marked asleep, so its
+ * waker skips the syscall and it the kernel's wake-up (half a short round
+ * trip). The caller chooses spin_ns (0: none); the C never spins on its own.
+ * ASYNCIO: a loop binds a datagram socket at the abstract address
+ * "\0shmbatch-wake-%08x" of its wake id and puts gen << 32 | id in each slot
+ * it awaits (sb_await_slot); who settles a slot or puts a stream's chunks
+ * sends one byte to each id of a matching generation, once a call,
+ * MSG_DONTWAIT, errors ignored: a dead or full loop costs it nothing.
  *
  * WHAT COMES FROM THE SEGMENT IS DATA
  *   Every per-slot field and header word may hold anything. A field that
@@ -174,9 +176,8 @@
  *               any u32 word, nothing of the segment (ring.h, atomics.h)
  *   segment.h   the structs drawn above, slot addressing, shared steps
  *               (ring.h, atomics.h, futex.h)
- *   setup.c client.c wait.c admission.c claim.c complete.c stats.c
- *   stream.c reap.c: one role each, as the API below groups them
- *               (segment.h; wait.c names futex.h as well)
+ *   setup.c client.c wait.c admission.c claim.c complete.c stats.c stream.c
+ *   reap.c: a role each, as the API groups them (segment.h; wait.c futex.h)
  *
  * C holds no policy: when to flush, whether a process is dead, what an error
  * means, whether a dead batcher's batch is retried are Python's (engine/).
@@ -186,7 +187,7 @@
 #define SB_RING_H
 #include <stdint.h>
 /* --- cdef: everything from here to "cdef end" is read by cffi --------- */
-#define SB_LAYOUT_VERSION 13 /* 11: words2, predicted_us; 12: batch_size; 13: e2e, served_ns */
+#define SB_LAYOUT_VERSION 14 /* 13: e2e, served_ns; 14: waker[] */
 #define SB_HEADER_BYTES 20480
 #define SB_CONFIG_BYTES 2048
 #define SB_OFF_CONFIG 128
@@ -280,6 +281,7 @@
 #define SB_W_ADMIT_RECENT_SEEN_NS 135
 #define SB_W_UNSERVED_UNTIL_NS 136 /* 0 while a batcher serves, else when one is expected to */
 #define SB_W_SERVED_NS 137    /* each request's time in backend calls, summed */
+#define SB_W_NETNS 138        /* the engine's network namespace (its inode): wakes reach it */
 #define SB_W_ROOM_STEPS 160   /* + instance: 0 not serving, else 1 + steps until its
 			       * running batch has room (an iterative engine) */
 #define SB_WORDS_ALL 192
@@ -312,19 +314,19 @@ typedef struct {
 	uint32_t capacity, max_batch, tensors, inputs, in_place, levels;
 	uint32_t steps;           /* an iterative engine's chunks per slot; 0: one-shot */
 	uint32_t ready_words;     /* u64 words of one level's bitmap */
-	uint64_t off_ctl, off_ready, off_meta, off_errmsg, off_lengths, off_stream;
+	uint64_t off_ctl, off_ready, off_meta, off_errmsg, off_lengths, off_stream, off_waker;
 	uint64_t off_tensor[SB_MAX_TENSORS];
 	uint64_t tensor_slot_bytes[SB_MAX_TENSORS];
 	uint64_t corrupt;         /* values this process found failing a check */
+	int32_t wake_sock;        /* the socket its wakes are sent from, + 1 (0: none yet) */
 } sb_ring;
 
 /* setup (setup.c). tensors regions, the first `inputs` of them inputs,
- * slot_bytes[t] bytes per slot each; in_place needs one input and one
- * output of equal size. sb_init fills the creator's r; sb_attach another
- * process's, from single reads of the header, checked on the copy
- * (SB_ECORRUPT, SB_EVERSION: r untouched). sb_attach_header checks only the
- * magic and version and fills base alone (capacity 0): for the header
- * figures and lock of a dead engine, whose data regions are never mapped. */
+ * slot_bytes[t] bytes per slot each; in_place: one input, one output of
+ * equal size. sb_init fills the creator's r; sb_attach another process's,
+ * from single reads of the header, checked on the copy (SB_ECORRUPT,
+ * SB_EVERSION: r untouched). sb_attach_header checks the magic and version
+ * and fills base alone (capacity 0): a dead engine's figures and lock. */
 uint64_t sb_layout_bytes(uint32_t capacity, uint32_t tensors, uint32_t inputs,
 			 const uint64_t *slot_bytes, uint32_t in_place, uint32_t levels,
 			 uint32_t steps);
@@ -338,13 +340,11 @@ uint64_t sb_word_get(const sb_ring *r, int word);
 void sb_word_set(sb_ring *r, int word, uint64_t value);
 void sb_word_add(sb_ring *r, int word, uint64_t delta);
 uint64_t sb_corrupt_total(const sb_ring *r);
-/* the creator: writes its own geometry back over the header's copy (and
- * the magic), for processes that attach later; returns how many fields had
- * changed (counted in corrupt_total) */
+/* the creator's geometry and magic over the header's: fields changed (counted) */
 int sb_restore_header(sb_ring *r);
 
-/* client (client.c). An EFULL is not counted here: the caller decides
- * whether it is a rejection, after it has tried to make room. */
+/* client (client.c). EFULL is not counted: the caller, having tried to
+ * make room, decides whether it is a rejection. */
 int sb_acquire(sb_ring *r, uint32_t pid, uint64_t start_ticks,
 	       uint32_t *slot, uint32_t *gen);
 /* a request's attributes, set at publish: its real length (0: fixed shape),
@@ -360,9 +360,9 @@ int sb_release(sb_ring *r, uint32_t slot, uint32_t gen);
 int sb_abandon(sb_ring *r, uint32_t slot, uint32_t gen);
 /* fused, one call each way for a contiguous input: acquire + copy src into
  * tensor 0's row + publish (ticket = [slot, gen]); and wait + copy tensor I's
- * row to dst + release (on SB_OK only; a FAILED slot is left to the caller);
- * times, if not NULL, receives its SB_T_* stamps (0: none), as sb_slot_times
- * does before a ticket's release (a stream not yet settled: from its 1st chunk) */
+ * row to dst + release (SB_OK only; a FAILED slot is the caller's); times,
+ * if not NULL, gets its SB_T_* stamps (0: none), as sb_slot_times does
+ * before a release (a stream not yet settled: from its 1st chunk) */
 #define SB_T_ARRIVAL 0 /* ns, as the next two */
 #define SB_T_CLAIM 1
 #define SB_T_DONE 2
@@ -402,6 +402,12 @@ uint32_t sb_done_seq(const sb_ring *r);
 /* requests settled outside a finished batch: their async waiters are woken */
 void sb_wake_done(sb_ring *r);
 int sb_wait_done_seq(sb_ring *r, uint32_t seen, int64_t timeout_ns);
+/* an asyncio loop awaits the ticket: waker (its wake id; 0: none) in the
+ * slot's waker word, seq_cst as the settler's CAS and load of it (either it
+ * sees the id or this sees the slot settled); returns sb_wait_slot's code
+ * without waiting. sb_wake_close: the socket this process sent wakes from. */
+int sb_await_slot(sb_ring *r, uint32_t slot, uint32_t gen, uint32_t waker);
+void sb_wake_close(sb_ring *r);
 void sb_request_evict(sb_ring *r);
 uint32_t sb_evict_seq(const sb_ring *r);
 int sb_wait_evict(sb_ring *r, uint32_t seen, int64_t timeout_ns);
@@ -443,25 +449,22 @@ int sb_refuses(uint64_t wait_ns, uint64_t left_ns);
 int sb_admit(sb_ring *r, uint32_t priority, uint64_t deadline_ns, uint32_t *wait_ms);
 /* An admitted prediction that counted the queue is left, uncorrected, for
  * the thread's next publish (meta.predicted_us); the batcher that answers
- * the request (iterative: first steps it) compares it with the wait seen
- * (SB_W_ADMIT_*) and sets SB_W_ADMIT_SCALE, the factor of every prediction,
- * to seen / predicted over recent comparisons (a batch forgets
- * 1/SB_SCALE_MEMORY), within [1/SB_SCALE_MIN_INV, SB_SCALE_MAX]. */
+ * it (iterative: first steps it) compares it with the wait seen (SB_W_ADMIT_*)
+ * and sets SB_W_ADMIT_SCALE, every prediction's factor, to seen / predicted
+ * recently (a batch forgets 1/SB_SCALE_MEMORY), in [1/_MIN_INV, _MAX]. */
 #define SB_SCALE_ONE 1024
 #define SB_SCALE_MEMORY 64
 #define SB_SCALE_MIN_INV 16
 #define SB_SCALE_MAX 4
 /* a batcher's running fit of its service time, S(n) ~ fixed + n * per_item,
- * by least squares with exponential forgetting (each older batch weighs
- * 1 - 1/SB_FIT_MEMORY times less): admission's figures. It lives in the
- * batcher's own memory, not in the segment. A batch slower than
- * SB_FIT_OUTLIER times the fit's prediction counts as that much (a stall or
- * a recompile cannot lock admission out for the many batches the fit takes
- * to forget it); the fit is solved after each of the first SB_FIT_REFIT
- * batches, then every SB_FIT_REFIT. The first `warmup` batches are skipped.
- * The fit is published for admission once SB_FIT_CALIBRATED batches are in
- * it: until then the header's figures are a predecessor's, or none (no
- * prediction: nothing is refused). */
+ * least squares with exponential forgetting (each older batch weighs
+ * 1 - 1/SB_FIT_MEMORY times less): admission's figures, in the batcher's own
+ * memory. A batch slower than SB_FIT_OUTLIER times the prediction counts as
+ * that much (a stall or a recompile cannot lock admission out for the many
+ * batches the fit takes to forget it); solved after each of the first
+ * SB_FIT_REFIT batches, then every SB_FIT_REFIT; the first `warmup` skipped.
+ * Published once SB_FIT_CALIBRATED batches are in it: until then the
+ * header's figures are a predecessor's, or none (nothing is refused). */
 #define SB_FIT_MEMORY 50
 #define SB_FIT_OUTLIER 4
 #define SB_FIT_REFIT 8
@@ -490,17 +493,16 @@ typedef struct {
 } sb_shape;
 /* One call for the flush rule's thresholds (the fast path): first fails,
  * unstarted, every READY request whose deadline is before expire_ns
- * (SB_STATUS_EXPIRED) and every one whose priority is out of range
- * (SB_STATUS_CORRUPT); then, if at least flush_n are READY or the oldest of
- * any level arrived at or before cutoff_ns, claims up to max_n of them, most
- * urgent level first, oldest first within it, else none. scratch holds
- * scratch_n entries (4 u64 each; capacity of them sees every READY slot):
- * the claim chooses among the first scratch_n it finds. With a shape (NULL:
- * none), the test and the count are per bucket: of the buckets that hold
- * min(flush_n, most[b]) or one due request, the one holding the most urgent,
- * oldest request is claimed, at most min(max_n, most[b]) of it, as the take
- * table says. slots/gens/lengths hold max_n. Returns how many it claimed;
- * report[SB_R_*] says when and what it saw. */
+ * (SB_STATUS_EXPIRED) or whose priority is out of range (SB_STATUS_CORRUPT);
+ * then, if at least flush_n are READY or the oldest of any level arrived at
+ * or before cutoff_ns, claims up to max_n, most urgent level first, oldest
+ * first within it, else none. scratch holds scratch_n entries (4 u64 each;
+ * capacity of them sees every READY slot): the claim chooses among the
+ * first scratch_n it finds. With a shape (NULL: none), test and count are
+ * per bucket: of those holding min(flush_n, most[b]) or one due request, the
+ * one holding the most urgent, oldest is claimed, at most min(max_n,
+ * most[b]), as the take table says. slots/gens/lengths hold max_n. Returns
+ * how many it claimed; report[SB_R_*] says when and what it saw. */
 #define SB_R_CLAIM_NS 0
 #define SB_R_READY 1
 #define SB_R_OLDEST_NS 2
@@ -540,16 +542,14 @@ void sb_level_wait(const sb_ring *r, uint32_t level, uint64_t *buckets,
 		   uint64_t *sum_ns, uint64_t *max_ns);
 /* the lowest value (ns) that lands in a time histogram's bucket */
 uint64_t sb_bucket_lower_ns(uint32_t bucket);
-
-/* streamed answers (stream.c), of an engine with steps > 0: each output's
- * row of a slot holds `steps` chunks, and the slot's chunk word counts those
- * its batcher has written. The client, while WRITING (before publish): the
- * request's own bound (0: the engine's). Then it follows the word:
- * sb_wait_chunks returns SB_OK once the word is not `seen` (its value in
- * *chunks: the count, | SB_CHUNKS_END when final, | SB_CHUNKS_STOP or
- * SB_CHUNKS_LIMIT when its request completed) or the slot is settled,
- * SB_ETIMEOUT, SB_ESTALE (not the ticket's slot), SB_ECORRUPT (a count
- * beyond steps). A spinning reader costs its batcher no wake. */
+/* streamed answers (stream.c), steps > 0: each output's row of a slot holds
+ * `steps` chunks; the slot's chunk word counts those written. The client,
+ * while WRITING: the request's own bound (0: the engine's); then follows the
+ * word: sb_wait_chunks returns SB_OK once it is not `seen` (in *chunks: the
+ * count, | SB_CHUNKS_END when final, | _STOP or _LIMIT when its request
+ * completed) or the slot is settled, SB_ETIMEOUT, SB_ESTALE (not the
+ * ticket's slot), SB_ECORRUPT (a count beyond steps). A spinning reader
+ * costs its batcher no wake. */
 int sb_stream_open(sb_ring *r, uint32_t slot, uint32_t gen, uint32_t max_steps);
 int sb_wait_chunks(sb_ring *r, uint32_t slot, uint32_t gen, uint32_t seen,
 		   int64_t timeout_ns, uint64_t spin_ns, uint32_t *chunks);
@@ -591,8 +591,8 @@ int sb_reap_slot(sb_ring *r, uint32_t slot, uint64_t expected_ctl);
 /* a dead batcher's CLAIMED slots: with retry, those not being retried alone
  * and (iterative) without a chunk yet stay CLAIMED under its number for its
  * successor (counted in *kept), streams that had begun fail with begun_msg,
- * and the others with msg; without retry all
- * fail with msg. Its ABANDONED slots are freed. Returns how many failed. */
+ * the others with msg; without retry all fail with msg. Its ABANDONED slots
+ * are freed. Returns how many failed. */
 uint32_t sb_reap_batcher(sb_ring *r, uint32_t batcher, uint32_t retry,
 			 const char *msg, uint32_t msg_len, const char *begun_msg,
 			 uint32_t begun_len, uint32_t *kept);

@@ -54,7 +54,8 @@ typedef struct {
 	uint32_t levels;      /* priority levels: ready[] has one bitmap each */
 	uint64_t off_ctl, off_meta, off_errmsg, off_lengths, off_stream, off_ready;
 	uint32_t steps;       /* an iterative engine's chunks per slot; 0: one-shot */
-	uint32_t _pad1[3];
+	uint32_t _pad1;
+	uint64_t off_waker;
 	char config[SB_CONFIG_BYTES];
 	/* each futex word on its own cache line: clients and batchers both
 	 * write them, and they must not false-share with the counters */
@@ -145,6 +146,7 @@ _Static_assert(offsetof(sb_header, corrupt_total) == 6976, "layout drawing");
 _Static_assert(offsetof(sb_header, words2) == 7040, "layout drawing");
 _Static_assert(offsetof(sb_header, off_stream) == 96, "layout drawing");
 _Static_assert(offsetof(sb_header, steps) == 112, "layout drawing");
+_Static_assert(offsetof(sb_header, off_waker) == 120, "layout drawing");
 _Static_assert(offsetof(sb_header, level_hist) == 8192, "layout drawing");
 _Static_assert(offsetof(sb_header, batch_ns) == SB_OFF_BATCH_FIGURES, "layout drawing");
 _Static_assert(offsetof(sb_header, last_done_ns) == SB_OFF_BATCH_FIGURES + 8 * SB_BATCH_NS_SIZES,
@@ -196,6 +198,12 @@ static inline uint64_t *ready_word(const sb_ring *r, uint32_t level, uint32_t wo
 static inline sb_slot_stream *stream_at(const sb_ring *r, uint32_t slot)
 {
 	return (sb_slot_stream *)(r->base + r->off_stream) + slot;
+}
+
+/* gen << 32 | the wake id of the asyncio loop awaiting the slot (0: none) */
+static inline uint64_t *waker_at(const sb_ring *r, uint32_t slot)
+{
+	return (uint64_t *)(r->base + r->off_waker) + slot;
 }
 
 static inline char *errmsg_at(const sb_ring *r, uint32_t slot)
@@ -302,6 +310,32 @@ static inline uint64_t sat_mul(uint64_t a, uint64_t b)
 /* ---- shared steps (client.c, complete.c, stats.c; the futex and clock
  * primitives they wake and sleep with are futex.h's) ---- */
 
+/* The asyncio loops to wake after a call that settled slots or put chunks,
+ * each once (ring.h, ASYNCIO). A slot's waker word is read after the CAS or
+ * store that settled it or put its chunks, seq_cst as the loop's store and
+ * re-check (sb_await_slot): either the loop sees the slot moved, or we see
+ * its id. Only a word of the slot's own generation counts; its id only
+ * names a socket, never an index. */
+#define SB_WAKES 16
+typedef struct {
+	uint32_t n;
+	uint32_t id[SB_WAKES];
+} sb_wakes;
+void send_wakes(sb_ring *r, sb_wakes *w);
+static inline void note_wake(sb_ring *r, sb_wakes *w, uint32_t slot, uint32_t gen)
+{
+	uint64_t v = sb_load_seq_cst(waker_at(r, slot));
+	uint32_t id = (uint32_t)v;
+	if (!id || (uint32_t)(v >> 32) != gen)
+		return;
+	for (uint32_t k = 0; k < w->n; k++)
+		if (w->id[k] == id)
+			return;
+	if (w->n == SB_WAKES)
+		send_wakes(r, w);
+	w->id[w->n++] = id;
+}
+
 /* every transition to FREE ends here */
 void slot_freed(sb_ring *r, uint32_t slot);
 /* a CLAIMED or ABANDONED slot of `batcher` answered (DONE or FAILED with
@@ -309,7 +343,7 @@ void slot_freed(sb_ring *r, uint32_t slot);
  * withdrawn, freed; its waiter woken */
 int complete_one(sb_ring *r, uint32_t slot, uint32_t gen, uint32_t batcher,
 		 uint32_t status, const char *msg, uint32_t msg_len, uint64_t now,
-		 uint32_t batch);
+		 uint32_t batch, sb_wakes *w);
 /* a FAILED slot's status and message, written before the CAS that fails it */
 void put_error(sb_ring *r, uint32_t slot, uint32_t status, const char *msg,
 	       uint32_t msg_len);

@@ -9,7 +9,8 @@
 #include <string.h>
 
 struct offsets {
-	uint64_t ctl, ready, meta, errmsg, lengths, stream, tensor[SB_MAX_TENSORS], total, slot_bytes;
+	uint64_t ctl, ready, meta, errmsg, lengths, stream, waker, tensor[SB_MAX_TENSORS], total;
+	uint64_t slot_bytes;
 };
 
 static uint64_t align_up(uint64_t x, uint64_t a) { return (x + a - 1) & ~(a - 1); }
@@ -33,7 +34,8 @@ static int compute_offsets(uint32_t cap, uint32_t tensors, uint32_t inputs,
 	o->errmsg = align_up(o->meta + sizeof(sb_slot_meta) * cap, 64);
 	o->lengths = align_up(o->errmsg + (uint64_t)SB_ERRMSG_BYTES * cap, 64);
 	o->stream = align_up(o->lengths + 4ull * inputs * cap, 64);
-	uint64_t at = align_up(o->stream + (steps ? sizeof(sb_slot_stream) * cap : 0), 4096);
+	o->waker = align_up(o->stream + (steps ? sizeof(sb_slot_stream) * cap : 0), 64);
+	uint64_t at = align_up(o->waker + 8ull * cap, 4096);
 	o->slot_bytes = 0;
 	for (uint32_t t = 0; t < tensors; t++) {
 		if (slot_bytes[t] == 0 || slot_bytes[t] > (1ull << 36))
@@ -86,6 +88,7 @@ static void fill(sb_ring *r, char *base, uint64_t mapped, uint32_t capacity,
 	r->off_errmsg = o->errmsg;
 	r->off_lengths = o->lengths;
 	r->off_stream = o->stream;
+	r->off_waker = o->waker;
 	for (uint32_t t = 0; t < tensors; t++) {
 		r->off_tensor[t] = o->tensor[t];
 		r->tensor_slot_bytes[t] = slot_bytes[t];
@@ -121,6 +124,7 @@ static int put_geometry(sb_header *h, const sb_ring *r)
 	changed += RESTORE(h->off_errmsg, r->off_errmsg);
 	changed += RESTORE(h->off_lengths, r->off_lengths);
 	changed += RESTORE(h->off_stream, r->off_stream);
+	changed += RESTORE(h->off_waker, r->off_waker);
 	for (uint32_t t = 0; t < SB_MAX_TENSORS; t++) {
 		changed += RESTORE(h->off_tensor[t], t < r->tensors ? r->off_tensor[t] : 0);
 		changed += RESTORE(h->tensor_slot_bytes[t],
@@ -190,10 +194,11 @@ int sb_attach(sb_ring *r, void *base, uint64_t mapped_bytes)
 	uint32_t steps = sb_load_relaxed(&h->steps);
 	uint64_t total = sb_load_relaxed(&h->total_bytes);
 	uint64_t incarnation = sb_load_relaxed(&h->incarnation);
-	uint64_t off[6] = {
+	uint64_t off[7] = {
 		sb_load_relaxed(&h->off_ctl), sb_load_relaxed(&h->off_ready),
 		sb_load_relaxed(&h->off_meta), sb_load_relaxed(&h->off_errmsg),
 		sb_load_relaxed(&h->off_lengths), sb_load_relaxed(&h->off_stream),
+		sb_load_relaxed(&h->off_waker),
 	};
 	uint64_t slot_bytes[SB_MAX_TENSORS], off_tensor[SB_MAX_TENSORS];
 	struct offsets o;
@@ -207,6 +212,7 @@ int sb_attach(sb_ring *r, void *base, uint64_t mapped_bytes)
 	    max_batch == 0 || max_batch > capacity ||
 	    o.ctl != off[0] || o.ready != off[1] || o.meta != off[2] ||
 	    o.errmsg != off[3] || o.lengths != off[4] || o.stream != off[5] ||
+	    o.waker != off[6] ||
 	    o.total != total || o.total > mapped_bytes)
 		return SB_ECORRUPT;
 	for (uint32_t t = 0; t < tensors; t++)

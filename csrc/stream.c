@@ -84,6 +84,7 @@ uint32_t sb_stream_put(sb_ring *r, uint32_t batcher, const uint32_t *slots,
 	const uint32_t how = SB_CHUNKS_END | SB_CHUNKS_STOP | SB_CHUNKS_LIMIT;
 	uint64_t now = sb_now_ns();
 	uint32_t put = 0;
+	sb_wakes w = {0};
 	for (uint32_t k = 0; k < n; k++) {
 		uint32_t slot = slots[k];
 		states[k] = -1;
@@ -119,8 +120,10 @@ uint32_t sb_stream_put(sb_ring *r, uint32_t batcher, const uint32_t *slots,
 		sb_store_seq_cst(&s->chunks, count | (ends[k] & how));
 		if (sb_load_seq_cst(&s->waiters))
 			futex_wake(&s->chunks, INT_MAX);
+		note_wake(r, &w, slot, gens[k]);
 		put++;
 	}
+	send_wakes(r, &w);
 	sb_add_relaxed(&hdr(r)->chunks_total, put); /* relaxed: a count */
 	return put;
 }

@@ -1,7 +1,7 @@
 /*
  * wait.c - the segment's sequence words every role sleeps on: done_seq
- * (async waiters), evict_seq (evictors) and work_seq (batchers), built on
- * futex.c's primitives.
+ * (completion threads), evict_seq (evictors) and work_seq (batchers), built
+ * on futex.c's primitives; and the wakes of asyncio loops (ring.h, ASYNCIO).
  *
  * A wake is a hint: every waiter re-reads the word it waits for. A sleeper
  * count beside a word (garbage in it costs a wasted wake or a missed one,
@@ -11,6 +11,66 @@
 #include "futex.h"
 
 #include <limits.h>
+#include <stddef.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+/* The socket this process sends asyncio wakes from, made at its first wake
+ * (the one a racing thread made instead is closed); -1 if none can be. */
+static int wake_socket(sb_ring *r)
+{
+	int32_t have = sb_load_acquire(&r->wake_sock);
+	if (have)
+		return have - 1;
+	int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+	int32_t want = fd + 1; /* 0 when it failed: -1 + 1, tried again next time */
+	if (!sb_cas_acq_rel(&r->wake_sock, &have, want)) {
+		if (fd >= 0)
+			close(fd);
+		return have - 1;
+	}
+	return fd;
+}
+
+void send_wakes(sb_ring *r, sb_wakes *w)
+{
+	static const char hex[] = "0123456789abcdef", name[] = "shmbatch-wake-";
+	if (!w->n)
+		return;
+	int fd = wake_socket(r);
+	struct sockaddr_un to = {.sun_family = AF_UNIX};
+	/* "\0shmbatch-wake-%08x": an abstract name, sun_path[0] = 0 */
+	memcpy(to.sun_path + 1, name, sizeof(name) - 1);
+	char *digits = to.sun_path + sizeof(name);
+	socklen_t len = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + sizeof(name) + 8);
+	for (uint32_t k = 0; fd >= 0 && k < w->n; k++) {
+		for (int d = 0; d < 8; d++)
+			digits[d] = hex[(w->id[k] >> (28 - 4 * d)) & 0xF];
+		/* a loop gone (ECONNREFUSED) or behind (EAGAIN: its wake is
+		 * pending anyway) costs nothing more */
+		(void)sendto(fd, "", 1, MSG_DONTWAIT | MSG_NOSIGNAL, (struct sockaddr *)&to, len);
+	}
+	w->n = 0;
+}
+
+void sb_wake_close(sb_ring *r)
+{
+	int32_t have = __atomic_exchange_n(&r->wake_sock, 0, __ATOMIC_ACQ_REL);
+	if (have > 0)
+		close(have - 1);
+}
+
+int sb_await_slot(sb_ring *r, uint32_t slot, uint32_t gen, uint32_t waker)
+{
+	if (slot >= r->capacity)
+		return SB_EBADARG;
+	sb_store_seq_cst(waker_at(r, slot), (uint64_t)gen << 32 | waker);
+	/* the re-check's loads after the store (Dekker, with note_wake) */
+	sb_fence_seq_cst();
+	return sb_wait_slot(r, slot, gen, 0, 0);
+}
 
 void sb_wake_done(sb_ring *r)
 {

@@ -8,6 +8,7 @@
     stdfuture      what that Future relies on of concurrent.futures beyond its API
     completion     the completion thread: settles what is awaited without asking
     loops          answers handed to asyncio event loops, one wake a loop per pass
+    wakes          asyncio loops woken by the engine itself: one wake per answer, no thread
     streams        a request's chunks, read as its batcher writes them
     async_streams  those chunks followed by an event loop
     sampled        a sampling engine's requests: their Sampling record, their chunks' cut

@@ -70,11 +70,13 @@ class AsyncStream(_Waits):
     and wake() ends a wait early (its caller went away, say)."""
     kind = CHUNKS  # to the completion thread
 
-    def __init__(self, stream: Stream, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, stream: Stream, loop: asyncio.AbstractEventLoop, inbox: Any = None) -> None:
         self.stream, self.loop = stream, loop
         self.seg, self.slot, self.gen = stream.seg, stream.slot, stream.gen  # its ticket
         self.deadline, self.timeout = stream.deadline, stream.timeout
-        self.inbox = loops.inbox(loop)
+        # how a wake reaches the loop: its Inbox from the completion thread, or
+        # wakes.DIRECT from the loop's own Waker
+        self.inbox = inbox or loops.inbox(loop)
         self.seen = 0  # the chunk word as the completion thread last saw it (its own)
         self.over = False  # read by the completion thread: drop this ticket
         self.failed: Optional[EngineError] = None  # the completion thread's error for it

@@ -10,8 +10,8 @@ shared input region and publishes it. Then:
   in slices, to notice an engine that died meanwhile; one C call copies the
   answer out and frees the slot (engine.client.ticket: a ticket's answer);
 - submit() returns a Future whose answer waits in its slot until asked
-  (engine.client.future); infer_async() awaits its ticket through the
-  completion thread (engine.client.completion);
+  (engine.client.future); infer_async() awaits its ticket woken by the
+  engine itself (engine.client.wakes; else the completion thread's);
 - request() lends a slot: its row is written and its answer read in place
   (lent.py).
 
@@ -29,7 +29,6 @@ A Client is shared by threads freely; after os.fork() the child rebinds its
 process identity and drops the parent's pending tickets, which stay the
 parent's.
 """
-import asyncio
 import concurrent.futures
 import os
 import sys
@@ -40,7 +39,7 @@ from typing import Any, AsyncIterator, Dict, Iterator, Optional, Tuple, TypeVar
 import numpy as np
 
 from engine.client import (async_streams, bulk, completion, retrying, room, sampled, shares,
-                           streams, ticket, tracing)
+                           streams, ticket, tracing, wakes)
 from engine.client.attach import attach
 from engine.client.future import Request
 from engine.client.lent import SlotRequest
@@ -159,7 +158,7 @@ class Client:
             return await self._retry.infer_async(self, x, timeout, priority, max_steps, sampling)
         deadline = ticket.deadline_ns(timeout)
         seg, slot, gen, _ = self._enqueue(x, deadline, priority, max_steps, None, sampling)
-        answer = await ticket.answer_of(self.completer(), seg, slot, gen, deadline, timeout)
+        answer = await wakes.answer_of(self, seg, slot, gen, deadline, timeout)
         return sampled.cut(answer, sampled.k_of(seg, sampling))
 
     def stream(self, x: Tensors, timeout: Optional[float] = 1.0, *, priority: int = 0,
@@ -205,9 +204,7 @@ class Client:
         seg, slot, gen, _ = self._enqueue(x, deadline, priority, max_steps, None, sampling)
         stream = streams.Stream(self, seg, slot, gen, deadline, timeout,
                                 sampled.k_of(seg, sampling), sampled.prompt_ask(seg, sampling, x))
-        chunks = async_streams.AsyncStream(stream, asyncio.get_running_loop())
-        self.completer().add(chunks)
-        return chunks
+        return wakes.follow(self, stream)  # the loop's own wakes, or the completion thread's
 
     def request(self) -> "SlotRequest":
         """Takes a slot now (QueueFull at once if none) and lends its rows, so
@@ -263,6 +260,7 @@ class Client:
         completer, self._completer = self._completer, None
         if completer is not None:
             completer.close()
+        wakes.close_client(self)  # what its event loops await
         self.attached = None
 
     def __enter__(self) -> "Client":

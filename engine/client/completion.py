@@ -2,9 +2,9 @@
 requests whose owner waits without asking.
 
 A submit() Future handed over by add_done_callback(), wait() or
-as_completed() (engine.client.future), an infer_async() request
-(ticket.Awaited) and an async stream (engine.client.async_streams) are
-settled here: the thread sleeps on the ring's done_seq word and, after each
+as_completed() (engine.client.future), and an infer_async() request
+(ticket.Awaited) or an async stream (engine.client.async_streams) whose
+loop the engine cannot wake itself (engine.client.wakes) are settled here: the thread sleeps on the ring's done_seq word and, after each
 batch (or an iterative engine's step), settles what is answered, wakes the
 streams whose chunk word moved, and fails what is past its deadline or
 whose engine is gone. The event loops it answers are woken once a pass

@@ -35,7 +35,7 @@ import time
 import weakref
 from typing import Any, Dict, Optional, Protocol
 
-from engine.client import sampled, ticket
+from engine.client import sampled, ticket, wakes
 from engine.client.handle import Handle
 from engine.errors import QueueFull, RequestTimeout
 from engine.shm import ring
@@ -207,7 +207,7 @@ async def _answer_async(client: Sender, x, deadline: Optional[int], timeout: Opt
                         priority: int, max_steps: Optional[int], sampling=None) -> Any:
     """One attempt of infer_async(), after its deadline."""
     seg, slot, gen, _ = client._enqueue(x, deadline, priority, max_steps, None, sampling)
-    answer = await ticket.answer_of(client.completer(), seg, slot, gen, deadline, timeout)
+    answer = await wakes.answer_of(client, seg, slot, gen, deadline, timeout)
     return sampled.cut(answer, sampled.k_of(seg, sampling))
 
 

@@ -233,7 +233,7 @@ class Awaited:
     kind = ANSWER
 
     def __init__(self, seg, slot: int, gen: int, deadline: Optional[int],
-                 timeout: Optional[float], future, inbox: loops.Inbox,
+                 timeout: Optional[float], future, inbox: Any,
                  began: Optional[tracing.Began]) -> None:
         self.seg, self.slot, self.gen = seg, slot, gen
         self.deadline, self.timeout = deadline, timeout
@@ -253,10 +253,12 @@ class Awaited:
 
 
 async def answer_of(completer: Completion, seg, slot: int, gen: int, deadline: Optional[int],
-                    timeout: Optional[float]) -> Any:
+                    timeout: Optional[float], inbox: Any = None) -> Any:
     """The answer of an enqueued request, awaited: at once if its engine
     answered already (publishing woke its batcher), else through an Awaited
-    the completion thread settles. Cancelled, the request is withdrawn."""
+    that completer settles (the completion thread, posting to the loop's
+    Inbox, or the loop's own wakes.Waker with its inbox). Cancelled, the
+    request is withdrawn."""
     # its span's context: the caller's task's, here
     began = tracing.begin() if TRACE_MODULE in sys.modules else None
     settled, value, error, stamps = settle(seg, slot, gen, None, None, began is not None)
@@ -268,7 +270,8 @@ async def answer_of(completer: Completion, seg, slot: int, gen: int, deadline: O
         return value
     loop = asyncio.get_running_loop()
     future: "asyncio.Future[Any]" = loop.create_future()
-    completer.add(Awaited(seg, slot, gen, deadline, timeout, future, loops.inbox(loop), began))
+    completer.add(Awaited(seg, slot, gen, deadline, timeout, future, inbox or loops.inbox(loop),
+                          began))
     try:
         return await future
     except asyncio.CancelledError:

@@ -120,6 +120,7 @@ class Engine:
         seg.own_word(codes.W_ENGINE_STATE, codes.ENGINE_STARTING)
         seg.own_word(codes.W_SUPERVISOR_START, liveness.start_ticks(pid) or 0)
         seg.own_word(codes.W_SUPERVISOR_PID, pid)
+        seg.own_word(codes.W_NETNS, liveness.netns())  # where asyncio wakes reach (wakes.py)
         seg.own_word(codes.W_INSTANCES, self.config.instances)
         self._epoch = 0
         seg.own_word(codes.W_EPOCH, 0)

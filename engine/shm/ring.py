@@ -106,7 +106,9 @@ class Ring:
         self._tls = threading.local()
 
     def release(self) -> None:
-        """Drops the buffer export, so that the mmap can be closed."""
+        """Drops the buffer export, so that the mmap can be closed (and the
+        socket this process sent asyncio wakes from, if any)."""
+        lib.sb_wake_close(self.r)
         if self._base_buf is not None:
             self.r.base = ffi.NULL
             ffi.release(self._base_buf)
@@ -267,6 +269,11 @@ class Ring:
     def wait_slot(self, slot: int, gen: int, timeout_ns: int, spin_ns: int = 0) -> int:
         """Waits for the ticket's answer: spins up to spin_ns, then sleeps."""
         return lib.sb_wait_slot(self.r, slot, gen, timeout_ns, spin_ns)
+
+    def await_slot(self, slot: int, gen: int, waker: int) -> int:
+        """Marks the ticket awaited by the asyncio loop of wake id waker (0:
+        none); returns wait_slot's code without waiting."""
+        return lib.sb_await_slot(self.r, slot, gen, waker)
 
     def release_slot(self, slot: int, gen: int) -> int:
         return lib.sb_release(self.r, slot, gen)

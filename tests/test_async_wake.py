@@ -1,0 +1,190 @@
+"""An asyncio caller is woken by the engine itself (engine.client.wakes): its
+answers right across processes, a dead batcher's usual error, a closed or
+stuck loop that never holds a batcher up, a forked child's own wakes."""
+import asyncio
+import os
+import signal
+import threading
+
+import numpy as np
+import pytest
+from conftest import Gate, wait_for, wait_until_no_slot_in_use
+
+import engine
+from engine.client import wakes
+
+X = np.arange(16, dtype=np.float32)
+BOUND_S = 30.0  # every wait of these tests ends by then
+
+
+def completer_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("shmbatch-completer")]
+
+
+@pytest.fixture(scope="module")
+def affine_engine():
+    with engine.Engine(f"t{os.getpid()}-wake-affine", backend="helpers:affine",
+                       max_batch_size=8) as eng:
+        yield eng
+
+
+async def _many(c, tasks: int, each: int, seed: int) -> int:
+    """tasks coroutines, each awaiting `each` answers in turn; returns how
+    many were right (each checked against its own request)."""
+    rng = np.random.default_rng(seed)
+    xs = rng.standard_normal((tasks, each, 16)).astype(np.float32)
+
+    async def one(t):
+        right = 0
+        for k in range(each):
+            y = await asyncio.wait_for(c.infer_async(xs[t, k], timeout=BOUND_S), BOUND_S)
+            right += bool(np.array_equal(y, xs[t, k] * 2 + 1))
+        return right
+    return sum(await asyncio.gather(*(one(t) for t in range(tasks))))
+
+
+def _client_process(name, seed, out):
+    with engine.Client(name) as c:
+        right = asyncio.run(_many(c, 16, 40, seed))
+        out.put((seed, right, len(completer_threads())))
+
+
+def test_asyncio_callers_in_several_processes_each_get_their_own_answers(affine_engine, fork_ctx):
+    out = fork_ctx.Queue()
+    procs = [fork_ctx.Process(target=_client_process, args=(affine_engine.name, s, out))
+             for s in range(3)]
+    for p in procs:
+        p.start()
+    got = sorted(out.get(timeout=BOUND_S * 2) for _ in procs)
+    for p in procs:
+        p.join(BOUND_S)
+        assert p.exitcode == 0
+    # every answer right, and none went through a completion thread
+    assert got == [(s, 16 * 40, 0) for s in range(3)]
+
+
+def test_an_awaited_answer_wakes_its_own_loop_with_no_completion_thread(affine_engine):
+    with engine.Client(affine_engine.name) as c:
+        async def main():
+            right = await _many(c, 4, 25, 7)
+            return right, wakes.for_loop(c.attached)
+        right, waker = asyncio.run(main())
+        assert right == 100
+        assert waker is not None and waker.id & (1 << wakes.PID_BITS) - 1 == os.getpid()
+        assert not completer_threads()
+
+
+def test_async_streams_of_a_one_shot_engine_take_the_same_path(affine_engine):
+    with engine.Client(affine_engine.name) as c:
+        async def main():
+            return [chunk async for chunk in c.stream_async(X + 3, timeout=BOUND_S)]
+        [chunk] = asyncio.run(asyncio.wait_for(main(), BOUND_S))
+        assert np.array_equal(chunk, (X + 3) * 2 + 1)
+
+
+def _forked_child(c, out):
+    async def main():
+        right = await _many(c, 4, 20, os.getpid())
+        return right, wakes.for_loop(c.attached).id
+    right, waker_id = asyncio.run(main())
+    out.put((right, waker_id & (1 << wakes.PID_BITS) - 1 == os.getpid(), len(completer_threads())))
+
+
+def test_a_forked_child_awaits_on_its_own_wakes(affine_engine, fork_ctx):
+    with engine.Client(affine_engine.name) as c:
+        assert asyncio.run(_many(c, 2, 10, 1)) == 20  # the parent's loop made its waker
+        out = fork_ctx.Queue()
+        child = fork_ctx.Process(target=_forked_child, args=(c, out))
+        child.start()
+        assert out.get(timeout=BOUND_S * 2) == (80, True, 0)
+        child.join(BOUND_S)
+        assert child.exitcode == 0
+        assert asyncio.run(_many(c, 2, 10, 2)) == 20  # the parent's still answered
+
+
+def test_asyncio_waiters_of_a_sigkilled_batcher_get_its_usual_error(make_engine, gate):
+    # answered in place: a dead batcher's batch fails (BatcherDied), not retried;
+    # a batch of negative values is held until the gate opens
+    eng = make_engine("wake-kill", backend="helpers:holds_on_negative",
+                      backend_args={"gate": gate.name, "fixed_ms": 1.0})
+    [pid] = eng.stats()["batcher_pids"]
+
+    def kill_when_held():
+        wait_for(lambda: eng.stats()["slots_in_use"] == 6 and eng.stats()["queue_depth"] < 6,
+                 "a batch claimed, held by the gate", BOUND_S)
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: eng.stats()["batcher_restarts_total"] == 1, "the dead batcher reaped",
+                 BOUND_S)
+        for _ in range(6):  # the successor's batches of those still queued pass
+            gate.open()
+
+    with engine.Client(eng.name) as c:
+        async def main():
+            killer = asyncio.get_running_loop().run_in_executor(None, kill_when_held)
+            calls = [c.infer_async(-X - k, timeout=BOUND_S) for k in range(6)]
+            got = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), BOUND_S)
+            await killer
+            return got
+        got = asyncio.run(main())
+        died = [e for e in got if isinstance(e, engine.BackendError) and e.exc_type == "BatcherDied"]
+        answered = [k for k, y in enumerate(got) if isinstance(y, np.ndarray)
+                    and np.array_equal(y, (-X - k) * 2 + 1)]
+        assert died and len(died) + len(answered) == 6, got
+        assert not completer_threads()
+
+
+def test_a_closed_loop_with_requests_in_flight_never_holds_a_batcher_up(make_engine, gate):
+    # one request a batch: a wake each, more than a datagram socket queues unread
+    eng = make_engine("wake-closed", backend="helpers:gated", backend_args={"gate": gate.name},
+                      max_batch_size=1)
+    with engine.Client(eng.name) as c, engine.Client(eng.name) as other:
+        loop = asyncio.new_event_loop()
+        tasks = [loop.create_task(c.infer_async(X + k, timeout=BOUND_S)) for k in range(32)]
+
+        async def until_all_sent():
+            for _ in range(int(BOUND_S * 1000)):
+                if eng.stats()["slots_in_use"] == 32:
+                    return
+                await asyncio.sleep(0.001)
+        loop.run_until_complete(until_all_sent())
+        assert eng.stats()["slots_in_use"] == 32
+        loop.close()  # its 32 requests still in flight, its socket never read again
+        gate.open()
+        for k in range(64):  # another client's requests, after those 32 batches
+            assert np.array_equal(other.infer(X - k, timeout=BOUND_S), (X - k) * 2 + 1)
+        assert all(not t.done() for t in tasks)
+        # the next loop of the process hands the closed one's requests back
+        assert np.array_equal(asyncio.run(c.infer_async(X, timeout=BOUND_S)), X * 2 + 1)
+        assert wait_until_no_slot_in_use(eng, BOUND_S)
+
+
+def test_a_stuck_loop_never_holds_a_batcher_up(make_engine, gate):
+    eng = make_engine("wake-stuck", backend="helpers:gated", backend_args={"gate": gate.name},
+                      max_batch_size=1)
+    with engine.Client(eng.name) as c, engine.Client(eng.name) as other:
+        loop = asyncio.new_event_loop()
+        tasks = [loop.create_task(c.infer_async(X + k, timeout=BOUND_S)) for k in range(32)]
+
+        async def until_all_sent():
+            for _ in range(int(BOUND_S * 1000)):
+                if eng.stats()["slots_in_use"] == 32:
+                    return
+                await asyncio.sleep(0.001)
+        loop.run_until_complete(until_all_sent())
+        gate.open()  # 32 answers, each a wake for a loop that does not run now
+        for k in range(64):
+            assert np.array_equal(other.infer(X - k, timeout=BOUND_S), (X - k) * 2 + 1)
+        # run again, the loop gets every answer
+        got = loop.run_until_complete(asyncio.wait_for(asyncio.gather(*tasks), BOUND_S))
+        loop.close()
+        assert all(np.array_equal(y, (X + k) * 2 + 1) for k, y in enumerate(got))
+
+
+def test_a_loop_the_engine_cannot_reach_is_served_by_the_completion_thread(affine_engine,
+                                                                           monkeypatch):
+    monkeypatch.setattr(wakes, "_netns", -1)  # as if in another network namespace
+    with engine.Client(affine_engine.name) as c:
+        async def main():
+            assert wakes.for_loop(c.attached) is None
+            return await _many(c, 4, 10, 3), len(completer_threads())
+        assert asyncio.run(main()) == (40, 1)
