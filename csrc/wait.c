@@ -57,6 +57,7 @@ void send_wakes(sb_ring *r, sb_wakes *w)
 
 void sb_wake_close(sb_ring *r)
 {
+	/* acq_rel: one closer takes the fd, after any thread that made it */
 	int32_t have = __atomic_exchange_n(&r->wake_sock, 0, __ATOMIC_ACQ_REL);
 	if (have > 0)
 		close(have - 1);
