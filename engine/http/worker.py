@@ -52,7 +52,10 @@ def _entry() -> None:
         level = max(logging.getLevelName(args["log_level"].upper()), logging.WARNING)
         # JSON (engine.logfmt): uvicorn's loggers go to the root's handler, not its own text
         logs: dict = {"log_config": None} if logfmt.json_chosen() else {}
+        # proxy_headers off: no route reads the client's address or scheme, and
+        # uvicorn's middleware for them costs a coroutine and a header scan a request
         config = uvicorn.Config(app, lifespan="on", log_level=level, access_log=False, **logs,
+                                proxy_headers=False,
                                 timeout_graceful_shutdown=args["graceful_s"],
                                 http=connections.protocol(guard), backlog=BACKLOG)
         connections.quiet_floods()

@@ -178,7 +178,7 @@ class App:
         except Exception as e:
             log.exception("%s %s failed", scope["method"], scope["path"])
             status, out = 500, _error(f"{type(e).__name__}: {e}")
-        if not any(name == b"content-type" for name, _ in headers):
+        if not headers or not any(name == b"content-type" for name, _ in headers):
             headers.append(asgi.JSON)
         await asgi.send_whole(send, status, out, headers)
 
@@ -301,7 +301,8 @@ class App:
                                          header_length, model.spec, engines.timeout_s)
         del raw
         arrays = parsed.arrays
-        if parsed.shared_memory:
+        shared_memory = parsed.shared_memory
+        if shared_memory:
             arrays = await sysshm.read_inputs(self.regions, model, parsed)
         left_s = parsed.timeout_s - (time.monotonic() - arrived)
         if left_s <= 0:
@@ -314,7 +315,7 @@ class App:
             e.retry_after_s = engines.retry_after_s(model.name, e, parsed.priority)  # type: ignore
             raise
         outputs = [(name, answers[i], b) for i, name, b in parsed.wanted]
-        if parsed.shared_memory:
+        if shared_memory:
             outputs = await sysshm.write_outputs(self.regions, outputs)
         if sum(a.size for _, a, b in outputs if not b) > RESPONSE_INLINE_VALUES:
             out, json_length = await asyncio.to_thread(

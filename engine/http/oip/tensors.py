@@ -38,6 +38,8 @@ MAX_ID_CHARS = 256
 SHM_PARAMETERS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
 MAX_REGION_CHARS = 128  # a region's name (engine.http.oip.regions checks its characters)
 MAX_SHM_BYTES = (1 << 63) - 1  # an offset or size past an int64 is no file's
+# json.dumps with separators builds an encoder a call; one made once writes the same
+_COMPACT = json.JSONEncoder(separators=(",", ":"))
 
 
 class Tensor(NamedTuple):
@@ -261,7 +263,7 @@ def response(model: str, request_id, outputs, version: str = "1") -> Tuple[bytes
     header = {"model_name": model, "model_version": version, "outputs": tensors}
     if request_id is not None:
         header["id"] = request_id
-    text = json.dumps(header, separators=(",", ":")).encode()
+    text = _COMPACT.encode(header).encode()
     if not buffers:
         return text, None
     return b"".join([text, *buffers]), len(text)
