@@ -8,7 +8,7 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import Gate, wait_for, wait_until_no_slot_in_use
+from conftest import wait_for, wait_until_no_slot_in_use
 
 import engine
 from engine.client import wakes
@@ -133,20 +133,26 @@ def test_asyncio_waiters_of_a_sigkilled_batcher_get_its_usual_error(make_engine,
         assert not completer_threads()
 
 
+def in_flight(eng, c, n: int):
+    """(a new event loop, its n infer_async tasks), run until all n are in the engine."""
+    loop = asyncio.new_event_loop()
+    tasks = [loop.create_task(c.infer_async(X + k, timeout=BOUND_S)) for k in range(n)]
+
+    async def until_all_sent():
+        for _ in range(int(BOUND_S * 1000)):
+            if eng.stats()["slots_in_use"] == n:
+                return
+            await asyncio.sleep(0.001)
+    loop.run_until_complete(until_all_sent())
+    return loop, tasks
+
+
 def test_a_closed_loop_with_requests_in_flight_never_holds_a_batcher_up(make_engine, gate):
     # one request a batch: a wake each, more than a datagram socket queues unread
     eng = make_engine("wake-closed", backend="helpers:gated", backend_args={"gate": gate.name},
                       max_batch_size=1)
     with engine.Client(eng.name) as c, engine.Client(eng.name) as other:
-        loop = asyncio.new_event_loop()
-        tasks = [loop.create_task(c.infer_async(X + k, timeout=BOUND_S)) for k in range(32)]
-
-        async def until_all_sent():
-            for _ in range(int(BOUND_S * 1000)):
-                if eng.stats()["slots_in_use"] == 32:
-                    return
-                await asyncio.sleep(0.001)
-        loop.run_until_complete(until_all_sent())
+        loop, tasks = in_flight(eng, c, 32)
         assert eng.stats()["slots_in_use"] == 32
         loop.close()  # its 32 requests still in flight, its socket never read again
         gate.open()
@@ -162,15 +168,7 @@ def test_a_stuck_loop_never_holds_a_batcher_up(make_engine, gate):
     eng = make_engine("wake-stuck", backend="helpers:gated", backend_args={"gate": gate.name},
                       max_batch_size=1)
     with engine.Client(eng.name) as c, engine.Client(eng.name) as other:
-        loop = asyncio.new_event_loop()
-        tasks = [loop.create_task(c.infer_async(X + k, timeout=BOUND_S)) for k in range(32)]
-
-        async def until_all_sent():
-            for _ in range(int(BOUND_S * 1000)):
-                if eng.stats()["slots_in_use"] == 32:
-                    return
-                await asyncio.sleep(0.001)
-        loop.run_until_complete(until_all_sent())
+        loop, tasks = in_flight(eng, c, 32)
         gate.open()  # 32 answers, each a wake for a loop that does not run now
         for k in range(64):
             assert np.array_equal(other.infer(X - k, timeout=BOUND_S), (X - k) * 2 + 1)

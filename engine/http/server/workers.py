@@ -29,7 +29,7 @@ import socket
 import subprocess
 import time
 from multiprocessing.connection import Connection
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from engine import launch
 
@@ -41,24 +41,36 @@ MAX_RETRY_S = 10.0
 STABLE_S = 10.0  # a worker that served this long, then died, is replaced at once
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """The listening socket; OSError naming the address if it cannot listen."""
+def _socket(host: str, port: int, flag: str) -> Tuple[socket.socket, Any]:
+    """A TCP socket for host:port and the address to bind; OSError naming --FLAG-host."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP,
             flags=socket.AI_PASSIVE)[0]
-        sock = socket.socket(family, kind, proto)
+        return socket.socket(family, kind, proto), address
     except OSError as e:
-        raise OSError(f"--http-host {host}: {e.strerror or e}") from None
+        raise OSError(f"--{flag}-host {host}: {e.strerror or e}") from None
+
+
+def _bound(host: str, port: int, flag: str, option: int, backlog: Optional[int]):
+    """The socket bound to host:port with this SO_ option (listening with a
+    backlog, if given); OSError naming --FLAG-port if it cannot."""
+    sock, address = _socket(host, port, flag)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, option, 1)
         sock.bind(address)
-        sock.listen(BACKLOG)
+        if backlog is not None:
+            sock.listen(backlog)
     except OSError as e:
         sock.close()
-        raise OSError(f"--http-port {port}: cannot listen on {host}:{port} "
+        raise OSError(f"--{flag}-port {port}: cannot listen on {host}:{port} "
                       f"({e.strerror or e})") from None
     return sock
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket; OSError naming the address if it cannot listen."""
+    return _bound(host, port, "http", socket.SO_REUSEADDR, BACKLOG)
 
 
 def reserve(host: str, port: int) -> socket.socket:
@@ -66,21 +78,7 @@ def reserve(host: str, port: int) -> socket.socket:
     the port for the workers' gRPC servers (bound there with SO_REUSEPORT too;
     the kernel lets only the same user's sockets join) from before any engine
     starts, and says which port 0 chose. OSError naming the address if taken."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP,
-            flags=socket.AI_PASSIVE)[0]
-        sock = socket.socket(family, kind, proto)
-    except OSError as e:
-        raise OSError(f"--grpc-host {host}: {e.strerror or e}") from None
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind(address)
-    except OSError as e:
-        sock.close()
-        raise OSError(f"--grpc-port {port}: cannot listen on {host}:{port} "
-                      f"({e.strerror or e})") from None
-    return sock
+    return _bound(host, port, "grpc", socket.SO_REUSEPORT, None)
 
 
 class Workers:
