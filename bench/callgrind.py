@@ -12,13 +12,18 @@ the identity backend (input and output (16,) float32, max_batch_size 32):
   blocking8  8 client processes, sequential infer() each
   pipelined  1 client process, 256 submit() Futures in flight (submit 256,
              then result() each, repeat)
+  async8     1 client process, 8 asyncio tasks on one loop, each awaiting
+             infer_async() in turn (8 in flight; batches flush at 8, so every
+             answer reaches the loop by its wake)
 
 The clients and the batcher run under `valgrind --tool=callgrind`; the
 engine's own process (not reported) does not, as valgrind 3.19 lacks the
 pidfd_open it calls. It starts its batcher with sys.executable, set there to a
 script that runs python under callgrind as its child, not exec'd: the batcher
 asks for SIGKILL when the thread that started it ends, which stop() ends before
-the batcher has exited, and a killed process writes no counts.
+the batcher has exited, and a killed process writes no counts. The batcher's
+last argument, the pid it must have as parent (engine.launch), becomes the
+script's own.
 
 A role's figure is (I(N_LONG) - I(N_SHORT)) / (N_LONG - N_SHORT), I being the
 instructions of that role's processes (all threads, the clients summed): the
@@ -34,6 +39,7 @@ made once and cycled, the answers kept and compared at the end) is counted
 with it: about 700 instructions a request above the bare call.
 """
 import argparse
+import asyncio
 import glob
 import json
 import os
@@ -47,6 +53,7 @@ import time
 
 N_SHORT, N_LONG = 2048, 6144  # multiples of 8 clients x DEPTH
 DEPTH = 256
+ASYNC_TASKS = 8
 # (client processes, their call, the engine's knobs). Batches flush on size alone
 # (max_delay_ms beyond any run) where more than one request is in flight: every
 # batch then holds 8 (blocking8) or 32 (pipelined) requests, whatever the
@@ -54,7 +61,8 @@ DEPTH = 256
 FULL_ONLY = {"max_delay_ms": 600_000.0}
 SCENARIOS = {"blocking": (1, "infer", {}),
              "blocking8": (8, "infer", {"max_batch_size": 8, **FULL_ONLY}),
-             "pipelined": (1, "submit", FULL_ONLY)}
+             "pipelined": (1, "submit", FULL_ONLY),
+             "async8": (1, "async", {"max_batch_size": ASYNC_TASKS, **FULL_ONLY})}
 ENGINE = dict(backend="engine.backends:identity", input_shape=(16,), output_shape=(16,),
               max_batch_size=32)
 TIMEOUT_S = 60.0  # a request's deadline: 1 s (the default) is too short under callgrind
@@ -99,24 +107,60 @@ def client(name, n, mode, processes):
     pool = list(np.repeat(np.arange(me * DEPTH, (me + 1) * DEPTH, dtype=np.float32)[:, None],
                           16, axis=1))
     with engine.Client(name) as c:  # after the fork: a Client belongs to one process
-        # the first batch's one-off costs: fixed (a full batch, where only full ones flush)
-        for f in [c.submit(x, timeout=TIMEOUT_S) for x in pool[:32 if mode == "submit" else 1]]:
-            f.result()
-        os.write(1, f"ready {engine.__file__} {_spin_ns(engine)}\n".encode())
-        os.read(0, 1)  # one byte each, so that every process reads its own
-        ys = []
-        for _ in range(n // DEPTH):
-            if mode == "infer":
-                for x in pool:
-                    ys.append(c.infer(x, timeout=TIMEOUT_S))
-            else:
-                futures = [c.submit(x, timeout=TIMEOUT_S) for x in pool]
-                for f in futures:
-                    ys.append(f.result())
+        if mode == "async":  # one loop throughout: its wake socket is made once, uncounted
+            ys = asyncio.run(_in_flight(c, pool, n // DEPTH))
+        else:
+            ys = _sequential(c, pool, n // DEPTH, mode)
     ok = len(ys) == n and b"".join(ys) == b"".join(pool) * (n // DEPTH)
     os.write(1, b"done\n" if ok else b"WRONG ANSWERS\n")
     ok = all([os.waitpid(pid, 0)[1] == 0 for pid in children]) and ok
     os._exit(0 if ok else 1)
+
+
+def _ready(engine):
+    os.write(1, f"ready {engine.__file__} {_spin_ns(engine)}\n".encode())
+    os.read(0, 1)  # one byte each, so that every process reads its own
+
+
+def _sequential(c, pool, rounds, mode):
+    """The answers of `rounds` passes over pool by infer() or submit()."""
+    import engine
+    # the first batch's one-off costs: fixed (a full batch, where only full ones flush)
+    for f in [c.submit(x, timeout=TIMEOUT_S) for x in pool[:32 if mode == "submit" else 1]]:
+        f.result()
+    _ready(engine)
+    ys = []
+    for _ in range(rounds):
+        if mode == "infer":
+            for x in pool:
+                ys.append(c.infer(x, timeout=TIMEOUT_S))
+        else:
+            futures = [c.submit(x, timeout=TIMEOUT_S) for x in pool]
+            for f in futures:
+                ys.append(f.result())
+    return ys
+
+
+async def _in_flight(c, pool, rounds, tasks=ASYNC_TASKS):
+    """The answers of `rounds` passes over pool, `tasks` tasks each awaiting
+    infer_async() for its share (pool[k::tasks]) in turn."""
+    import engine
+
+    async def share(k, xs):
+        return [await c.infer_async(x, timeout=TIMEOUT_S) for x in xs]
+
+    async def one_pass(xs):
+        shares = await asyncio.gather(*(share(k, xs[k::tasks]) for k in range(tasks)))
+        ys = [None] * len(xs)
+        for k, answers in enumerate(shares):
+            ys[k::tasks] = answers
+        return ys
+    await one_pass(pool[:tasks])  # the first batch (and the loop's wake socket): fixed
+    _ready(engine)
+    ys = []
+    for _ in range(rounds):
+        ys.extend(await one_pass(pool))
+    return ys
 
 
 def read_ready(proc, tree, what):
@@ -165,7 +209,8 @@ def run_once(tree, scenario, n, workdir):
           f"--log-file={outdir}/vg.%p.log", sys.executable]
     wrapper = os.path.join(outdir, "python-callgrind")
     with open(wrapper, "w") as f:
-        f.write("#!/bin/sh\n" + " ".join(vg) + ' "$@"\n')
+        # the batcher's parent is this script, not the engine: its last argument says so
+        f.write("#!/bin/bash\nargs=(\"$@\"); args[-1]=$$\n" + " ".join(vg) + ' "${args[@]}"\n')
     os.chmod(wrapper, 0o755)
 
     def spawn(*args, under=vg):
