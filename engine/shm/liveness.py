@@ -36,11 +36,23 @@ def is_alive(pid: int, ticks: int = 0) -> bool:
 def die_with_parent(parent_pid: int) -> None:
     """SIGKILL this process when the thread that spawned it exits (Linux);
     parent_pid is the spawner's, passed down: an orphan's parent is init or
-    a subreaper (a container's init, systemd --user), not always pid 1."""
+    a subreaper (a container's init, systemd --user), not always pid 1, and
+    a wrapper between the two (valgrind, a launcher script) is a parent that
+    is not the spawner while the spawner lives."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
+    if os.getppid() != parent_pid and not _alive(parent_pid):
+        os._exit(1)  # the spawner died before prctl took effect
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: it exists
+        return True
+    return True
 
 
 def netns() -> int:
