@@ -4,10 +4,8 @@ import re
 
 import numpy as np
 
-from conftest import engine_word, requests_total
 from test_multi_engine import Served, table, top
 
-from engine.shm import codes
 
 AFFINE = dict(backend="helpers:affine", input_shape=[4], output_shape=[4], max_batch_size=8)
 STEPS = dict(input_shape=[2], input_dtype="int64", output_shape=[], output_dtype="int64")
@@ -27,16 +25,3 @@ class GrpcServed(Served):
         found = re.search(r" and gRPC (\S+)$", self.ready_line.strip())
         assert found, self.ready_line
         self.grpc = found.group(1)
-
-
-def word(name: str, which: int) -> int:
-    """One of the engine's counters (engine.shm.codes.W_*), read from its segment."""
-    return engine_word(name, which)
-
-
-def withdrawn(name: str) -> int:
-    return word(name, codes.W_WITHDRAWN)
-
-
-def requests(name: str) -> int:
-    return requests_total(name)

@@ -15,14 +15,14 @@ grpc = pytest.importorskip("grpc")
 from conftest import import_proto_client  # noqa: E402
 grpcclient = import_proto_client("tritonclient.grpc")
 from tritonclient.grpc import service_pb2, service_pb2_grpc  # noqa: E402
-from grpc_served import GrpcServed, requests  # noqa: E402
+from grpc_served import GrpcServed  # noqa: E402
 from iterative_helpers import SPEC, bits, wait_held  # noqa: E402
 from step_models import HOLD, chunks, request  # noqa: E402
 from test_grpc_refusals import answer, infer_request  # noqa: E402
 from test_grpc_streams import Collected  # noqa: E402
 from test_grpc_streams import chunks as streamed  # noqa: E402
 
-from conftest import Gate, shm_entries, unique_name, wait_for  # noqa: E402
+from conftest import Gate, requests_total, shm_entries, unique_name, wait_for  # noqa: E402
 
 WAIT_S = 60.0
 CALLS = 3  # ModelInfers held in flight
@@ -80,9 +80,9 @@ def test_sigterm_answers_every_grpc_call_in_flight_and_refuses_new_ones(tmp_path
         first = [got.take(), got.take()]
         assert [e for _, e in first] == [None, None]
         wait_held(log, 7, 2)  # the stream is in flight, held before its third chunk
-        before = requests(names["held"])
+        before = requests_total(names["held"])
         calls = held_calls(stub, names["held"])
-        wait_for(lambda: requests(names["held"]) == before + CALLS, "the infers held", WAIT_S)
+        wait_for(lambda: requests_total(names["held"]) == before + CALLS, "the infers held", WAIT_S)
 
         served.proc.send_signal(signal.SIGTERM)
         wait_for(lambda: "draining: new connections are refused" in served.stderr(),
@@ -133,9 +133,9 @@ def test_a_killed_worker_fails_its_grpc_calls_unavailable_and_its_successor_serv
     channel = grpc.insecure_channel(served.grpc)
     try:
         stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
-        before = requests(names["held"])
+        before = requests_total(names["held"])
         calls = held_calls(stub, names["held"])
-        wait_for(lambda: requests(names["held"]) == before + CALLS, "the infers held", WAIT_S)
+        wait_for(lambda: requests_total(names["held"]) == before + CALLS, "the infers held", WAIT_S)
         killed = worker(served)
         killed.kill()
         for future, _ in calls:  # each ends at once, well before its deadline

@@ -16,9 +16,9 @@ grpc = pytest.importorskip("grpc")
 from conftest import import_proto_client  # noqa: E402
 service_pb2 = import_proto_client("tritonclient.grpc.service_pb2")
 from tritonclient.grpc import service_pb2_grpc  # noqa: E402
-from grpc_served import AFFINE, GrpcServed, affine, requests, word  # noqa: E402
+from grpc_served import AFFINE, GrpcServed, affine  # noqa: E402
 
-from conftest import unique_name, wait_for  # noqa: E402
+from conftest import engine_word, requests_total, unique_name, wait_for  # noqa: E402
 
 from engine.http.body import HEADER_BYTES  # noqa: E402
 from engine.shm import codes  # noqa: E402
@@ -157,11 +157,11 @@ def in_flight(stub, name: str, xs: np.ndarray):
 
 def test_a_full_queue_is_resource_exhausted_with_when_to_try_again(served, stub):
     name = served[0]["slow"]
-    before = requests(name)
+    before = requests_total(name)
     x0 = np.full((2, 4), 5, np.float32)  # both slots: one computing, one waiting
     thread, outcome = in_flight(stub, name, x0)
     try:
-        wait_for(lambda: requests(name) >= before + 2, "two requests enqueued", 60)
+        wait_for(lambda: requests_total(name) >= before + 2, "two requests enqueued", 60)
         e = refusal(stub.ModelInfer, infer_request(name, np.ones((1, 4), np.float32)),
                     timeout=30)
     finally:
@@ -176,11 +176,11 @@ def test_a_full_queue_is_resource_exhausted_with_when_to_try_again(served, stub)
 
 def test_a_timeout_parameter_past_before_its_batch_is_deadline_exceeded(served, stub):
     name = served[0]["slow"]
-    before = requests(name)
+    before = requests_total(name)
     x0 = np.full((1, 4), 2, np.float32)
     thread, outcome = in_flight(stub, name, x0)  # holds the batcher for SLOW_MS
     try:
-        wait_for(lambda: requests(name) >= before + 1, "the first request enqueued", 60)
+        wait_for(lambda: requests_total(name) >= before + 1, "the first request enqueued", 60)
         # 100 ms: it waits behind the first's batch of SLOW_MS
         e = refusal(stub.ModelInfer, infer_request(name, np.ones((1, 4), np.float32),
                                                    timeout=100_000), timeout=30)
@@ -193,14 +193,14 @@ def test_a_timeout_parameter_past_before_its_batch_is_deadline_exceeded(served, 
 
 def test_a_calls_own_deadline_is_its_requests_and_the_engine_never_computes_it(served, stub):
     name = served[0]["slow"]
-    before = requests(name)
-    ended = lambda: sum(word(name, w) for w in (codes.W_EXPIRED, codes.W_TIMEOUTS,  # noqa: E731
+    before = requests_total(name)
+    ended = lambda: sum(engine_word(name, w) for w in (codes.W_EXPIRED, codes.W_TIMEOUTS,  # noqa: E731
                                                 codes.W_WITHDRAWN))
-    ended_before, answered_before = ended(), word(name, codes.W_ANSWERED)
+    ended_before, answered_before = ended(), engine_word(name, codes.W_ANSWERED)
     x0 = np.full((1, 4), 3, np.float32)
     thread, outcome = in_flight(stub, name, x0)
     try:
-        wait_for(lambda: requests(name) >= before + 1, "the first request enqueued", 60)
+        wait_for(lambda: requests_total(name) >= before + 1, "the first request enqueued", 60)
         e = refusal(stub.ModelInfer, infer_request(name, np.ones((1, 4), np.float32)),
                     timeout=0.2)  # grpc-timeout: 200 ms, behind a batch of SLOW_MS
     finally:
@@ -208,4 +208,4 @@ def test_a_calls_own_deadline_is_its_requests_and_the_engine_never_computes_it(s
     assert e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     np.testing.assert_array_equal(outcome["answer"], affine(x0))
     wait_for(lambda: ended() == ended_before + 1, "the second request ended unanswered", 60)
-    assert word(name, codes.W_ANSWERED) == answered_before + 1  # the first alone
+    assert engine_word(name, codes.W_ANSWERED) == answered_before + 1  # the first alone

@@ -6,6 +6,7 @@ stream the caller cancels withdraws its request."""
 import asyncio
 import functools
 import queue
+import time
 
 import numpy as np
 import pytest
@@ -14,9 +15,11 @@ pytest.importorskip("uvicorn")
 from conftest import import_proto_client  # noqa: E402
 grpcclient = import_proto_client("tritonclient.grpc")
 import tritonclient.grpc.aio as aioclient  # noqa: E402
-from grpc_served import AFFINE, STEPS, GrpcServed, affine, withdrawn  # noqa: E402
+from grpc_served import AFFINE, STEPS, GrpcServed, affine  # noqa: E402
 
-from conftest import unique_name, wait_for  # noqa: E402
+from conftest import engine_word, unique_name, wait_for  # noqa: E402
+
+from engine.shm import codes  # noqa: E402
 
 WAIT_S = 60.0
 
@@ -99,6 +102,22 @@ def test_each_chunk_is_a_response_and_the_last_says_it_is_final(served, stream):
     assert list(final.outputs) == [] and final.parameters["finish_reason"].string_param == "stop"
 
 
+def test_each_requests_timeout_counts_from_its_own_arrival_not_the_streams(served, stream):
+    client, got = stream
+    timeout_us = 1_000_000
+    opened = time.monotonic()
+    client.async_stream_infer(served[0]["count"], count_input(1, 2), request_id="early",
+                              timeout=timeout_us, enable_empty_final_response=True)
+    assert chunks(got.until_final()[:-1]) == [1, 2]
+    # the condition is the clock itself: the stream outlives a request's timeout
+    time.sleep(max(0.0, opened + 1.5 * timeout_us / 1e6 - time.monotonic()))
+    client.async_stream_infer(served[0]["count"], count_input(5, 3), request_id="late",
+                              timeout=timeout_us, enable_empty_final_response=True)
+    results = got.until_final()
+    assert chunks(results[:-1]) == [5, 6, 7]
+    assert [r.get_response().id for r in results] == ["late"] * 4
+
+
 def test_max_steps_is_a_request_parameter_and_ends_it_as_length(served, stream):
     client, got = stream
     client.async_stream_infer(served[0]["count"], count_input(3, 50), parameters={"max_steps": 2},
@@ -165,7 +184,7 @@ def test_the_aio_stream_answers_each_request_chunk_by_chunk(served):
 
 def test_a_stream_the_caller_cancels_withdraws_its_request(served):
     name, address = served[0]["endless"], served[1]
-    before = withdrawn(name)
+    before = engine_word(name, codes.W_WITHDRAWN)
     client = grpcclient.InferenceServerClient(address)
     got = Collected()
     try:
@@ -174,7 +193,8 @@ def test_a_stream_the_caller_cancels_withdraws_its_request(served):
         result, error = got.take()  # running: its first chunk came
         assert error is None and chunks([result]) == [0]
         client.stop_stream(cancel_requests=True)
-        wait_for(lambda: withdrawn(name) == before + 1, "the request withdrawn", WAIT_S)
+        wait_for(lambda: engine_word(name, codes.W_WITHDRAWN) == before + 1,
+                 "the request withdrawn", WAIT_S)
     finally:
         client.stop_stream(cancel_requests=True)
         client.close()

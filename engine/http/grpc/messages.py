@@ -22,6 +22,7 @@ engine can need in typed contents, MAX_VALUE_BYTES a value (a varint's
 most), + HEADER_BYTES, unless http_max_body_bytes sets one for all.
 """
 import math
+import time
 from typing import Iterable, List, NamedTuple, Optional, Tuple
 
 import numpy as np
@@ -155,9 +156,12 @@ def response(model: str, request_id: Optional[str], outputs, params: Optional[di
     return out
 
 
-def deadline_s(timeout_s: float, context) -> float:
-    """A request's timeout, cut to its call's remaining time (grpc-timeout)."""
+def deadline_s(timeout_s: float, arrived: float, context) -> float:
+    """What is left now of a request's timeout, counted from its arrival
+    (time.monotonic()), cut to its call's remaining time (grpc-timeout, which
+    gRPC counts from now)."""
+    left_s = timeout_s - (time.monotonic() - arrived)
     remaining: Optional[float] = context.time_remaining()
     if remaining is None or not math.isfinite(remaining):
-        return timeout_s
-    return min(timeout_s, remaining)
+        return left_s
+    return min(left_s, remaining)

@@ -82,9 +82,3 @@ class GrpcServer:
         if server is not None:
             await server.stop(grace_s)
 
-
-def max_rpcs(max_connections: int) -> int:
-    """The calls one worker runs at once: as many as the connections its HTTP
-    front holds, at least one connection's streams."""
-    return max(max_connections, MAX_STREAMS)
-

@@ -84,8 +84,6 @@ class Service(pb_grpc.GRPCInferenceServiceServicer):
             model = self.models[name] = Model(name, config, self.engines.client(name))
         return model
 
-    def retry_after_s(self, name: str, error: EngineError, priority: int = 0) -> int:
-        return self.engines.retry_after_s(name, error, priority)
 
     async def ServerLive(self, request, context):
         return pb.ServerLiveResponse(live=True)
@@ -155,14 +153,15 @@ class Service(pb_grpc.GRPCInferenceServiceServicer):
             raise BadRequest(f"model {model.name!r} is iterative: expected ModelStreamInfer, "
                              f"got ModelInfer")
         parsed = messages.read_infer(request, model.spec, self.engines.timeout_s)
-        left_s = messages.deadline_s(parsed.timeout_s, context) - (time.monotonic() - arrived)
+        left_s = messages.deadline_s(parsed.timeout_s, arrived, context)
         if left_s <= 0:
             raise RequestTimeout(f"expected an answer within {parsed.timeout_s:g} s, got none: "
                                  f"the call's deadline had passed (nothing was enqueued)")
         try:
             answers = await model.infer(parsed.arrays, parsed.k, left_s, parsed.priority)
         except (QueueFull, EngineUnavailable) as e:
-            e.retry_after_s = self.retry_after_s(model.name, e, parsed.priority)  # type: ignore
+            e.retry_after_s = self.engines.retry_after_s(  # type: ignore
+                model.name, e, parsed.priority)
             raise
         return messages.response(model.name, parsed.request_id,
                                  [(name, answers[i]) for i, name in parsed.wanted])

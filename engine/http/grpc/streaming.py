@@ -36,7 +36,7 @@ from typing import Optional, Set
 
 import numpy as np
 
-from engine.errors import EngineError, EngineUnavailable, QueueFull, RequestTimeout
+from engine.errors import EngineError, RequestTimeout
 from engine.http.errors import BadRequest
 from engine.http.grpc import messages, status
 from engine.http.grpc.generated import grpc_service_pb2 as pb
@@ -55,7 +55,6 @@ async def serve(service, requests, context):
     out: asyncio.Queue = asyncio.Queue()  # bounded by room: QUEUED responses at most
     room = asyncio.Semaphore(QUEUED)
     running: Set[asyncio.Task] = set()
-    arrived = time.monotonic()
 
     async def put(response) -> None:
         await room.acquire()
@@ -63,6 +62,7 @@ async def serve(service, requests, context):
 
     async def read() -> None:
         async for msg in requests:
+            arrived = time.monotonic()  # each request's timeout counts from its own arrival
             if len(running) >= MAX_RUNNING:
                 await put(_error(msg, BadRequest(
                     f"expected at most {MAX_RUNNING} requests running in one stream, got "
@@ -102,7 +102,7 @@ async def _answer(service, msg, context, put, arrived: float) -> None:
         if max_steps is not None and (type(max_steps) is not int or max_steps < 1):
             raise BadRequest(f"max_steps: expected an integer >= 1, got {max_steps!r}")
         sampling = _sampling(model, parsed.params)
-        timeout_s = messages.deadline_s(parsed.timeout_s, context) - (time.monotonic() - arrived)
+        timeout_s = messages.deadline_s(parsed.timeout_s, arrived, context)
         if timeout_s <= 0:
             raise RequestTimeout(f"expected an answer within {parsed.timeout_s:g} s, got none: "
                                  f"the stream's deadline had passed (nothing was enqueued)")
@@ -110,12 +110,8 @@ async def _answer(service, msg, context, put, arrived: float) -> None:
                                      zip(model.inputs, parsed.arrays)})
         final = parsed.params.get(ENABLE_FINAL) is True
         flags = {FINAL: False} if final else None
-        try:
-            chunks = model.client.open_stream_async(x, timeout_s, priority=parsed.priority,
-                                                    max_steps=max_steps, sampling=sampling)
-        except (QueueFull, EngineUnavailable) as e:
-            e.retry_after_s = service.retry_after_s(model.name, e, parsed.priority)  # type: ignore
-            raise
+        chunks = model.client.open_stream_async(x, timeout_s, priority=parsed.priority,
+                                                max_steps=max_steps, sampling=sampling)
         try:
             async for chunk in chunks:
                 values = model.config.by_name(chunk)
@@ -147,6 +143,6 @@ def _sampling(model, params: dict) -> Optional[Sampling]:
 
 def _error(msg, error: BaseException):
     """A response saying why a request of the stream was refused or failed."""
-    _, details, _ = status.of(error, getattr(error, "retry_after_s", 1))
+    _, details, _ = status.of(error)  # a message of the stream carries no trailers
     return pb.ModelStreamInferResponse(error_message=details, infer_response=pb.ModelInferResponse(
         model_name=msg.model_name, model_version=msg.model_version, id=msg.id))
