@@ -23,7 +23,6 @@ import dataclasses
 import logging
 import os
 import secrets
-import time
 from typing import Dict, List, Optional, Tuple
 
 from engine.cli.args import engine_settings
@@ -38,7 +37,6 @@ log = logging.getLogger("shmbatch")
 READY, UNAVAILABLE, LOADING, UNLOADING = "READY", "UNAVAILABLE", "LOADING", "UNLOADING"
 CHOICES = ("none", "explicit")  # --model-control, in Triton's words
 RELOADABLE = ("backend", "backend_args")  # what a reload changes (engine.serving.reloading)
-SERVES_TIMEOUT_S = 10.0  # a started engine's first live batcher, once start() returned
 CLOSE_WAIT_S = 30.0  # serve's stop waits this long for a load in progress
 
 
@@ -176,8 +174,7 @@ class Repository:
         self._set(name, LOADING, "starting")
         try:
             remove_if_dead(name)  # a crashed engine's leftover of this name
-            new.start()
-            _await_serving(new)
+            new.start()  # returns once a batcher serves (it registers before it says ready)
         except Exception as e:
             new.stop()
             why = f"{type(e).__name__}: {e}"
@@ -231,12 +228,3 @@ def _changed(old, new) -> List[str]:
     kinds = {EngineConfig, EngineOptions}
     assert type(old) in kinds and type(new) is type(old)
     return [f.name for f in dataclasses.fields(old) if getattr(old, f.name) != getattr(new, f.name)]
-
-
-def _await_serving(eng: Engine) -> None:
-    deadline = time.monotonic() + SERVES_TIMEOUT_S
-    while not eng.segment.serves():
-        if time.monotonic() > deadline:
-            raise BackendError("StartTimeout", f"no batcher serves {SERVES_TIMEOUT_S:g} s "
-                                               f"after the start")
-        time.sleep(0.01)

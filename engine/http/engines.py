@@ -55,7 +55,11 @@ class Engines:
 
     def refresh(self) -> None:
         """The catalog's engines, if it moved since it was last read."""
-        if self.catalog is None or not self.catalog.changed():
+        if self.catalog is None:
+            return
+        if not self.catalog.changed():
+            if self._retired:
+                self._close_retired(time.monotonic())
             return
         entries = self.catalog.read()
         configs, starts = {}, {}
@@ -70,10 +74,15 @@ class Engines:
         now = time.monotonic()
         for name in [n for n in self.clients if configs.get(n) is not self.configs.get(n)]:
             self._retired.append((now + self.timeout_s, self.clients.pop(name)))
+        self._close_retired(now)
+        self.configs, self._starts, self.entries = configs, starts, entries
+
+    def _close_retired(self, now: float) -> None:
+        """Closes the Clients of gone or restarted engines whose requests have
+        had their timeout."""
         for when, client in [r for r in self._retired if r[0] <= now]:
             client.close()
         self._retired = [r for r in self._retired if r[0] > now]
-        self.configs, self._starts, self.entries = configs, starts, entries
 
     def counted(self) -> List[str]:
         """The engines the server's readiness counts: every one, but one that

@@ -14,10 +14,12 @@ The data moves with os.pread / os.pwrite, never through an mmap: a region's
 owner may truncate its file at any time, and touching an mmap past the end
 raises SIGBUS, which would kill the worker and every request it holds; a
 pread past the end is a short read (a 400), and a pwrite is preceded by an
-fstat that refuses a file shorter than the region, so a write never
-extends the file nor lands outside the region. The copy costs what an mmap's
+fstat that refuses a file shorter than the tensor's end, so a write never
+extends the file, and its position and length are checked against the
+region (engine.http.oip.sysshm), so it never lands outside it. The copy costs what an mmap's
 would: the engine takes its own copy into its slot either way.
 """
+import errno
 import os
 import stat
 from typing import Iterable, Tuple
@@ -60,7 +62,7 @@ def open_key(key: str, segments: Iterable[str]) -> Tuple[int, os.stat_result]:
         try:
             fd = os.open(name, _FLAGS, dir_fd=dir_fd)
         except OSError as e:
-            why = "a symbolic link" if e.errno == 40 else e.strerror  # ELOOP: O_NOFOLLOW's
+            why = "a symbolic link" if e.errno == errno.ELOOP else e.strerror  # O_NOFOLLOW's
             raise BadRequest(f"key {key!r}: expected a shared-memory object the server's user "
                              f"can read and write in {SHM_DIR}, got {why}") from None
         try:

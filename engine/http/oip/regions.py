@@ -123,9 +123,8 @@ class Regions:
             raise BadRequest(f"expected a JSON object {{\"key\", \"offset\", \"byte_size\"}}, "
                              f"got {json_text(body)}")
         key = body.get("key")
-        region_files.file_name(key)  # BadRequest unless it names an object
         offset, size = _byte_count(body, "offset", 0), _byte_count(body, "byte_size", None)
-        fd, st = region_files.open_key(str(key), self.segments())
+        fd, st = region_files.open_key(key, self.segments())  # BadRequest unless it names one
         try:
             if offset + size > st.st_size:
                 raise BadRequest(f"region {name!r}: expected offset + byte_size within the "
@@ -176,9 +175,10 @@ class Regions:
 
     def resolve(self, name: str, where: str) -> Tuple[Record, int]:
         """(the record, an fd of its object opened in this worker) of a
-        region a tensor names; BadRequest if it is not registered, or its
-        object is no longer the one registered."""
-        self.refresh()
+        region a tensor names, in the table as last refreshed (once a request:
+        a refresh between two of its tensors could close an fd it holds);
+        BadRequest if it is not registered, or its object is no longer the
+        one registered."""
         record = self._records.get(name)
         if record is None:
             raise BadRequest(f"{where}: expected a registered system shared-memory region, got "

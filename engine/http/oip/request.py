@@ -176,9 +176,8 @@ def _plain(request: dict, binary: memoryview, spec: Spec,
         return None
     shape = tuple(shape)
     array = from_json(obj["data"], want.datatype, shape, want.name)
-    outputs: List[Tuple[int, str, Union[bool, ShmRef]]] = [
-        (i, name, False) for name, i in {name: i for i, name in enumerate(spec.outputs)}.items()]
-    return Parsed(k, [array], outputs, default_timeout_s, 0, tensors.request_id(request))
+    return Parsed(k, [array], wanted(spec, request, False), default_timeout_s, 0,
+                  tensors.request_id(request))
 
 
 def check(spec: Spec, declared: List[Declared]) -> None:

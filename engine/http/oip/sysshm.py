@@ -81,6 +81,7 @@ async def route(regions: Regions, parts: List[str], method: str, scope,
 async def read_inputs(regions: Regions, model, parsed: Parsed) -> List[np.ndarray]:
     """parsed's arrays, each input given in a region read from it; the
     outputs that go to regions checked first, when their shapes are fixed."""
+    regions.refresh()
     _check_outputs(regions, model, parsed)
     arrays = list(parsed.arrays)
     jobs: List[Job] = []
@@ -96,6 +97,7 @@ async def read_inputs(regions: Regions, model, parsed: Parsed) -> List[np.ndarra
 async def write_outputs(regions: Regions, outputs: list) -> list:
     """outputs ((name, array, how) each) with those whose how is a region
     written there, and how replaced by the parameters their answer carries."""
+    regions.refresh()
     jobs: List[Job] = []
     answered = []
     for name, array, how in outputs:
@@ -104,9 +106,10 @@ async def write_outputs(regions: Regions, outputs: list) -> list:
             _holds(how, array.nbytes, f"{array.dtype}{list(array.shape)}", where)
             record, fd = regions.resolve(how.region, where)
             jobs.append((fd, array, _position(record, how, where), where))
-            how = {"shared_memory_region": how.region, "shared_memory_byte_size": array.nbytes}
-            if jobs[-1][2] != record.offset:
-                how["shared_memory_offset"] = jobs[-1][2] - record.offset
+            ref, how = how, {"shared_memory_region": how.region,
+                             "shared_memory_byte_size": array.nbytes}
+            if ref.offset:
+                how["shared_memory_offset"] = ref.offset
         answered.append((name, array, how))
     await _copy(region_files.write_from, jobs)
     return answered
