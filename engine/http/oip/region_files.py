@@ -50,7 +50,7 @@ def file_name(key: object) -> str:
     return name
 
 
-def open_key(key: str, segments: Iterable[str]) -> Tuple[int, os.stat_result]:
+def open_key(key: object, segments: Iterable[str]) -> Tuple[int, os.stat_result]:
     """(an O_RDWR fd, its fstat) of the object key names, checked as the
     module says; segments: the engines' names, whose segments it must not be."""
     name = file_name(key)
