@@ -24,7 +24,6 @@ import collections
 import logging
 import os
 import socket
-import weakref
 from typing import Any, Dict, Optional
 
 import numpy as np
@@ -184,16 +183,17 @@ class Waker:
         return not lives and t.try_settle(ticket.engine_gone(t.seg.name))
 
 
-_wakers: "weakref.WeakKeyDictionary[Any, Waker]" = weakref.WeakKeyDictionary()
-_numbers = iter(range(MAX_LOOPS))
-_netns = 0
+# a Waker holds its loop: a closed loop leaves here when for_loop next runs
+_wakers: Dict[Any, Waker] = {}
+_next_number = 0  # where the search for a free loop number starts
+_netns: Optional[int] = None  # None: not read yet; 0: unknown (no wakes then)
 
 
 def for_loop(seg) -> Optional[Waker]:
     """The running loop's Waker for requests to seg (made at its first use),
     or None where seg's engine cannot reach it: the completion thread's then."""
-    global _netns
-    if not _netns:
+    global _netns, _next_number
+    if _netns is None:
         _netns = liveness.netns()
     if not _netns or seg.ring.word(codes.W_NETNS) != _netns:
         return None
@@ -205,7 +205,8 @@ def for_loop(seg) -> Optional[Waker]:
         if old_loop.is_closed():
             del _wakers[old_loop]
             old.close()
-    for number in _numbers:
+    for tried in range(MAX_LOOPS):  # the numbers of closed loops are free again
+        number = (_next_number + tried) % MAX_LOOPS
         waker_id = os.getpid() | number << PID_BITS
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
         try:
@@ -214,6 +215,7 @@ def for_loop(seg) -> Optional[Waker]:
             sock.close()
             continue
         sock.setblocking(False)
+        _next_number = number + 1
         waker = _wakers[loop] = Waker(loop, waker_id, sock)
         return waker
     return None
@@ -269,9 +271,9 @@ def follow(client: Handle, stream) -> "async_streams.AsyncStream":
 
 def _after_fork_in_child() -> None:
     # the parent's loops and sockets are its own; the child binds under its pid
-    global _numbers, _netns
+    global _next_number, _netns
     _wakers.clear()
-    _numbers, _netns = iter(range(MAX_LOOPS)), 0
+    _next_number, _netns = 0, None
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
