@@ -95,6 +95,7 @@ static inline void record_waits(sb_ring *r, const uint32_t *slots, uint32_t n,
 {
 	sb_header *h = hdr(r);
 	uint64_t compared = 0, predicted = 0, seen = 0, late = 0, scale = 0, served = 0;
+	uint64_t e2e_sum = 0, e2e_max = 0; /* the shared words once a batch, not once a request */
 	for (uint32_t k = 0; k < n; k++) {
 		if (slots[k] >= r->capacity)
 			continue;
@@ -112,7 +113,10 @@ static inline void record_waits(sb_ring *r, const uint32_t *slots, uint32_t n,
 		if (ends) { /* a one-shot batch: its requests end with it, served from
 			     * their claim (or their arrival, if it came during the claim) */
 			uint64_t from = arrival > claim_ns ? arrival : claim_ns;
-			record_e2e(r, done_ns > arrival ? done_ns - arrival : 0);
+			uint64_t e2e = done_ns > arrival ? done_ns - arrival : 0;
+			sb_add_relaxed(&h->e2e_hist[bucket_of(e2e)], 1);
+			e2e_sum += e2e;
+			e2e_max = e2e > e2e_max ? e2e : e2e_max;
 			served += done_ns > from ? done_ns - from : 0;
 		}
 		sb_add_relaxed(&h->level_hist[level][bucket_of(wait)], 1);
@@ -138,6 +142,10 @@ static inline void record_waits(sb_ring *r, const uint32_t *slots, uint32_t n,
 		judge_predictions(r, compared, predicted, seen, late);
 	if (served)
 		sb_add_relaxed(word_at(r, SB_W_SERVED_NS), served);
+	if (ends && n) {
+		sb_add_relaxed(&h->e2e_sum, e2e_sum);
+		record_max(&h->e2e_max, e2e_max);
+	}
 }
 
 /* A backend call's figures: n requests in service_ns, ended at done_ns; the
