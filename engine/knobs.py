@@ -11,8 +11,8 @@ import numbers
 
 def knob(default, cli: str, doc: str):
     """A dataclass field that is one of Engine(...)'s knobs: its default, how
-    `shmbatch serve` parses its flag (str, int, float, shape, cpus, gpus,
-    key_values, callable), and what it does. Engine, the CLI's flags and the
+    `shmbatch serve` parses its flag (str, int, float, bool, ints, json,
+    shape, cpus, gpus, key_values, callable), and what it does. Engine, the CLI's flags and the
     TOML keys are all read off these fields (EngineConfig, EngineOptions)."""
     return dataclasses.field(default=default, metadata={"cli": cli, "doc": doc})
 
@@ -32,10 +32,8 @@ def _of_kind(kind: str, value) -> bool:
         return isinstance(value, numbers.Real) and not isinstance(value, bool)
     if kind == "bool":
         return isinstance(value, bool) or type(value).__name__ == "bool_"  # numpy's
-    if kind == "ints":
-        values = value.tolist() if hasattr(value, "tolist") else value
-        return isinstance(values, (list, tuple)) and all(_integer(v) for v in values)
-    return True
+    values = value.tolist() if hasattr(value, "tolist") else value  # "ints", the last kind
+    return isinstance(values, (list, tuple)) and all(_integer(v) for v in values)
 
 
 def check(config) -> None:

@@ -11,8 +11,6 @@ batch, attention over each row's own positions.
 - TinyGPT: for `sampling = true`. join gives each request's logits at its
   last prompt position (every position's with positions="all"), step(ids,
   tokens) feeds the tokens the engine sampled and gives the next logits.
-- Greedy: the same model for an engine without sampling: it picks each
-  token (argmax) itself, step(ids) -> tokens.
 - embedder: a one-shot backend of the same weights, each input's last hidden
   states averaged over its tokens (float32[d]).
 - reranker: a one-shot backend scoring a (query, document) pair, tokenized
@@ -102,29 +100,6 @@ class TinyGPT:
 
     def leave(self, ids):
         self.free += [self.at.pop(i)[0] for i in ids.tolist() if i in self.at]
-
-
-class Greedy:
-    """TinyGPT for an engine without sampling: step(ids) -> (tokens, done),
-    each token the argmax of its logits."""
-
-    def __init__(self, **weights):
-        self.model = TinyGPT(**weights)
-        self.next = {}  # request id -> its next token
-
-    def join(self, ids, batch, lengths):
-        self.next.update(zip(ids.tolist(), self.model.join(ids, batch, lengths).argmax(-1).tolist()))
-
-    def step(self, ids):
-        tokens = np.array([self.next[i] for i in ids.tolist()], np.int64)
-        logits, done = self.model.step(ids, tokens)
-        self.next.update(zip(ids.tolist(), logits.argmax(-1).tolist()))
-        return tokens, done
-
-    def leave(self, ids):
-        self.model.leave(ids)
-        for i in ids.tolist():
-            self.next.pop(i, None)
 
 
 def _states(model, batch):

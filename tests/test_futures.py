@@ -119,7 +119,7 @@ def test_an_answered_future_carries_the_engines_stamps_in_order(make_engine):
     assert batch_size == 1
 
 
-def test_an_answer_for_a_closed_event_loop_frees_its_slot_and_the_next_loop_is_served(
+def test_a_request_given_up_before_its_loop_closed_frees_its_slot_and_the_next_loop_is_served(
         make_engine, gate):
     import asyncio
     eng = make_engine("closedloop", backend="helpers:gated", backend_args={"gate": gate.name},
@@ -131,6 +131,6 @@ def test_an_answer_for_a_closed_event_loop_frees_its_slot_and_the_next_loop_is_s
                 await asyncio.wait_for(c.infer_async(x, timeout=60), 0.01)
         asyncio.run(given_up())
         gate.open()
-        # withdrawn as its loop closed: its batcher frees the slot
+        # withdrawn when wait_for cancelled it: its batcher frees the slot
         assert wait_until_no_slot_in_use(eng)
         assert np.array_equal(asyncio.run(c.infer_async(x, timeout=60)), x * 2 + 1)

@@ -40,7 +40,8 @@ class Writer:
 
     def write(self, entries: List[dict]) -> None:
         """entries: one per engine, {"name", "state", "reason", "config": its
-        EngineConfig JSON text, or None while it has no routes}."""
+        EngineConfig JSON text, or None while it has no routes, "start": a count
+        of its starts, which tells a restarted engine from the one before}."""
         body = json.dumps(entries).encode()
         if HEADER.size + len(body) > SIZE_BYTES:
             raise ValueError(f"the catalog of {len(entries)} engines takes {len(body)} B; "

@@ -149,7 +149,6 @@ class Text:
         answer (finish is then set), each token's logprobs gathered."""
         pieces = [self.echoed(prompt_logprobs)] if self.echo is not None else []
         if self.echo_only:  # max_tokens 0: the token made is not the answer's
-            self.finish = "length"
             return pieces + [self.end("length")]
         logprobs = self.logprobs
         for i, token in enumerate(self.served.tokens(chunks)):
