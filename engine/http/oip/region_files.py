@@ -76,7 +76,7 @@ def open_key(key: object, segments: Iterable[str]) -> Tuple[int, os.stat_result]
     return fd, st
 
 
-def _check(key: str, st: os.stat_result, segments: Iterable[str], dir_fd: int) -> None:
+def _check(key: object, st: os.stat_result, segments: Iterable[str], dir_fd: int) -> None:
     if not stat.S_ISREG(st.st_mode):
         raise BadRequest(f"key {key!r}: expected a regular file, got mode "
                          f"{stat.filemode(st.st_mode)}")
