@@ -98,8 +98,7 @@ async def _inflate(inflater: encoding.Inflater, chunk: bytes, into: list, limit:
             raise TooLarge(f"expected a body of at most {limit} bytes ({why}) once decoded "
                            f"from {inflater.coding}, got more", started=True) from None
         except encoding.Undecodable as e:
-            raise Refused(f"Content-Encoding {inflater.coding}: expected {e}", 400,
-                          started=True) from None
+            raise _undecodable(inflater, e) from None
         if out is None:
             return
         into.append(out)
@@ -110,8 +109,11 @@ def _finish(inflater: encoding.Inflater) -> None:
     try:
         inflater.finish()
     except encoding.Undecodable as e:
-        raise Refused(f"Content-Encoding {inflater.coding}: expected {e}", 400,
-                      started=True) from None
+        raise _undecodable(inflater, e) from None
+
+
+def _undecodable(inflater: encoding.Inflater, e: encoding.Undecodable) -> Refused:
+    return Refused(f"Content-Encoding {inflater.coding}: expected {e}", 400, started=True)
 
 
 async def refuse(scope: Scope, receive: Receive, send: Send, body: bytes,

@@ -74,8 +74,7 @@ class Inflater:
                                   f"({e})") from None
             self.left -= len(out)
             if self.left < 0:
-                raise OverLimit(f"expected a body of at most {self.limit} bytes once "
-                                f"decoded ({self.coding}), got more")
+                raise OverLimit()  # the reader says it, with the limit's reason
             if z.unused_data:
                 raise Undecodable(f"a {self.coding} stream, got data after its end")
             if out:
