@@ -122,8 +122,7 @@ class App:
         if path == "/v1/models":
             allowed(method, "GET")
             return await send_json(send, 200, {"object": "list", "data": [
-                self._card(name) for name, s in self.served.items()
-                if s.engine in self.engines.configs]})
+                self._card(name) for name in self._live()]})
         if path.startswith("/v1/models/"):
             allowed(method, "GET")
             name = path[len("/v1/models/"):]
@@ -180,14 +179,18 @@ class App:
             return read_body(raw, most, texts)
         return await self.parser.parse(len(raw), read_body, raw, most, texts)
 
+    def _live(self) -> list:
+        """The models whose engines are loaded now."""
+        return [m for m, s in self.served.items() if s.engine in self.engines.configs]
+
     def _served(self, name) -> Served:
         if not isinstance(name, str):
             raise bad(f"model: expected the name of a model, got {json.dumps(name)}", "model")
         served = self.served.get(name)
         config = None if served is None else self.engines.configs.get(served.engine)
         if served is None or config is None:  # none, or its engine unloaded
-            live = sorted(m for m, s in self.served.items() if s.engine in self.engines.configs)
-            raise OpenAIError(404, f"unknown model {name!r}; this server has {live}", "model",
+            raise OpenAIError(404, f"unknown model {name!r}; this server has "
+                              f"{sorted(self._live())}", "model",
                               "model_not_found")
         if config is not served.config:  # its engine loaded again: its settings may differ
             served = self.served[name] = Served(served.settings, config, served.tokenizer,
