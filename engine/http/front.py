@@ -56,16 +56,16 @@ class Front:
                  grpc_at: Optional[Tuple[str, int]] = None, max_rpcs: int = 1024) -> None:
         self.engines = Engines(configs, timeout_s, max_body_bytes, clients, catalog_fd,
                                control_at)
+        self.api_key = None if api_key is None else ApiKey(api_key)
+        self.parser = parsing.Parser()  # large bodies, of either protocol
+        self.oip = oip_routes.App(self.engines, self.parser, regions_fd)
         self.grpc = None
         if grpc_at is not None:  # grpcio is imported only where gRPC is served
             from engine.http.grpc.server import GrpcServer
             from engine.http.oip.request import spec_of
-            self.grpc = GrpcServer(self.engines, *grpc_at,
+            self.grpc = GrpcServer(self.engines, self.oip.model, *grpc_at,
                                    [spec_of(name, c) for name, c in configs.items()],
                                    max_body_bytes, max_rpcs)
-        self.api_key = None if api_key is None else ApiKey(api_key)
-        self.parser = parsing.Parser()  # large bodies, of either protocol
-        self.oip = oip_routes.App(self.engines, self.parser, regions_fd)
         # the tokenizers load here: a factory that fails fails the worker's start
         self.openai = openai_routes.App(self.engines, openai, self.parser) if openai else None
         self.on_ready = on_ready

@@ -19,7 +19,7 @@ closed. A drain refuses new calls and gives those running the engines'
 drain timeout to end.
 """
 import logging
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from grpc import aio
 
@@ -29,6 +29,7 @@ from engine.http.grpc import messages
 from engine.http.grpc.generated import grpc_service_pb2_grpc as pb_grpc
 from engine.http.grpc.service import Service
 from engine.http.oip.request import Spec
+from engine.http.oip.routes import Model
 
 log = logging.getLogger("shmbatch")
 
@@ -40,9 +41,9 @@ class GrpcServer:
     """The service over `engines` on host:port; specs: the engines' at the
     start, which size the largest message (max_body_bytes: one size for all)."""
 
-    def __init__(self, engines: Engines, host: str, port: int, specs: Iterable[Spec],
-                 max_body_bytes: Optional[int], max_rpcs: int) -> None:
-        self.engines, self.host, self.port = engines, host, port
+    def __init__(self, engines: Engines, model_of: Callable[[str], Model], host: str, port: int,
+                 specs: Iterable[Spec], max_body_bytes: Optional[int], max_rpcs: int) -> None:
+        self.engines, self.model_of, self.host, self.port = engines, model_of, host, port
         most = messages.max_message_bytes(specs, max_body_bytes)
         if engines.explicit and max_body_bytes is None:  # engines loaded later: room for them
             most = max(most, MAX_JSON_BYTES + HEADER_BYTES)
@@ -63,7 +64,7 @@ class GrpcServer:
             ("grpc.max_concurrent_streams", MAX_STREAMS),
             ("grpc.max_connection_idle_ms", IDLE_S * 1000),
         ], maximum_concurrent_rpcs=self.max_rpcs)
-        pb_grpc.add_GRPCInferenceServiceServicer_to_server(Service(self.engines), server)
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(Service(self.engines, self.model_of), server)
         try:
             bound = server.add_insecure_port(self.address)
         except RuntimeError as e:  # grpc's own, for an address it cannot bind

@@ -22,8 +22,7 @@ its requests. Refusals are engine.http.grpc.status's.
 import functools
 import logging
 import time
-from importlib import metadata
-from typing import Dict
+from typing import Callable
 
 from google.protobuf import json_format
 
@@ -36,7 +35,7 @@ from engine.http.grpc.generated import grpc_service_pb2_grpc as pb_grpc
 from engine.http.grpc.generated import model_config_pb2
 from engine.http.oip import stats
 from engine.http.oip.repository import VERSION
-from engine.http.oip.routes import Model
+from engine.http.oip.routes import Model, server_version
 
 log = logging.getLogger("shmbatch")
 
@@ -64,24 +63,17 @@ def answering(rpc):
 class Service(pb_grpc.GRPCInferenceServiceServicer):
     """The service over `engines` (the worker's, shared with its HTTP routes)."""
 
-    def __init__(self, engines: Engines) -> None:
-        self.engines = engines
-        self.models: Dict[str, Model] = {}
+    def __init__(self, engines: Engines, model_of: Callable[[str], Model]) -> None:
+        self.engines, self.model_of = engines, model_of
 
     def model(self, name: str, version: str = "") -> Model:
-        """The model of that name (NotFound if no engine has it, or for a
-        version but 1); engines loaded or unloaded since are seen."""
+        """The model of that name, the HTTP routes' own (model_of: NotFound if
+        no engine has it), or NotFound for a version but 1; engines loaded or
+        unloaded since are seen."""
         self.engines.refresh()
-        config = self.engines.configs.get(name)
-        if config is None:
-            self.models.pop(name, None)
-            raise NotFound(f"Request for unknown model: {name!r} is not found; this server "
-                           f"has {sorted(self.engines.configs)}")
+        model = self.model_of(name)
         if version not in ("", VERSION):
             raise NotFound(f"model {name!r}: expected version {VERSION}, got {version!r}")
-        model = self.models.get(name)
-        if model is None or model.config is not config:
-            model = self.models[name] = Model(name, config, self.engines.client(name))
         return model
 
 
@@ -105,11 +97,7 @@ class Service(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ModelReadyResponse(ready=True)
 
     async def ServerMetadata(self, request, context):
-        try:
-            version = metadata.version("shmbatch")
-        except metadata.PackageNotFoundError:
-            version = "unknown"
-        return pb.ServerMetadataResponse(name="shmbatch", version=version,
+        return pb.ServerMetadataResponse(name="shmbatch", version=server_version(),
                                          extensions=list(EXTENSIONS))
 
     @answering

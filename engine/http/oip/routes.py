@@ -40,6 +40,7 @@ or not ready, with Retry-After (whole seconds, at least 1: the engine's
 predicted wait); 504 RequestTimeout; 500 BackendError.
 """
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -140,6 +141,15 @@ class Model:
         return limit
 
 
+
+@functools.lru_cache(maxsize=None)
+def server_version() -> str:
+    """The installed package's version (read once), both protocols' metadata's."""
+    try:
+        return metadata.version("shmbatch")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
 class App:
     """The protocol's routes over `engines`, as an ASGI app (the front
     handles the lifespan); regions_fd: the table of shared-memory regions
@@ -211,7 +221,7 @@ class App:
             raise NotFound(f"no route {path}")
         if parts == ["models", "stats"]:  # every engine's (as Triton, before a model's route)
             return _get(method, self._all_stats)
-        model, rest = self._model(parts[1]), parts[2:]
+        model, rest = self.model(parts[1]), parts[2:]
         try:
             return await self._model_route(model, rest, method, scope, receive, send)
         except (QueueFull, EngineUnavailable) as e:  # 503: when to try again
@@ -250,7 +260,9 @@ class App:
             return None
         raise NotFound(f"no route {path}")
 
-    def _model(self, name: str) -> Model:
+    def model(self, name: str) -> Model:
+        """The model of that name (NotFound if no engine has it now), made
+        anew when its engine was loaded again; the gRPC service's too."""
         model = self.models.get(name)
         config = self.engines.configs.get(name)
         if model is None or model.config is not config:  # loaded again, or unloaded
@@ -262,11 +274,7 @@ class App:
         return model
 
     def _server_metadata(self) -> dict:
-        try:
-            version = metadata.version("shmbatch")
-        except metadata.PackageNotFoundError:
-            version = "unknown"
-        return {"name": "shmbatch", "version": version, "extensions": list(EXTENSIONS)}
+        return {"name": "shmbatch", "version": server_version(), "extensions": list(EXTENSIONS)}
 
     def _server_ready(self) -> dict:
         for name in self.engines.counted():
