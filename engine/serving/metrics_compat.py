@@ -67,9 +67,11 @@ def counts_prompt_tokens(config) -> bool:
     return not config.iterative and any(s.var_axis is not None for s in config.input_specs)
 
 
-# the families some engines alone carry: the rule of which (an EngineConfig's)
-ONLY_WHERE = {"vllm:prompt_tokens_total": counts_prompt_tokens,
-              "vllm:generation_tokens_total": lambda config: bool(config.iterative)}
+# the families some engines alone carry: the rule of which (an EngineConfig's), and why
+ONLY_WHERE = {"vllm:prompt_tokens_total": (counts_prompt_tokens,
+                                           "a one-shot engine with a variable dim counts it"),
+              "vllm:generation_tokens_total": (lambda config: bool(config.iterative),
+                                               "an iterative engine counts it")}
 
 
 class Family:

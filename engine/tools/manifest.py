@@ -19,7 +19,6 @@ a segment is its creator's alone (mode 0600).
 """
 import dataclasses
 import shlex
-from decimal import Decimal
 from typing import Optional
 
 from engine.tools import manifest_keda
@@ -120,7 +119,7 @@ prometheus.io annotations, labelling each series with its namespace and pod."""
 def target_seconds(ms: float) -> str:
     """ms as a Kubernetes quantity of seconds: 20 -> 20m (0.020 s); no exponent,
     which a quantity cannot hold beside its m."""
-    return format(Decimal(repr(float(ms))).normalize(), "f") + "m"
+    return manifest_keda.decimal_text(ms) + "m"
 
 
 def hpa(pod: ServePod, namespace, replicas: int, max_replicas: int, target_ms: float) -> dict:
@@ -155,7 +154,8 @@ def kubernetes(pod: ServePod, config_text: str, *, namespace: Optional[str] = No
         raise ValueError("nothing could reach the engines: expected http_port in the config "
                          "(a Service for it) or --app-image (a client in the pod)")
     max_replicas = max_replicas if max_replicas is not None else max(10, 4 * replicas)
-    wait_ms = 20.0 if target_queue_wait_ms is None else target_queue_wait_ms
+    wait_ms = manifest_keda.DEFAULT_QUEUE_WAIT_MS if target_queue_wait_ms is None \
+        else target_queue_wait_ms
     if replicas < 1 or max_replicas < replicas or not wait_ms > 0:
         raise ValueError(f"expected 1 <= --replicas <= --max-replicas and "
                          f"--target-queue-wait-ms > 0, got {replicas}, {max_replicas} and "

@@ -31,8 +31,7 @@ OWN_METRIC = "shmbatch_queue_wait_seconds"
 LABELS = {"vllm": "model_name", "triton": "model"}  # the label naming the engine, as each writes it
 WHAT = {"gauge": "per pod", "counter": "per pod per second",
         "histogram": f"the p{QUANTILE * 100:g} over the pods, in seconds"}
-ONLY_WHY = {"vllm:prompt_tokens_total": "a one-shot engine with a variable dim counts it",
-            "vllm:generation_tokens_total": "an iterative engine counts it"}
+DEFAULT_QUEUE_WAIT_MS = 20.0  # the p90 queue wait the default trigger holds
 
 
 def compat_metrics() -> Dict[str, Tuple[str, str]]:
@@ -61,9 +60,10 @@ class Target:
         return "AverageValue" if self.type in ("gauge", "counter") else "Value"
 
 
-def decimal_text(value: float) -> str:
-    """A number as KEDA's threshold string: plain decimal, no exponent."""
-    return format(Decimal(repr(float(value))).normalize(), "f")
+def decimal_text(value: float, scale: int = 0) -> str:
+    """value x 10^scale as plain decimal text, no exponent (a KEDA threshold's,
+    a Kubernetes quantity's)."""
+    return format(Decimal(repr(float(value))).scaleb(scale).normalize(), "f")
 
 
 def target(metric: Optional[str], threshold: Optional[float],
@@ -76,11 +76,8 @@ def target(metric: Optional[str], threshold: Optional[float],
             raise ValueError(f"--autoscaler-threshold: {OWN_METRIC} (the default metric) "
                              f"takes --target-queue-wait-ms, got --autoscaler-threshold "
                              f"{threshold:g}")
-        wait_ms = 20.0 if target_queue_wait_ms is None else target_queue_wait_ms
-        if not wait_ms > 0:
-            raise ValueError(f"--target-queue-wait-ms: expected > 0, got {wait_ms:g}")
-        seconds = format(Decimal(repr(float(wait_ms))).scaleb(-3).normalize(), "f")
-        return Target(OWN_METRIC, None, "histogram", seconds)
+        wait_ms = DEFAULT_QUEUE_WAIT_MS if target_queue_wait_ms is None else target_queue_wait_ms
+        return Target(OWN_METRIC, None, "histogram", decimal_text(wait_ms, -3))
     known = compat_metrics()
     kind = "vllm" if metric.startswith("vllm:") else "triton" if metric.startswith("nv_") \
         else None
@@ -90,10 +87,10 @@ def target(metric: Optional[str], threshold: Optional[float],
         raise ValueError(f"--autoscaler-metric: {where} exports no {metric!r}; it knows "
                          f"{', '.join(([OWN_METRIC] if kind is None else []) + names)}")
     kind, kind_type = known[metric]
-    only = metrics_compat.ONLY_WHERE.get(metric)
+    only, why = metrics_compat.ONLY_WHERE.get(metric, (None, ""))
     if only is not None and not any(only(cfg) for cfg in engines):
         raise ValueError(f"--autoscaler-metric: no engine of this config has {metric!r} "
-                         f"({ONLY_WHY[metric]})")
+                         f"({why})")
     if target_queue_wait_ms is not None:
         raise ValueError(f"--target-queue-wait-ms is {OWN_METRIC}'s; --autoscaler-metric "
                          f"{metric} takes --autoscaler-threshold")
