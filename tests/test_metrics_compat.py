@@ -27,9 +27,10 @@ TRITON = {"nv_inference_request_success": "counter", "nv_inference_request_failu
 
 
 class Served:
-    def __init__(self, *flags):
+    def __init__(self, *flags, backend="helpers:affine"):
         self.port = free_port()
-        self.serve = Serve(unique_name("compat"), "--metrics-port", str(self.port), *flags)
+        self.serve = Serve(unique_name("compat"), "--metrics-port", str(self.port), *flags,
+                           backend=backend)
         self.name = self.serve.name
         self.sent = 0
 
@@ -139,6 +140,29 @@ def test_the_gauges_read_zero_when_idle(compat):
     assert compat.value("vllm:num_requests_running", model_name=compat.name) == 0
     assert compat.value("nv_inference_pending_request_count", model=compat.name,
                         version="1") == 0
+
+
+def test_the_gauges_count_the_requests_queued_and_in_a_batch(gate):
+    held = Served("--metrics-compat", "vllm,triton", "--max-batch-size", "1",
+                  "--backend-arg", f"gate={gate.name}", backend="helpers:gated")
+    try:
+        def gauges():
+            return (held.value("vllm:num_requests_waiting", model_name=held.name),
+                    held.value("vllm:num_requests_running", model_name=held.name),
+                    held.value("nv_inference_pending_request_count", model=held.name,
+                               version="1"))
+        with engine.Client(held.name) as c:
+            futures = [c.submit(X + k, timeout=60) for k in range(4)]
+            # the first batch (one request) waits for the gate, the other three queue
+            wait_for(lambda: gauges()[:2] == (3, 1), "three queued and one in its batch", 60)
+            assert gauges()[2] == 3  # Triton's pending: those awaiting execution
+            gate.open()
+            for k, f in enumerate(futures):
+                assert np.array_equal(f.result(60), (X + k) * 2 + 1)
+        wait_for(lambda: gauges() == (0, 0, 0), "the gauges back to 0", 60)
+    finally:
+        gate.open()
+        assert held.serve.stop() == 0
 
 
 def test_the_counters_go_on_across_a_batcher_restart(compat):
