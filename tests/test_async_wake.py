@@ -12,6 +12,7 @@ from conftest import wait_for, wait_until_no_slot_in_use
 
 import engine
 from engine.client import ticket, wakes
+from engine.shm import codes
 
 X = np.arange(16, dtype=np.float32)
 BOUND_S = 30.0  # every wait of these tests ends by then
@@ -206,3 +207,32 @@ def test_loops_made_one_after_another_keep_getting_wakes(affine_engine):
             waker = asyncio.run(one())
         assert waker is not None
         assert not completer_threads()
+
+
+def test_an_answer_already_in_its_slot_is_taken_by_the_first_look(affine_engine):
+    with engine.Client(affine_engine.name) as c:
+        seg, slot, gen, _ = c._enqueue(X + 5, ticket.deadline_ns(BOUND_S))
+        # answered, and left in the slot
+        assert seg.ring.wait_slot(slot, gen, int(BOUND_S * 1e9), 0) == codes.OK
+        assert np.array_equal(ticket.answered(c, seg, slot, gen), (X + 5) * 2 + 1)
+        assert wait_until_no_slot_in_use(affine_engine)  # taken: its slot is free again
+
+
+def test_a_look_that_finds_nothing_stops_the_spin_and_the_loop_still_answers(make_engine):
+    eng = make_engine("slowlook", backend="helpers:slow_affine", backend_args={"fixed_ms": 20.0})
+    with engine.Client(eng.name) as c:
+        async def two():  # the first makes the loop's Waker; the second looks first
+            return [await c.infer_async(X + k, timeout=BOUND_S) for k in range(2)]
+        ys = asyncio.run(asyncio.wait_for(two(), BOUND_S))
+        assert all(np.array_equal(y, (X + k) * 2 + 1) for k, y in enumerate(ys))
+        assert c.async_spin_ns == 0  # 20 ms is no answer "soon": the next look does not spin
+
+
+def test_a_failed_request_is_raised_by_the_first_look(make_engine):
+    eng = make_engine("faillook", backend="helpers:failing")
+    with engine.Client(eng.name) as c:
+        seg, slot, gen, _ = c._enqueue(X - 100, ticket.deadline_ns(BOUND_S))  # negative: raises
+        assert seg.ring.wait_slot(slot, gen, int(BOUND_S * 1e9), 0) == codes.EFAILED
+        with pytest.raises(engine.BackendError):
+            ticket.answered(c, seg, slot, gen)
+        assert wait_until_no_slot_in_use(eng)

@@ -76,7 +76,7 @@ class Client:
     an iterative engine also ``sampling=`` (an engine.Sampling, for an engine
     with sampling=True: engine.client.sampled).
 
-    The attributes name, pid, start_ticks, spin_ns, attached, held,
+    The attributes name, pid, start_ticks, spin_ns, async_spin_ns, attached, held,
     futures_lock and futures_cond, and the methods completer() and
     validated(), are handle.Handle: what the client's helpers use of it.
     Callers need none of them."""
@@ -101,7 +101,7 @@ class Client:
         # the handle.Handle fields, documented there
         self.pid = os.getpid()
         self.start_ticks = liveness.start_ticks(self.pid) or 0
-        self.spin_ns = ring.SPIN_NS  # see _wait_slice
+        self.spin_ns, self.async_spin_ns = ring.SPIN_NS, ticket.ASYNC_SPIN_NS  # see ticket
         self.futures_lock = threading.RLock()
         self.futures_cond = threading.Condition(self.futures_lock)
         self.held: Dict[int, "weakref.ref[Any]"] = {}

@@ -40,6 +40,9 @@ class Handle(Protocol):
     # how long the next wait spins before it sleeps: ring.SPIN_NS if the last
     # wait ended within it, else 0. A hint, written by every waiter, unlocked.
     spin_ns: int
+    # how long an asyncio caller's first look at its answer spins
+    # (ticket.answered): ticket.ASYNC_SPIN_NS while its answers come soon, else 0
+    async_spin_ns: int
     attached: Optional["Segment"]  # the segment attached last; None once closed
     # slot -> weakref of its pending submit() Future, for room.sweep() when
     # the ring is full; guarded by futures_lock

@@ -252,6 +252,36 @@ class Awaited:
         return settled
 
 
+# An asyncio caller's first look at its answer spins this long at most: a
+# batcher that is awake answers within it, and the request then costs the loop
+# no future, item or wake (bench/RESULTS.md, async_wake). After a look that
+# found nothing the next ones do not spin, until an answer comes within
+# ASYNC_SOON_NS of a look again (wakes.answer_of): a slow or sleeping batcher
+# costs a loop no spin; none on a single CPU.
+ASYNC_SPIN_NS = min(2_000, ring.SPIN_NS)
+ASYNC_SOON_NS = 4 * ASYNC_SPIN_NS
+NOT_YET = object()  # answered()'s: no outcome in the slot yet
+
+
+def answered(client: Handle, seg, slot: int, gen: int) -> Any:
+    """The answer in the slot, taken in one C call after a spin of at most
+    client.async_spin_ns (the engine's one output, no span to record);
+    NOT_YET when none came or the request is not of that common kind (the
+    spin then stops until an answer comes soon again); a failure raised."""
+    if not seg.fused_out or TRACE_MODULE in sys.modules:
+        return NOT_YET
+    into = np.empty(seg.out_shape, seg.out_dtype)
+    spin_ns = client.async_spin_ns
+    # the timeout is the spin: it ends there, never sleeping
+    code = seg.ring.take(slot, gen, spin_ns, spin_ns, into)
+    if code == codes.OK:
+        return seg.config.answer((into,))
+    if code == codes.ETIMEOUT:
+        client.async_spin_ns = 0
+        return NOT_YET
+    raise failed(seg, slot, gen, code)
+
+
 async def answer_of(completer: Completion, seg, slot: int, gen: int, deadline: Optional[int],
                     timeout: Optional[float], inbox: Any = None) -> Any:
     """The answer of an enqueued request, awaited: at once if its engine

@@ -244,15 +244,27 @@ def close_client(client: Handle) -> None:
 
 async def answer_of(client: Handle, seg, slot: int, gen: int, deadline: Optional[int],
                     timeout: Optional[float]) -> Any:
-    """ticket.answer_of through the loop's Waker (or the completion thread).
-    It never spins for the answer, as infer() does: the loop's other work
-    (its connections) may be ready, and on a busy machine a spinner takes the
-    core its batcher needs (bench/RESULTS.md, async_wake.py)."""
+    """ticket.answer_of through the loop's Waker (or the completion thread),
+    after ticket.answered's look. It spins no longer than that look, as
+    infer() may: the loop's other work (its connections) may be ready, and on
+    a busy machine a spinner takes the core its batcher needs
+    (bench/RESULTS.md, async_wake.py)."""
+    # the common case, on a loop that has its Waker (its first request made it,
+    # and handed closed loops' requests back): the answer there at a look
+    if _wakers.get(asyncio.get_running_loop()) is not None:
+        answer = ticket.answered(client, seg, slot, gen)
+        if answer is not ticket.NOT_YET:
+            return answer
+    missed_ns = ring.now_ns()
     waker = for_loop(seg)
     if waker is None:
-        return await ticket.answer_of(client.completer(), seg, slot, gen, deadline, timeout)
-    return await ticket.answer_of(_Sender(waker, client), seg, slot, gen, deadline, timeout,
-                                  DIRECT)
+        answer = await ticket.answer_of(client.completer(), seg, slot, gen, deadline, timeout)
+    else:
+        answer = await ticket.answer_of(_Sender(waker, client), seg, slot, gen, deadline,
+                                        timeout, DIRECT)
+    if ring.now_ns() - missed_ns <= ticket.ASYNC_SOON_NS:  # a longer look would have had it
+        client.async_spin_ns = ticket.ASYNC_SPIN_NS
+    return answer
 
 
 def follow(client: Handle, stream) -> "async_streams.AsyncStream":
