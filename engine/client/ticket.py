@@ -257,7 +257,8 @@ class Awaited:
 # no future, item or wake (bench/RESULTS.md, async_wake). After a look that
 # found nothing the next ones do not spin, until an answer comes within
 # ASYNC_SOON_NS of a look again (wakes.answer_of): a slow or sleeping batcher
-# costs a loop no spin; none on a single CPU.
+# costs a loop no look; none on a single CPU (a look that does not spin
+# comes before the batcher could answer).
 ASYNC_SPIN_NS = min(2_000, ring.SPIN_NS)
 ASYNC_SOON_NS = 4 * ASYNC_SPIN_NS
 NOT_YET = object()  # answered()'s: no outcome in the slot yet
@@ -267,7 +268,7 @@ def answered(client: Handle, seg, slot: int, gen: int) -> Any:
     """The answer in the slot, taken in one C call after a spin of at most
     client.async_spin_ns (the engine's one output, no span to record);
     NOT_YET when none came or the request is not of that common kind (the
-    spin then stops until an answer comes soon again); a failure raised."""
+    looks then stop until an answer comes soon again); a failure raised."""
     if not seg.fused_out or TRACE_MODULE in sys.modules:
         return NOT_YET
     into = np.empty(seg.out_shape, seg.out_dtype)

@@ -249,9 +249,10 @@ async def answer_of(client: Handle, seg, slot: int, gen: int, deadline: Optional
     infer() may: the loop's other work (its connections) may be ready, and on
     a busy machine a spinner takes the core its batcher needs
     (bench/RESULTS.md, async_wake.py)."""
-    # the common case, on a loop that has its Waker (its first request made it,
-    # and handed closed loops' requests back): the answer there at a look
-    if _wakers.get(asyncio.get_running_loop()) is not None:
+    # the common case, while answers come soon, on a loop that has its Waker
+    # (its first request made it, and handed closed loops' requests back): the
+    # answer there at a look
+    if client.async_spin_ns and _wakers.get(asyncio.get_running_loop()) is not None:
         answer = ticket.answered(client, seg, slot, gen)
         if answer is not ticket.NOT_YET:
             return answer
