@@ -12,7 +12,8 @@ raw keep-alive sockets: S streams at once through generate_stream, each
 re-sent as soon as it ends, then C connections each sending its next
 one-row infer once answered. Every answer is checked against its own
 request (0 wrong, or the run fails). The figure is the worker's CPU time
-(user + system, psutil) over the run, less its idle rate (measured first:
+(its threads' run time, /proc/PID/task/*/schedstat; the user/system split
+from psutil's 10 ms ticks) over the run, less its idle rate (measured first:
 uvicorn's ticks, the client's threads), divided by the chunks or requests;
 the median of --repeat runs. How many streams share a wake of the worker
 (one per engine step) sets the cost of a chunk: each row says its rate.
@@ -20,7 +21,10 @@ the median of --repeat runs. How many streams share a wake of the worker
 worktree of an earlier commit. --floor: also the same infer rows against
 uvicorn (httptools, one worker) running a minimal ASGI app that answers an
 infer by echoing its input (json.loads, json.dumps; no engine): the cost of
-uvicorn and a JSON round trip alone, measured the same way.
+uvicorn and a JSON round trip alone, measured the same way; and the same
+stream rows against it streaming generate_stream's events on its own loop's
+timer every --step-ms (asyncio.sleep: no engine, no other process to wake
+it): what a chunk costs uvicorn alone, one stream against many.
 """
 import argparse
 import asyncio
@@ -86,12 +90,43 @@ async def echo(scope, receive, send) -> None:
     await send({"type": "http.response.body", "body": out})
 
 
+async def ticker(scope, receive, send) -> None:
+    """The --floor app for streams: generate_stream's events, one every
+    --step-ms on the loop's own timer (no engine, no wake from another process)."""
+    if scope["type"] != "http":
+        return
+    body, more = b"", True
+    while more:
+        message = await receive()
+        body, more = body + message.get("body", b""), message.get("more_body", False)
+    start, n = json.loads(body)["INPUT"]
+    step_s = float(os.environ.get("FLOOR_STEP_MS", "2")) / 1000
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")]})
+    for i in range(n):
+        await asyncio.sleep(step_s)
+        event = {"model_name": "ticker", "model_version": "1", "OUTPUT": start + i}
+        if i == n - 1:
+            event["finish_reason"] = "stop"
+        await send({"type": "http.response.body", "more_body": True,
+                    "body": b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"})
+    await send({"type": "http.response.body", "body": b""})
+
+
+async def floor_app(scope, receive, send) -> None:
+    """echo() for infers, ticker() for generate_stream."""
+    if scope["type"] == "http" and scope["path"].endswith("/generate_stream"):
+        return await ticker(scope, receive, send)
+    return await echo(scope, receive, send)
+
+
 def floor_rows(args, env: dict) -> None:
-    """The infer rows against uvicorn serving echo()."""
+    """The stream and infer rows against uvicorn serving floor_app()."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "uvicorn", "http_worker_cpu:echo",
+    env = {**env, "FLOOR_STEP_MS": str(args.step_ms)}
+    server = subprocess.Popen([sys.executable, "-m", "uvicorn", "http_worker_cpu:floor_app",
                                "--app-dir", str(HERE), "--port", str(port), "--http",
                                "httptools", "--log-level", "warning", "--no-access-log"],
                               env=env, cwd="/tmp")
@@ -108,8 +143,14 @@ def floor_rows(args, env: dict) -> None:
         worker = psutil.Process(server.pid)
         asyncio.run(infers(("127.0.0.1", port), "echo", 4, 400))
         idle_per_s = idle_rate(worker.pid)
-        print(f"floor: uvicorn + a minimal JSON echo app, pid {worker.pid}, idle "
-              f"{idle_per_s * 1e6:,.0f} µs of CPU a second (subtracted):")
+        print(f"floor: uvicorn + a minimal JSON echo app and a timer's stream, pid {worker.pid}, "
+              f"idle {idle_per_s * 1e6:,.0f} µs of CPU a second (subtracted):")
+        for count in (int(c) for c in args.streams.split(",")):
+            print(f"  generate_stream, {count:3d} streams at once, {args.chunks} chunks each, step "
+                  f"{args.step_ms:g} ms (asyncio.sleep), per chunk: " + rows(
+                      worker, idle_per_s, args.repeat, lambda: asyncio.run(streams(
+                          ("127.0.0.1", port), "ticker", count, args.chunks,
+                          time.monotonic() + args.seconds))))
         for count in (int(c) for c in args.concurrency.split(",")):
             print(f"  infer, one row, {count:3d} connections, per request: " + rows(
                 worker, idle_per_s, args.repeat,
@@ -234,12 +275,12 @@ def idle_rate(pid: int) -> float:
 def measure(worker, idle_per_s: float, run) -> tuple:
     """(µs of the worker's CPU per unit net of idle, of it in user and system
     mode, units, seconds) of run()."""
-    t0, began = worker.cpu_times(), time.monotonic()
+    t0, c0, began = worker.cpu_times(), threads_cpu_s(worker.pid), time.monotonic()
     units = run()
     spent = time.monotonic() - began
-    t1 = worker.cpu_times()
-    user, system = t1.user - t0.user, t1.system - t0.system
-    per = (user + system - idle_per_s * spent) / units * 1e6
+    t1, c1 = worker.cpu_times(), threads_cpu_s(worker.pid)
+    user, system = t1.user - t0.user, t1.system - t0.system  # in 10 ms ticks
+    per = (c1 - c0 - idle_per_s * spent) / units * 1e6  # to the ns
     return per, user / units * 1e6, system / units * 1e6, units, spent
 
 
