@@ -3,6 +3,7 @@
     python bench/http_worker_cpu.py [--tree DIR] [--streams 1,16,64] [--chunks 200]
                                     [--step-ms 2] [--seconds 5] [--infers 4000]
                                     [--concurrency 1,16] [--repeat 3] [--floor]
+                                    [--idle-spin-us US]
 
 `shmbatch serve --config` with one HTTP worker and two engines: an iterative
 counting model (a request (start, n) answers start, start + 1, ... n chunks,
@@ -18,7 +19,9 @@ uvicorn's ticks, the client's threads), divided by the chunks or requests;
 the median of --repeat runs. How many streams share a wake of the worker
 (one per engine step) sets the cost of a chunk: each row says its rate.
 --tree: another source tree of shmbatch (its engine/_ringc built), e.g. a
-worktree of an earlier commit. --floor: also the same infer rows against
+worktree of an earlier commit (without --idle-spin-us, which it may lack).
+--idle-spin-us: how long the engines' batchers spin after a batch before
+they sleep (their idle_spin_us). --floor: also the same infer rows against
 uvicorn (httptools, one worker) running a minimal ASGI app that answers an
 infer by echoing its input (json.loads, json.dumps; no engine): the cost of
 uvicorn and a JSON round trip alone, measured the same way; and the same
@@ -164,15 +167,16 @@ def counting(step_ms: float = 2.0) -> Counting:
     return Counting(step_ms)
 
 
-def config(gen: str, one: str, step_ms: float) -> str:
+def config(gen: str, one: str, step_ms: float, idle_spin_us=None) -> str:
+    spin = "" if idle_spin_us is None else f"idle_spin_us = {idle_spin_us}\n"
     return (f'http_workers = 1\n'
             f'[engines."{gen}"]\nbackend = "http_worker_cpu:counting"\n'
             f'backend_args = {{step_ms = {step_ms}}}\niterative = true\nmax_steps = 65536\n'
             f'input_shape = [2]\ninput_dtype = "int64"\noutput_shape = []\n'
-            f'output_dtype = "int64"\nmax_batch_size = 64\nqueue_capacity = 256\n'
+            f'output_dtype = "int64"\nmax_batch_size = 64\nqueue_capacity = 256\n{spin}'
             f'[engines."{one}"]\nbackend = "engine.backends:identity"\ninput_shape = [16]\n'
             f'output_shape = [16]\nmax_batch_size = 64\nmax_delay_ms = 0.0\n'
-            f'queue_capacity = 256\n')
+            f'queue_capacity = 256\n{spin}')
 
 
 async def response(reader):
@@ -304,13 +308,15 @@ def main() -> int:
     p.add_argument("--concurrency", default="1,16", help="infer connections, per row")
     p.add_argument("--repeat", type=int, default=3, help="runs of each row (the median shown)")
     p.add_argument("--floor", action="store_true", help="also uvicorn with a minimal echo app")
+    p.add_argument("--idle-spin-us", type=float, help="the engines' idle_spin_us (default: "
+                   "theirs)")
     args = p.parse_args()
     tree = args.tree.resolve()
     env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{HERE}"}
     gen, one = f"cpugen{os.getpid()}", f"cpuone{os.getpid()}"
     with tempfile.TemporaryDirectory() as folder:
         path = pathlib.Path(folder) / "models.toml"
-        path.write_text(config(gen, one, args.step_ms))
+        path.write_text(config(gen, one, args.step_ms, args.idle_spin_us))
         serve = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--config", str(path),
                                   "--http-port", "0", "--log-level", "WARNING"],
                                  stdout=subprocess.PIPE, text=True, env=env, cwd=folder)

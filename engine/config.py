@@ -21,6 +21,7 @@ from engine.knobs import knob
 from engine.tensors import TensorSpec, describe
 
 NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}\Z")
+MAX_IDLE_SPIN_US = 1_000_000  # a batcher spins a second after a batch at most
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -35,6 +36,9 @@ class EngineConfig:
     max_input_shape: Optional[Tuple] = knob(None, "shape", "the padding bound of a variable dim")
     max_batch_size: int = knob(32, "int", "flush when this many are gathered ...")
     max_delay_ms: float = knob(0.0, "float", "... or when the oldest has waited this long")
+    idle_spin_us: Optional[float] = knob(None, "float", "after a batch, a batcher with nothing "
+                                         "queued spins this long before it sleeps (None: 50 on "
+                                         "more than one CPU, 0 on one)")
     queue_capacity: int = knob(1024, "int", "requests queued or being computed at most")
     instances: int = knob(1, "int", "batcher processes serving the one queue")
     priority_levels: int = knob(1, "int", "requests carry a priority in [0, levels); 0 is "
@@ -161,6 +165,11 @@ class EngineConfig:
         if not float(self.max_delay_ms) >= 0:
             raise ValueError(f"max_delay_ms must be >= 0, got {self.max_delay_ms}")
         put("max_delay_ms", float(self.max_delay_ms))
+        if self.idle_spin_us is not None:
+            if not 0 <= float(self.idle_spin_us) <= MAX_IDLE_SPIN_US:
+                raise ValueError(f"idle_spin_us must be in 0..{MAX_IDLE_SPIN_US} or None, got "
+                                 f"{self.idle_spin_us}")
+            put("idle_spin_us", float(self.idle_spin_us))
         # derived, not fields (no part of the JSON or of ==)
         put("input_specs", ins)
         put("output_specs", outs)

@@ -102,3 +102,26 @@ def test_the_c_claim_takes_what_the_rule_says_on_random_ready_lists(seed):
         got, _, ready, _, _ = r.claim(0, *rule.thresholds(now), b)
         assert ready == n
         assert sorted(b.slots[:got].tolist()) == sorted(slots[want.take].tolist())
+
+
+def test_an_idle_batcher_spins_for_the_engines_idle_spin_us_else_the_machines_default():
+    from engine.config import EngineConfig
+    assert policy.FlushRule.of(EngineConfig(name="spin")).idle_spin_ns == ring.SPIN_NS
+    assert policy.FlushRule.of(EngineConfig(name="spin", idle_spin_us=0)).idle_spin_ns == 0
+    assert policy.FlushRule.of(EngineConfig(name="spin", idle_spin_us=300)).idle_spin_ns == 300_000
+
+
+@pytest.mark.parametrize("bad", [-1, 1_000_001, float("nan")])
+def test_an_idle_spin_outside_zero_to_a_second_is_refused_naming_the_knob(bad):
+    from engine.config import EngineConfig
+    with pytest.raises(ValueError, match=r"idle_spin_us must be in 0\.\.1000000"):
+        EngineConfig(name="spin", idle_spin_us=bad)
+
+
+def test_an_engine_that_never_spins_idle_still_answers_every_request(make_engine):
+    import engine
+    eng = make_engine("nospin", idle_spin_us=0)
+    with engine.Client(eng.name) as c:
+        for k in range(50):  # each one wakes the sleeping batcher
+            x = np.full(16, k, np.float32)
+            assert np.array_equal(c.infer(x, timeout=30), x * 2 + 1)

@@ -1,8 +1,8 @@
 """The batcher process: gathers ready requests, calls the backend once, scatters.
 
 Flush rule (policy.FlushRule): with nothing queued, sleep on the
-ring's work word with no flush timer (after a batch, spin up to SPIN_NS
-first); once something is queued its deadline is the OLDEST request's arrival
+ring's work word with no flush timer (after a batch, spin up to the rule's
+idle_spin_ns first); once something is queued its deadline is the OLDEST request's arrival
 + max_delay; flush when max_batch_size are ready or the deadline passes,
 whichever comes first. The C claim applies the rule's thresholds in its one
 pass over the ready slots.
@@ -34,9 +34,10 @@ from engine.batching.model_call import ModelCall
 from engine.segment import Segment
 from engine.shm import codes, liveness, ring
 
-# After a batch, a batcher that finds nothing queued spins up to ring.SPIN_NS
-# before it sleeps: under steady load the next request comes within it. One
-# spin per batch at most: an idle batcher sleeps.
+# After a batch, a batcher that finds nothing queued spins up to its rule's
+# idle_spin_ns (the engine's idle_spin_us, else ring.SPIN_NS) before it sleeps:
+# under steady load the next request comes within it. One spin per batch at
+# most: an idle batcher sleeps.
 
 
 class Batcher:
@@ -49,7 +50,7 @@ class Batcher:
         self.instance = instance
         self.epoch = epoch  # serves while the engine's epoch is this one (see run)
         self.fn = fn
-        self.rule = policy.FlushRule(cfg.max_batch_size, int(cfg.max_delay_ms * 1e6))
+        self.rule = policy.FlushRule.of(cfg)
         self.max_batch = cfg.max_batch_size
         self.allowed = cfg.allowed_batch_sizes
         self.limit = segment.batch_limit() or cfg.max_batch_size  # AIMD's, with slo_ms
@@ -122,7 +123,7 @@ class Batcher:
                                                      now_ns + self.expire_lead_ns)
             if n:
                 serve(n, claim_ns)
-                spin_ns = ring.SPIN_NS
+                spin_ns = rule.idle_spin_ns
             else:
                 if ready == 0 and state == codes.ENGINE_STOPPED:
                     return STOPPED

@@ -66,7 +66,7 @@ class Stepper:
         self.seg, self.ring, self.instance, self.model = segment, segment.ring, instance, model
         self.epoch = epoch
         self.cfg = cfg
-        self.rule = policy.FlushRule(cfg.max_batch_size, int(cfg.max_delay_ms * 1e6))
+        self.rule = policy.FlushRule.of(cfg)
         self.max_active = cfg.max_batch_size
         self.budget = cfg.max_batch_tokens  # None: no token budget
         self.words = segment.words
@@ -116,7 +116,7 @@ class Stepper:
             joined = self.join(start_ns, state) if joins or self.retry else self.join_waiting()
             if active.n:
                 self.step(joined, start_ns)
-                spin_ns = ring.SPIN_NS
+                spin_ns = self.rule.idle_spin_ns
                 continue
             words[self.batch_start_word] = 0
             self.report(0)

@@ -30,6 +30,16 @@ from engine.shm import ring
 class FlushRule:
     max_batch: int
     max_delay_ns: int
+    # after a batch, with nothing queued: how long to spin before sleeping on
+    # the work word (a request that comes within it costs its client no wake
+    # of a sleeping process); one spin per batch at most, so an idle batcher sleeps
+    idle_spin_ns: int = ring.SPIN_NS
+
+    @classmethod
+    def of(cls, cfg) -> "FlushRule":
+        """The rule of an EngineConfig: its idle_spin_us, else ring.SPIN_NS."""
+        spin_ns = ring.SPIN_NS if cfg.idle_spin_us is None else int(cfg.idle_spin_us * 1000)
+        return cls(cfg.max_batch_size, int(cfg.max_delay_ms * 1e6), spin_ns)
 
     def thresholds(self, now_ns: int, draining: bool = False, limit: Optional[int] = None):
         """(max_n, flush_n, cutoff_ns) for the C claim: take up to max_n of the
