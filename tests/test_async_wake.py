@@ -4,6 +4,7 @@ stuck loop that never holds a batcher up, a forked child's own wakes."""
 import asyncio
 import os
 import signal
+import sys
 import threading
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 from conftest import wait_for, wait_until_no_slot_in_use
 
 import engine
-from engine.client import ticket, wakes
+from engine.client import ticket, tracing, wakes
 from engine.shm import codes
 
 X = np.arange(16, dtype=np.float32)
@@ -209,7 +210,13 @@ def test_loops_made_one_after_another_keep_getting_wakes(affine_engine):
         assert not completer_threads()
 
 
-def test_an_answer_already_in_its_slot_is_taken_by_the_first_look(affine_engine):
+@pytest.fixture
+def untraced(monkeypatch):
+    """No tracing loaded (an earlier test may have): a span to record takes the general path."""
+    monkeypatch.delitem(sys.modules, tracing.TRACE_MODULE, raising=False)
+
+
+def test_an_answer_already_in_its_slot_is_taken_by_the_first_look(affine_engine, untraced):
     with engine.Client(affine_engine.name) as c:
         seg, slot, gen, _ = c._enqueue(X + 5, ticket.deadline_ns(BOUND_S))
         # answered, and left in the slot
@@ -218,7 +225,8 @@ def test_an_answer_already_in_its_slot_is_taken_by_the_first_look(affine_engine)
         assert wait_until_no_slot_in_use(affine_engine)  # taken: its slot is free again
 
 
-def test_a_look_that_finds_nothing_stops_the_spin_and_the_loop_still_answers(make_engine):
+def test_a_look_that_finds_nothing_stops_the_spin_and_the_loop_still_answers(make_engine,
+                                                                             untraced):
     eng = make_engine("slowlook", backend="helpers:slow_affine", backend_args={"fixed_ms": 20.0})
     with engine.Client(eng.name) as c:
         async def two():  # the first makes the loop's Waker; the second looks first
@@ -228,7 +236,7 @@ def test_a_look_that_finds_nothing_stops_the_spin_and_the_loop_still_answers(mak
         assert c.async_spin_ns == 0  # 20 ms is no answer "soon": the next look does not spin
 
 
-def test_a_failed_request_is_raised_by_the_first_look(make_engine):
+def test_a_failed_request_is_raised_by_the_first_look(make_engine, untraced):
     eng = make_engine("faillook", backend="helpers:failing")
     with engine.Client(eng.name) as c:
         seg, slot, gen, _ = c._enqueue(X - 100, ticket.deadline_ns(BOUND_S))  # negative: raises
