@@ -76,15 +76,17 @@ class Counting:
             self.state.pop(i, None)
 
 
-async def echo(scope, receive, send) -> None:
-    """The --floor app: an infer answered with its own input, as the engine's identity would."""
-    if scope["type"] != "http":
-        return
+async def request_body(receive) -> bytes:
     body, more = b"", True
     while more:
         message = await receive()
         body, more = body + message.get("body", b""), message.get("more_body", False)
-    x = json.loads(body)["inputs"][0]
+    return body
+
+
+async def echo(scope, receive, send) -> None:
+    """The --floor app: an infer answered with its own input, as the engine's identity would."""
+    x = json.loads(await request_body(receive))["inputs"][0]
     out = json.dumps({"model_name": "echo", "model_version": "1", "outputs": [
         {"name": "OUTPUT", "datatype": x["datatype"], "shape": x["shape"], "data": x["data"]}]},
         separators=(",", ":")).encode()
@@ -96,13 +98,7 @@ async def echo(scope, receive, send) -> None:
 async def ticker(scope, receive, send) -> None:
     """The --floor app for streams: generate_stream's events, one every
     --step-ms on the loop's own timer (no engine, no wake from another process)."""
-    if scope["type"] != "http":
-        return
-    body, more = b"", True
-    while more:
-        message = await receive()
-        body, more = body + message.get("body", b""), message.get("more_body", False)
-    start, n = json.loads(body)["INPUT"]
+    start, n = json.loads(await request_body(receive))["INPUT"]
     step_s = float(os.environ.get("FLOOR_STEP_MS", "2")) / 1000
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"text/event-stream")]})
@@ -118,7 +114,9 @@ async def ticker(scope, receive, send) -> None:
 
 async def floor_app(scope, receive, send) -> None:
     """echo() for infers, ticker() for generate_stream."""
-    if scope["type"] == "http" and scope["path"].endswith("/generate_stream"):
+    if scope["type"] != "http":
+        return
+    if scope["path"].endswith("/generate_stream"):
         return await ticker(scope, receive, send)
     return await echo(scope, receive, send)
 
