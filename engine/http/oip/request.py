@@ -170,10 +170,11 @@ def _plain(request: dict, binary: memoryview, spec: Spec,
         if type(d) is not int:
             return None
     k = shape[0]
-    if not 1 <= k <= spec.capacity or not all(
-            got == dim if dim is not None else 1 <= got <= bound
-            for got, dim, bound in zip(shape[1:], want.dims, want.bounds)):
+    if not 1 <= k <= spec.capacity:
         return None
+    for got, dim, bound in zip(shape[1:], want.dims, want.bounds):  # no generator: run per request
+        if (got != dim) if dim is not None else not 1 <= got <= bound:
+            return None
     shape = tuple(shape)
     array = from_json(obj["data"], want.datatype, shape, want.name)
     return Parsed(k, [array], wanted(spec, request, False), default_timeout_s, 0,
@@ -217,10 +218,10 @@ def wanted(spec: Spec, request: dict,
            binary_default: bool) -> List[Tuple[int, str, Union[bool, ShmRef]]]:
     """(output index, protocol name, binary or the region it goes to) of each
     output asked for, each once."""
-    index = {name: i for i, name in enumerate(spec.outputs)}
     asked = request.get("outputs")
     if asked is None:
-        return [(i, name, binary_default) for name, i in index.items()]
+        return [(i, name, binary_default) for i, name in enumerate(spec.outputs)]
+    index = {name: i for i, name in enumerate(spec.outputs)}
     if not isinstance(asked, list):
         raise BadRequest(f"\"outputs\": expected a list of {{\"name\"}} objects, got "
                          f"{json_text(asked)}")

@@ -98,8 +98,8 @@ def split(body: bytes, header_length: Optional[str]) -> Tuple[dict, memoryview]:
                              f"0..{len(body)} (the body's length), got {header_length!r}")
     where = "the body" if header_length is None else \
         f"the body's first {cut} bytes (Inference-Header-Content-Length)"
-    try:
-        request = json.loads(bytes(view[:cut]))
+    try:  # a body without binary data is parsed as it came, uncopied
+        request = json.loads(body if cut == len(body) else bytes(view[:cut]))
     except (UnicodeDecodeError, ValueError) as e:
         raise BadRequest(f"expected a JSON object in {where}, got malformed JSON ({e})") from None
     except RecursionError:
