@@ -5,7 +5,8 @@ tensors and generate requests (engine.http.oip), the OpenAI API's fields
 that feed an engine's inputs (engine.http.openai). A value is converted
 only once its type, shape and range are checked against the datatype,
 with work bounded by the shape, never by the value's size; json_text()
-shows what came, cut short, at a cost bounded the same way.
+shows what came, cut short, at a cost bounded the same way; json_object()
+reads a body that must be a JSON object.
 """
 import itertools
 import json
@@ -161,3 +162,15 @@ def _dumps(value) -> str:
         return json.dumps(value)
     except (TypeError, ValueError):
         return repr(value)
+
+
+def json_object(raw: bytes, what: str = "a JSON object") -> dict:
+    """The JSON object raw holds; BadRequest naming `what` was expected and
+    what came (malformed JSON, or another JSON value)."""
+    try:
+        found = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise BadRequest(f"expected {what}, got malformed JSON ({e})") from None
+    if not isinstance(found, dict):
+        raise BadRequest(f"expected {what}, got {json_text(found)}")
+    return found

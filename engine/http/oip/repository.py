@@ -20,6 +20,7 @@ from engine.http import body
 from engine.http.asgi import Receive, Scope
 from engine.http.engines import Engines
 from engine.http.errors import BadRequest
+from engine.http.values import json_object
 
 VERSION = "1"  # every engine is one model of one version
 MAX_BODY_BYTES = 32 << 10  # a config fits many times over; serve reads at most 64 KiB
@@ -97,13 +98,4 @@ def _config(parameters: dict) -> Optional[dict]:
 
 def _object(raw: bytes, what: str) -> dict:
     """The body's JSON object; an empty body is {}."""
-    if not raw.strip():
-        return {}
-    try:
-        found = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise BadRequest(f"expected {what} as a JSON object, got a body that is not JSON "
-                         f"({e})") from None
-    if not isinstance(found, dict):
-        raise BadRequest(f"expected {what} as a JSON object, got {type(found).__name__}")
-    return found
+    return json_object(raw, f"{what} as a JSON object") if raw.strip() else {}

@@ -22,7 +22,6 @@ descriptors of its own (dup), so that a region unregistered meanwhile never
 has its descriptor closed, nor reused, under a copy.
 """
 import asyncio
-import json
 import math
 import os
 from typing import Callable, List, Optional, Tuple, cast
@@ -35,7 +34,7 @@ from engine.http.oip import region_files
 from engine.http.oip.regions import Record, Regions
 from engine.http.oip.request import Parsed
 from engine.http.oip.tensors import ShmRef
-from engine.http.values import NUMPY
+from engine.http.values import NUMPY, json_object
 
 INLINE_BYTES = 1 << 20
 REGISTER_BODY_BYTES = 4096  # {key, offset, byte_size}: a key is at most 255 characters
@@ -67,12 +66,8 @@ async def route(regions: Regions, parts: List[str], method: str, scope,
             if action == "unregister":
                 regions.unregister(name)
                 return None
-            try:
-                request = json.loads(raw)
-            except (ValueError, RecursionError) as e:
-                raise BadRequest(f"expected a JSON object {{\"key\", \"offset\", "
-                                 f"\"byte_size\"}}, got malformed JSON ({e})") from None
-            regions.register(name, request)
+            regions.register(name, json_object(raw, 'a JSON object {"key", "offset", '
+                                                   '"byte_size"}'))
             return None
     raise NotFound(f"no route /v2/systemsharedmemory/{'/'.join(parts)}: expected status, "
                    f"unregister, or region/NAME/status, register or unregister")

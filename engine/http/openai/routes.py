@@ -41,6 +41,7 @@ from engine.http.openai.fields import Served
 from engine.http.openai.replies import OpenAIError, bad, of_engine, send_error, send_json
 from engine.http.openai.settings import EMBED, GENERATE, RERANK, OpenAISettings
 from engine.http.server import parsing
+from engine.http.values import json_object
 
 log = logging.getLogger("shmbatch")
 
@@ -208,12 +209,7 @@ def read_body(raw: bytes, most_chars: int, texts: Tuple[str, ...]):
     characters)): run where the body is parsed (engine.http.server.parsing),
     so that a text no model takes is never handed back. BadRequest for a
     body that is not a JSON object."""
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise BadRequest(f"expected a JSON object, got a body that is not JSON ({e})") from None
-    if not isinstance(body, dict):
-        raise BadRequest(f"expected a JSON object, got {type(body).__name__}")
+    body = json_object(raw)
     for field in texts:
         value = body.get(field)
         chars = _messages_chars(value) if field == "messages" else _text_chars(value)
