@@ -54,7 +54,7 @@ def test_an_unknown_model_is_not_ready(client):
 def test_the_server_names_itself_and_the_extensions_it_serves(client):
     got = client.get_server_metadata(as_json=True)
     assert got["name"] == "shmbatch"
-    assert set(got["extensions"]) == {"model_configuration", "statistics"}
+    assert set(got["extensions"]) == {"model_configuration", "statistics", "system_shared_memory"}
 
 
 def test_the_models_metadata_shows_its_tensors_with_a_first_dim_of_requests(served, client):

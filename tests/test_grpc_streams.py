@@ -152,6 +152,15 @@ def test_a_refused_request_is_the_streams_error_and_the_stream_goes_on(served, s
     assert chunks(got.until_final()[:-1]) == [1, 2]
 
 
+def test_an_input_in_a_shared_memory_region_is_the_streams_error(served, stream):
+    client, got = stream
+    given = grpcclient.InferInput("INPUT", [1, 2], "INT64")
+    given.set_shared_memory("anywhere", 16)  # refused before any region is looked up
+    client.async_stream_infer(served[0]["count"], [given])
+    result, error = got.take()
+    assert result is None and "ModelInfer reads and writes them" in str(error)
+
+
 def test_a_one_shot_engine_answers_a_stream_request_with_one_response(served, stream):
     client, got = stream
     x = np.arange(4, dtype=np.float32)[None]

@@ -65,7 +65,7 @@ class Front:
             from engine.http.oip.request import spec_of
             self.grpc = GrpcServer(self.engines, self.oip.model, *grpc_at,
                                    [spec_of(name, c) for name, c in configs.items()],
-                                   max_body_bytes, max_rpcs)
+                                   max_body_bytes, max_rpcs, self.oip.regions)
         # the tokenizers load here: a factory that fails fails the worker's start
         self.openai = openai_routes.App(self.engines, openai, self.parser) if openai else None
         self.on_ready = on_ready

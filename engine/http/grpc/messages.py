@@ -12,9 +12,14 @@ as Triton and KServe do.
 An input's data is either in raw_input_contents (one little-endian buffer
 per input, in the inputs' order: every input's or none, as the protocol
 says) or in its typed `contents`, the field of its datatype (FP16 has none:
-raw only, as Triton). Each size is checked against the shape before
-anything is allocated for it. Answers travel as raw_output_contents, as
-Triton's do.
+raw only, as Triton), or, named by its shared_memory_region,
+shared_memory_byte_size and shared_memory_offset parameters, in a registered
+system shared-memory region (then raw_input_contents holds the other
+inputs' buffers, as Triton's clients send them). Each size is checked
+against the shape before anything is allocated for it. Answers travel as
+raw_output_contents, as Triton's do, but for an output whose parameters
+name a region: it is written there, and its answer carries the region's
+parameters and no data.
 
 A message's size is bounded by the gRPC server's max_receive_message_length
 (max_message_bytes): what an infer of queue_capacity requests of the largest
@@ -23,7 +28,7 @@ most), + HEADER_BYTES, unless http_max_body_bytes sets one for all.
 """
 import math
 import time
-from typing import Iterable, List, NamedTuple, Optional, Tuple
+from typing import Iterable, List, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 
@@ -33,6 +38,7 @@ from engine.http.grpc.generated import grpc_service_pb2 as pb
 from engine.http.oip import request, tensors
 from engine.http.oip.repository import VERSION
 from engine.http.oip.request import Spec
+from engine.http.oip.tensors import ShmRef
 from engine.http.values import NUMPY, datatype_of
 
 MAX_VALUE_BYTES = 10  # a protobuf varint's most; fixed-size values take 8 or fewer
@@ -48,12 +54,22 @@ TYPED = {"BOOL": ("bool_contents", np.bool_), "INT8": ("int_contents", np.int32)
 
 class Infer(NamedTuple):
     k: int  # requests: every input's first dim
-    arrays: List[np.ndarray]  # [k, *shape] per input, in the engine's order
-    wanted: List[Tuple[int, str]]  # (output index, name) of each output asked
+    # [k, *shape] per input, in the engine's order; None for one in a region (`regions`)
+    arrays: List[Optional[np.ndarray]]
+    # (output index, name, how) of each output asked: how is True (raw contents), or
+    # the shared-memory region it goes to
+    wanted: List[Tuple[int, str, Union[bool, ShmRef]]]
     timeout_s: float
     priority: int  # the engine's level
     request_id: Optional[str]
     params: dict  # every request parameter, as Python values
+    # (index in arrays, datatype, shape, region) of each input given in a region
+    regions: Tuple[Tuple[int, str, Tuple[int, ...], ShmRef], ...] = ()
+
+    @property
+    def shared_memory(self) -> bool:
+        """Whether an input or an output is in a shared-memory region."""
+        return bool(self.regions) or any(isinstance(how, ShmRef) for _, _, how in self.wanted)
 
 
 def max_message_bytes(specs: Iterable[Spec], explicit: Optional[int]) -> int:
@@ -80,29 +96,42 @@ def read_infer(msg, spec: Spec, default_timeout_s: float) -> Infer:
     timeout_s = tensors.timeout_s(params.get("timeout", 0), default_timeout_s)
     priority = request.engine_priority(spec, params.get("priority", 0))
     request_id = tensors.request_id({"id": msg.id}) if msg.id else None
-    wanted = [(i, name) for i, name, _ in request.wanted(
-        spec, {"outputs": [{"name": o.name} for o in msg.outputs]} if msg.outputs else {}, True)]
+    asked = [{"name": o.name, "parameters": parameters(o.parameters)} for o in msg.outputs]
+    wanted = request.wanted(spec, {"outputs": asked} if asked else {}, True)
     inputs = msg.inputs
     if not inputs:
         raise BadRequest("inputs: expected a non-empty list of tensors, got none")
     declared = [tensors.declare({"datatype": t.datatype, "shape": list(t.shape)}, t.name)
                 for t in inputs]
+    refs = [tensors.shm_ref(parameters(t.parameters), f"input {d.name!r}")
+            for t, d in zip(inputs, declared)]
     request.check(spec, declared)
     raw = msg.raw_input_contents
-    if raw and len(raw) != len(inputs):
-        raise BadRequest(f"raw_input_contents: expected one buffer per input ({len(inputs)}), "
-                         f"got {len(raw)}")
-    arrays = {}
-    for i, (tensor, d) in enumerate(zip(inputs, declared)):
-        if raw:
+    held = sum(ref is None for ref in refs)  # inputs whose data the message holds
+    if raw and len(raw) != held:
+        beside = "" if held == len(inputs) else " not in a shared-memory region"
+        raise BadRequest(f"raw_input_contents: expected one buffer per input{beside} "
+                         f"({held}), got {len(raw)}")
+    arrays: dict = {}
+    regions = {}
+    for tensor, d, ref in zip(inputs, declared, refs):
+        if ref is not None or raw:
             if tensor.HasField("contents"):
-                raise BadRequest(f"input {d.name!r}: expected its data in raw_input_contents "
-                                 f"or in contents, got both")
+                where = "raw_input_contents" if ref is None else "a shared-memory region"
+                raise BadRequest(f"input {d.name!r}: expected its data in {where} or in "
+                                 f"contents, got both")
+        if ref is not None:
+            arrays[d.name], regions[d.name] = None, (d, tensors.shm_input(ref, d))
+        elif raw:
+            i = len(arrays) - len(regions)  # its buffer: the inputs' before it, less regions'
             arrays[d.name] = _from_raw(raw[i], i, d)
         else:
             arrays[d.name] = _from_typed(tensor.contents, d)
-    return Infer(declared[0].shape[0], [arrays[i.name] for i in spec.inputs], wanted, timeout_s,
-                 priority, request_id, params)
+    order = [i.name for i in spec.inputs]
+    return Infer(declared[0].shape[0], [arrays[name] for name in order], wanted, timeout_s,
+                 priority, request_id, params,
+                 tuple((order.index(name), d.datatype, d.shape, ref)
+                       for name, (d, ref) in regions.items()))
 
 
 def _from_raw(buffer: bytes, i: int, d: tensors.Declared) -> np.ndarray:
@@ -139,21 +168,33 @@ def _from_typed(contents, d: tensors.Declared) -> np.ndarray:
 
 
 def response(model: str, request_id: Optional[str], outputs, params: Optional[dict] = None):
-    """A ModelInferResponse of outputs, (name, array) each, as raw_output_contents;
-    params: its parameters ({key: bool, int or str})."""
+    """A ModelInferResponse of outputs, (name, array, how) each: how True, as
+    raw_output_contents; how a dict, written to a shared-memory region
+    already, its parameters and an empty buffer (engine.http.oip.sysshm: as
+    Triton's, clients find an output's buffer by its position); params: the
+    response's parameters ({key: bool, int or str})."""
     out = pb.ModelInferResponse(model_name=model, model_version=VERSION,
                                 id=request_id or "")
-    for name, array in outputs:
+    for name, array, how in outputs:
         tensor = out.outputs.add()
         tensor.name, tensor.datatype = name, datatype_of(array.dtype)
         tensor.shape.extend(array.shape)
+        if isinstance(how, dict):  # an empty buffer keeps the others' positions
+            _set(tensor.parameters, how)
+            out.raw_output_contents.append(b"")
+            continue
         out.raw_output_contents.append(
             np.ascontiguousarray(array, array.dtype.newbyteorder("<")).tobytes())
-    for key, value in (params or {}).items():
+    _set(out.parameters, params or {})
+    return out
+
+
+def _set(into, params: dict) -> None:
+    """params ({key: bool, int or str}) into a protobuf map of InferParameter."""
+    for key, value in params.items():
         kind = ("bool_param" if isinstance(value, bool) else "int64_param"
                 if isinstance(value, int) else "string_param")
-        setattr(out.parameters[key], kind, value)
-    return out
+        setattr(into[key], kind, value)
 
 
 def deadline_s(timeout_s: float, arrived: float, context) -> float:

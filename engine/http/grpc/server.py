@@ -28,6 +28,7 @@ from engine.http.engines import Engines
 from engine.http.grpc import messages
 from engine.http.grpc.generated import grpc_service_pb2_grpc as pb_grpc
 from engine.http.grpc.service import Service
+from engine.http.oip.regions import Regions
 from engine.http.oip.request import Spec
 from engine.http.oip.routes import Model
 
@@ -39,11 +40,14 @@ IDLE_S = 300  # a connection with no call this long is closed
 
 class GrpcServer:
     """The service over `engines` on host:port; specs: the engines' at the
-    start, which size the largest message (max_body_bytes: one size for all)."""
+    start, which size the largest message (max_body_bytes: one size for all);
+    regions: the system shared-memory regions the worker's HTTP routes hold."""
 
     def __init__(self, engines: Engines, model_of: Callable[[str], Model], host: str, port: int,
-                 specs: Iterable[Spec], max_body_bytes: Optional[int], max_rpcs: int) -> None:
+                 specs: Iterable[Spec], max_body_bytes: Optional[int], max_rpcs: int,
+                 regions: Regions) -> None:
         self.engines, self.model_of, self.host, self.port = engines, model_of, host, port
+        self.regions = regions  # the HTTP routes' system shared-memory regions
         most = messages.max_message_bytes(specs, max_body_bytes)
         if engines.explicit and max_body_bytes is None:  # engines loaded later: room for them
             most = max(most, MAX_JSON_BYTES + HEADER_BYTES)
@@ -64,7 +68,8 @@ class GrpcServer:
             ("grpc.max_concurrent_streams", MAX_STREAMS),
             ("grpc.max_connection_idle_ms", IDLE_S * 1000),
         ], maximum_concurrent_rpcs=self.max_rpcs)
-        pb_grpc.add_GRPCInferenceServiceServicer_to_server(Service(self.engines, self.model_of), server)
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(
+            Service(self.engines, self.model_of, self.regions), server)
         try:
             bound = server.add_insecure_port(self.address)
         except RuntimeError as e:  # grpc's own, for an address it cannot bind

@@ -1,9 +1,13 @@
 """Triton's `inference.GRPCInferenceService` over the engines of one worker.
 
 The RPCs served: ServerLive, ServerReady, ModelReady, ServerMetadata,
-ModelMetadata, ModelConfig, ModelStatistics, ModelInfer, and
-ModelStreamInfer (engine.http.grpc.streaming); every other RPC of the
-service answers UNIMPLEMENTED (the generated servicer's default). Each
+ModelMetadata, ModelConfig, ModelStatistics, ModelInfer, ModelStreamInfer
+(engine.http.grpc.streaming), and SystemSharedMemoryStatus, Register and
+Unregister, over the HTTP routes' own table of regions (engine.http.oip.
+regions: one a serve's workers share), whose inputs and outputs ModelInfer
+reads and writes as the HTTP infer does (engine.http.oip.sysshm); every
+other RPC of the service answers UNIMPLEMENTED (the generated servicer's
+default). Each
 engine is the model of its name, version 1, reached through the worker's
 Client (engine.http.engines, shared with the HTTP routes: the requests of
 both protocols batch together), shown by the HTTP routes' own Model
@@ -33,13 +37,15 @@ from engine.http.grpc import messages, status, streaming
 from engine.http.grpc.generated import grpc_service_pb2 as pb
 from engine.http.grpc.generated import grpc_service_pb2_grpc as pb_grpc
 from engine.http.grpc.generated import model_config_pb2
-from engine.http.oip import stats
+from engine.http.oip import stats, sysshm
+from engine.http.oip.regions import Regions
 from engine.http.oip.repository import VERSION
 from engine.http.oip.routes import Model, server_version
 
 log = logging.getLogger("shmbatch")
 
-EXTENSIONS = ("model_configuration", "statistics")  # of Triton's, those served over gRPC
+# of Triton's, those served over gRPC
+EXTENSIONS = ("model_configuration", "statistics", "system_shared_memory")
 
 
 def answering(rpc):
@@ -61,10 +67,12 @@ def answering(rpc):
 
 
 class Service(pb_grpc.GRPCInferenceServiceServicer):
-    """The service over `engines` (the worker's, shared with its HTTP routes)."""
+    """The service over `engines` and `regions` (the worker's, shared with its
+    HTTP routes)."""
 
-    def __init__(self, engines: Engines, model_of: Callable[[str], Model]) -> None:
-        self.engines, self.model_of = engines, model_of
+    def __init__(self, engines: Engines, model_of: Callable[[str], Model],
+                 regions: Regions) -> None:
+        self.engines, self.model_of, self.regions = engines, model_of, regions
 
     def model(self, name: str, version: str = "") -> Model:
         """The model of that name, the HTTP routes' own (model_of: NotFound if
@@ -145,14 +153,39 @@ class Service(pb_grpc.GRPCInferenceServiceServicer):
         if left_s <= 0:
             raise RequestTimeout(f"expected an answer within {parsed.timeout_s:g} s, got none: "
                                  f"the call's deadline had passed (nothing was enqueued)")
+        shared = parsed.shared_memory
+        arrays = await sysshm.read_inputs(self.regions, model, parsed) if shared \
+            else parsed.arrays
         try:
-            answers = await model.infer(parsed.arrays, parsed.k, left_s, parsed.priority)
+            answers = await model.infer(arrays, parsed.k, left_s, parsed.priority)
         except (QueueFull, EngineUnavailable) as e:
             e.retry_after_s = self.engines.retry_after_s(  # type: ignore
                 model.name, e, parsed.priority)
             raise
-        return messages.response(model.name, parsed.request_id,
-                                 [(name, answers[i]) for i, name in parsed.wanted])
+        outputs = [(name, answers[i], how) for i, name, how in parsed.wanted]
+        if shared:
+            outputs = await sysshm.write_outputs(self.regions, outputs)
+        return messages.response(model.name, parsed.request_id, outputs)
+
+    @answering
+    async def SystemSharedMemoryStatus(self, request, context):
+        out = pb.SystemSharedMemoryStatusResponse()
+        for found in self.regions.status(request.name or None):
+            region = out.regions[found["name"]]
+            region.name, region.key = found["name"], found["key"]
+            region.offset, region.byte_size = found["offset"], found["byte_size"]
+        return out
+
+    @answering
+    async def SystemSharedMemoryRegister(self, request, context):
+        self.regions.register(request.name, {"key": request.key, "offset": request.offset,
+                                             "byte_size": request.byte_size})
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    @answering
+    async def SystemSharedMemoryUnregister(self, request, context):
+        self.regions.unregister(request.name or None)
+        return pb.SystemSharedMemoryUnregisterResponse()
 
     async def ModelStreamInfer(self, request_iterator, context):
         async for response in streaming.serve(self, request_iterator, context):

@@ -98,6 +98,9 @@ async def _answer(service, msg, context, put, arrived: float) -> None:
         if parsed.k != 1:
             raise BadRequest(f"expected one request (a first dim of 1) in each stream "
                              f"message, got {parsed.k}")
+        if parsed.shared_memory:
+            raise BadRequest("expected a stream's inputs and outputs in its messages, got "
+                             "a shared-memory region (ModelInfer reads and writes them)")
         max_steps = parsed.params.get("max_steps")
         if max_steps is not None and (type(max_steps) is not int or max_steps < 1):
             raise BadRequest(f"max_steps: expected an integer >= 1, got {max_steps!r}")
@@ -115,8 +118,8 @@ async def _answer(service, msg, context, put, arrived: float) -> None:
         try:
             async for chunk in chunks:
                 values = model.config.by_name(chunk)
-                outputs = [(model.outputs[i][0], np.asarray(values[model.outputs[i][1].name])[None])
-                           for i, _ in parsed.wanted]
+                outputs = [(model.outputs[i][0], np.asarray(values[model.outputs[i][1].name])[None],
+                            True) for i, _, _ in parsed.wanted]
                 await put(pb.ModelStreamInferResponse(infer_response=messages.response(
                     model.name, parsed.request_id, outputs, flags)))
         finally:

@@ -185,13 +185,10 @@ def read_inputs(request: dict, binary: memoryview,
     if check is not None:
         check(declared)
     tensors, offset = [], 0
-    for (name, datatype, shape), obj, size in zip(declared, inputs, sizes):
+    for d, obj, size in zip(declared, inputs, sizes):
+        name, datatype, shape = d
         if isinstance(size, ShmRef):
-            want = math.prod(shape) * NUMPY[datatype].itemsize
-            if size.byte_size != want:
-                raise BadRequest(f"input {name!r}: shared_memory_byte_size: expected {want} "
-                                 f"bytes ({datatype}{list(shape)}), got {size.byte_size}")
-            tensors.append(Tensor(name, datatype, shape, None, size))
+            tensors.append(Tensor(name, datatype, shape, None, shm_input(size, d)))
             continue
         if size is None:
             array = from_json(obj["data"], datatype, shape, name)
@@ -203,6 +200,15 @@ def read_inputs(request: dict, binary: memoryview,
         raise BadRequest(f"the binary data after the JSON is {len(binary)} bytes, the inputs' "
                          f"binary_data_size parameters add up to {offset}")
     return tensors
+
+
+def shm_input(ref: ShmRef, d: Declared) -> ShmRef:
+    """ref, once its byte size is the declared input's bytes (BadRequest else)."""
+    want = math.prod(d.shape) * NUMPY[d.datatype].itemsize
+    if ref.byte_size != want:
+        raise BadRequest(f"input {d.name!r}: shared_memory_byte_size: expected {want} bytes "
+                         f"({d.datatype}{list(d.shape)}), got {ref.byte_size}")
+    return ref
 
 
 def declare(obj: dict, name: str) -> Declared:
