@@ -71,6 +71,11 @@ class Infer(NamedTuple):
         """Whether an input or an output is in a shared-memory region."""
         return bool(self.regions) or any(isinstance(how, ShmRef) for _, _, how in self.wanted)
 
+    def as_parsed(self) -> request.Parsed:
+        """The HTTP front's Parsed of it, which its shared-memory reads take."""
+        return request.Parsed(self.k, self.arrays, self.wanted, self.timeout_s, self.priority,
+                              self.request_id, self.regions)
+
 
 def max_message_bytes(specs: Iterable[Spec], explicit: Optional[int]) -> int:
     """The largest request message the server reads (see the module's docstring)."""

@@ -154,7 +154,7 @@ class Service(pb_grpc.GRPCInferenceServiceServicer):
             raise RequestTimeout(f"expected an answer within {parsed.timeout_s:g} s, got none: "
                                  f"the call's deadline had passed (nothing was enqueued)")
         shared = parsed.shared_memory
-        arrays = await sysshm.read_inputs(self.regions, model, parsed) if shared \
+        arrays = await sysshm.read_inputs(self.regions, model, parsed.as_parsed()) if shared \
             else parsed.arrays
         try:
             answers = await model.infer(arrays, parsed.k, left_s, parsed.priority)

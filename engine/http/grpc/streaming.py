@@ -32,7 +32,7 @@ request ends at its deadline.
 import asyncio
 import contextlib
 import time
-from typing import Optional, Set
+from typing import List, Optional, Set, cast
 
 import numpy as np
 
@@ -109,8 +109,9 @@ async def _answer(service, msg, context, put, arrived: float) -> None:
         if timeout_s <= 0:
             raise RequestTimeout(f"expected an answer within {parsed.timeout_s:g} s, got none: "
                                  f"the stream's deadline had passed (nothing was enqueued)")
+        arrays = cast(List[np.ndarray], parsed.arrays)  # none in a region: refused above
         x = model.config.request_of({spec.name: a[0] for (_, spec), a in
-                                     zip(model.inputs, parsed.arrays)})
+                                     zip(model.inputs, arrays)})
         final = parsed.params.get(ENABLE_FINAL) is True
         flags = {FINAL: False} if final else None
         chunks = model.client.open_stream_async(x, timeout_s, priority=parsed.priority,
