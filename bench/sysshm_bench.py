@@ -1,6 +1,7 @@
-"""1 MiB float32 inputs through HTTP three ways, in one run: system shared memory, binary tensor data, JSON.
+"""1 MiB float32 inputs by shared memory, binary data and JSON over HTTP (and gRPC), in one run.
 
     python bench/sysshm_bench.py [--seconds S] [--rounds R] [--clients 1,4] [--http-workers N]
+                                 [--grpc]
 
 `shmbatch serve --http-port 0` runs an identity engine on float32[262144]
 (1 MiB a request; max_batch_size 8, queue_capacity 64). Each mode is a closed
@@ -11,7 +12,10 @@ on all of them. Per request, each mode pays its client's whole cost:
   set_shared_memory_region), an infer whose input and output name regions,
   the output read back (get_contents_as_numpy, copied);
 - binary: set_data_from_numpy(binary_data=True), the output as binary data;
-- json: the input and the output as JSON numbers.
+- json: the input and the output as JSON numbers;
+with --grpc (serve's --grpc-port too), through tritonclient.grpc:
+- grpc-shm: as shm;
+- grpc-raw: the input and the output as raw contents.
 Every answer is checked against its own request (identity: equal to the
 input, which differs each request). A row: requests/s (each loop's requests
 over its own length, summed over the clients), p50 and
@@ -35,13 +39,18 @@ TIMEOUT_S = 60.0
 
 def client(url: str, model: str, mode: str, seconds: float, index: int, out) -> None:
     """One closed loop; puts (latencies in s, wrong, the loop's seconds) on out."""
-    import tritonclient.http as triton
     import tritonclient.utils.shared_memory as shm
-    c = triton.InferenceServerClient(url, connection_timeout=TIMEOUT_S,
-                                     network_timeout=TIMEOUT_S)
+    if mode.startswith("grpc"):  # url: the gRPC address
+        import tritonclient.grpc as triton
+        c = triton.InferenceServerClient(url)
+    else:
+        import tritonclient.http as triton  # type: ignore[no-redef]
+        c = triton.InferenceServerClient(url, connection_timeout=TIMEOUT_S,
+                                         network_timeout=TIMEOUT_S)
+    shared = mode in ("shm", "grpc-shm")
     x = np.random.default_rng(index).standard_normal(VALUES).astype(np.float32)[None]
     handles = []
-    if mode == "shm":
+    if shared:
         for role in ("in", "out"):
             name = f"bench-{os.getpid()}-{role}"
             handles.append(shm.create_shared_memory_region(name, "/" + name, x.nbytes))
@@ -56,13 +65,17 @@ def client(url: str, model: str, mode: str, seconds: float, index: int, out) -> 
             x[0, 0] = k  # each request its own input
             start = time.perf_counter()
             i = triton.InferInput("INPUT", [1, VALUES], "FP32")
-            o = triton.InferRequestedOutput("OUTPUT", binary_data=mode != "json")
-            if mode == "shm":
+            o = triton.InferRequestedOutput("OUTPUT") if mode.startswith("grpc") else \
+                triton.InferRequestedOutput("OUTPUT", binary_data=mode != "json")
+            if shared:
                 shm.set_shared_memory_region(handles[0], [x])
                 i.set_shared_memory(f"bench-{os.getpid()}-in", x.nbytes)
                 o.set_shared_memory(f"bench-{os.getpid()}-out", x.nbytes)
                 c.infer(model, [i], outputs=[o])
                 y = shm.get_contents_as_numpy(handles[1], np.float32, [1, VALUES]).copy()
+            elif mode == "grpc-raw":
+                i.set_data_from_numpy(x)
+                y = c.infer(model, [i], outputs=[o]).as_numpy("OUTPUT")
             else:
                 i.set_data_from_numpy(x, binary_data=mode == "binary")
                 y = c.infer(model, [i], outputs=[o]).as_numpy("OUTPUT")
@@ -99,6 +112,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--clients", default="1,4")
     ap.add_argument("--http-workers", type=int, default=1)
+    ap.add_argument("--grpc", action="store_true", help="also over gRPC: regions, and raw")
     args = ap.parse_args()
     model = f"sysshm-bench-{os.getpid()}"
     folder = tempfile.mkdtemp()
@@ -107,8 +121,9 @@ def main() -> None:
         f.write(f"http_workers = {args.http_workers}\n[engines.\"{model}\"]\n"
                 f"backend = \"engine.backends:identity\"\ninput_shape = [{VALUES}]\n"
                 f"output_shape = [{VALUES}]\nmax_batch_size = 8\nqueue_capacity = 64\n")
+    grpc_flags = ["--grpc-port", "0"] if args.grpc else []
     serve = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--config", config,
-                              "--http-port", "0"], stdout=subprocess.PIPE, text=True)
+                              "--http-port", "0", *grpc_flags], stdout=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + TIMEOUT_S
         url = None
@@ -116,19 +131,22 @@ def main() -> None:
             line = serve.stdout.readline()
             if not line:
                 raise SystemExit("serve exited before it was ready")
-            found = re.search(r"http://(\S+)$", line.strip())
+            found = re.search(r"http://(\S+?)(?: and gRPC (\S+))?$", line.strip())
             url = found.group(1) if "ready" in line and found else None
+            grpc_at = found.group(2) if url else None
         if url is None:
             raise SystemExit("serve not ready in time")
         rows = []
         for clients in [int(c) for c in args.clients.split(",")]:
             for r in range(args.rounds):
-                for mode in ("shm", "binary", "json"):
-                    rate, lat, wrong = run_mode(url, model, mode, args.seconds, clients)
+                modes = ("shm", "binary", "json") + (("grpc-shm", "grpc-raw") if args.grpc else ())
+                for mode in modes:
+                    at = grpc_at if mode.startswith("grpc") else url
+                    rate, lat, wrong = run_mode(at, model, mode, args.seconds, clients)
                     rows.append((clients, r, mode, rate, lat, wrong))
                     p50 = lat[len(lat) // 2] * 1e3
                     p99 = lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3
-                    print(f"{clients} client(s) round {r + 1} {mode:>6}: {rate:8.1f} req/s | "
+                    print(f"{clients} client(s) round {r + 1} {mode:>8}: {rate:8.1f} req/s | "
                           f"p50 {p50:8.2f} ms p99 {p99:8.2f} ms | {len(lat)} requests | "
                           f"wrong {wrong}", flush=True)
     finally:
