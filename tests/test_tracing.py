@@ -157,6 +157,16 @@ def _client_infer(tracer, spans, name):
     return {"answer": answer, "spans": spans(1)}
 
 
+def _many_under_a_span(tracer, spans, name):
+    with engine.Client(name) as c, tracer.start_as_current_span("caller"):
+        answer = c.infer_many(np.stack([X + k for k in range(5)]), timeout=30).tolist()
+        try:
+            c.infer_many(np.zeros((2, 3), np.float32), timeout=30)  # the wrong shape
+        except engine.InvalidInput as e:
+            refused = type(e).__name__
+    return {"answer": answer, "refused": refused, "spans": spans(2)}
+
+
 def _stream_under_a_span(tracer, spans, name, x, leave_after, gate=None):
     got = []
     with engine.Client(name) as c, tracer.start_as_current_span("caller"):
@@ -362,6 +372,19 @@ def test_a_blocking_infer_records_under_the_callers_span(make_engine, fork_ctx):
     span = only_request(facts["spans"])
     assert span["parent"] == by_name(facts["spans"], "caller")["span_id"]
     assert span["attributes"]["shmbatch.outcome"] == "ok"
+
+
+def test_infer_many_records_one_span_for_its_call_with_its_rows(make_engine, fork_ctx):
+    eng = make_engine("many", input_shape=(4,), output_shape=(4,))
+    facts = traced(fork_ctx, _many_under_a_span, eng.name)
+    assert facts["answer"] == [((X + k) * 2 + 1).tolist() for k in range(5)]
+    answered, refused = [s for s in facts["spans"] if s["name"] == SPAN]
+    caller = by_name(facts["spans"], "caller")["span_id"]
+    assert answered["parent"] == refused["parent"] == caller
+    assert answered["attributes"]["shmbatch.requests"] == 5
+    assert answered["attributes"]["shmbatch.outcome"] == "ok"
+    assert refused["attributes"]["shmbatch.outcome"] == facts["refused"] == "InvalidInput"
+    assert refused["status"] == "ERROR"
 
 
 def test_an_http_infer_continues_the_callers_traceparent(make_engine, fork_ctx):

@@ -15,12 +15,14 @@ and each answer is its own chunks stacked (infer's): a list, not one array.
 On a sampling engine each row's Sampling record is written beside its input
 (sampled.records: one Sampling for every row, or one per row).
 """
+import sys
 from typing import Any, Optional
 
 import numpy as np
 
-from engine.client import room, sampled, shares, ticket
+from engine.client import room, sampled, shares, ticket, tracing
 from engine.client.handle import Handle
+from engine.client.tracing import TRACE_MODULE
 from engine.errors import EngineCorrupt, EngineUnavailable, InvalidInput, Overloaded
 from engine.shm import codes, ring
 
@@ -28,7 +30,24 @@ from engine.shm import codes, ring
 def infer_many(client: Handle, xs, timeout: Optional[float], priority: int,
                max_steps: Optional[int] = None, sampling=None):
     """The answers to xs[0], xs[1], ... stacked, or on an iterative engine
-    listed (see Client.infer_many)."""
+    listed (see Client.infer_many); traced, one span for the call
+    (engine.client.tracing)."""
+    began = tracing.begin() if TRACE_MODULE in sys.modules else None
+    if began is None:
+        return _infer_many(client, xs, timeout, priority, max_steps, sampling)
+    error = None
+    try:
+        return _infer_many(client, xs, timeout, priority, max_steps, sampling)
+    except BaseException as e:
+        error = e
+        raise
+    finally:
+        tracing.record(began, client.name, None, error,
+                       len(xs) if hasattr(xs, "__len__") else None)
+
+
+def _infer_many(client: Handle, xs, timeout: Optional[float], priority: int,
+                max_steps: Optional[int], sampling):
     deadline = ticket.deadline_ns(timeout)
     seg, (xs,), (length,), _ = client.validated(xs, many=True, priority=priority,
                                                 max_steps=max_steps, deadline=deadline)

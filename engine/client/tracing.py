@@ -13,6 +13,7 @@ was taken, with the attributes
     shmbatch.queue_wait_ms  arrival to the claim by a batcher
     shmbatch.service_ms     claim to the end of its batch (a stream's: its end)
     shmbatch.outcome        "ok", or the error's class name (the span's status ERROR)
+    shmbatch.requests       infer_many's: the call's rows
 
 The engine stamps a request in its slot: its arrival (publish), its claim,
 its end and its batch size (written by the batcher as it answers or fails
@@ -39,7 +40,9 @@ A stamp is data from the segment: the times are used only when ordered
 (arrival <= claim <= end <= now), the batch size only within the engine's
 max_batch_size (checked in C); anything else is omitted. The span starts at
 the earlier of the request's arrival and when the client handed it over.
-Client.infer_many records no spans.
+Client.infer_many records one span for its whole call, with
+`shmbatch.requests` (its rows) and no stamps: its rows may be answered by
+several batches.
 
 The HTTP front continues a caller's trace (continued()) from the headers
 the propagator reads, each bounded before it is decoded (trace_carrier): a
@@ -97,14 +100,15 @@ def begin() -> Optional[Began]:
 
 
 def record(began: Began, engine: str, stamps: Optional[tuple] = None,
-           error: Optional[BaseException] = None) -> None:
+           error: Optional[BaseException] = None, requests: Optional[int] = None) -> None:
     """Records the span of a request whose answer (or error) was taken just
     now; stamps: the engine's (arrival_ns, claim_ns, done_ns, batch_size)
-    (ring.take_timed's, 0 where not stamped), or None. A tracing failure is
-    logged once, never the request's."""
+    (ring.take_timed's, 0 where not stamped), or None; requests: the rows of
+    an infer_many call the span covers. A tracing failure is logged once,
+    never the request's."""
     global _failed_once
     try:
-        _record(began, engine, stamps, error)
+        _record(began, engine, stamps, error, requests)
     except Exception:
         if not _failed_once:
             _failed_once = True
@@ -113,13 +117,16 @@ def record(began: Began, engine: str, stamps: Optional[tuple] = None,
 
 
 def _record(began: Began, engine: str, stamps: Optional[tuple],
-            error: Optional[BaseException]) -> None:
+            error: Optional[BaseException], requests: Optional[int]) -> None:
     parent, start_ns = began
     tracer, kind, status, error_code = _names()
     taken_ns = ring.now_ns()
     to_epoch_ns = time.time_ns() - taken_ns  # the stamps are CLOCK_MONOTONIC, OTel's epoch
-    attributes = {"shmbatch.engine": engine,
-                  "shmbatch.outcome": "ok" if error is None else type(error).__name__}
+    attributes: Dict[str, Any] = {
+        "shmbatch.engine": engine,
+        "shmbatch.outcome": "ok" if error is None else type(error).__name__}
+    if requests is not None:
+        attributes["shmbatch.requests"] = requests
     if stamps is not None:
         attributes.update(stamp_attributes(stamps, taken_ns))
         if 0 < stamps[0] < start_ns:  # its arrival, before the client looked
