@@ -160,6 +160,7 @@ def _client_infer(tracer, spans, name):
 def _many_under_a_span(tracer, spans, name):
     with engine.Client(name) as c, tracer.start_as_current_span("caller"):
         answer = c.infer_many(np.stack([X + k for k in range(5)]), timeout=30).tolist()
+        refused = None
         try:
             c.infer_many(np.zeros((2, 3), np.float32), timeout=30)  # the wrong shape
         except engine.InvalidInput as e:

@@ -2,7 +2,8 @@
 
 Flush rule (policy.FlushRule): with nothing queued, sleep on the
 ring's work word with no flush timer (after a batch, spin up to the rule's
-idle_spin_ns first); once something is queued its deadline is the OLDEST request's arrival
+idle_spin_ns first: under steady load the next request comes within it);
+once something is queued its deadline is the OLDEST request's arrival
 + max_delay; flush when max_batch_size are ready or the deadline passes,
 whichever comes first. The C claim applies the rule's thresholds in its one
 pass over the ready slots.
@@ -33,11 +34,6 @@ from engine.batching.loop import RETIRED, STOPPED, await_epoch, await_work, erro
 from engine.batching.model_call import ModelCall
 from engine.segment import Segment
 from engine.shm import codes, liveness, ring
-
-# After a batch, a batcher that finds nothing queued spins up to its rule's
-# idle_spin_ns (the engine's idle_spin_us, else ring.SPIN_NS) before it sleeps:
-# under steady load the next request comes within it. One spin per batch at
-# most: an idle batcher sleeps.
 
 
 class Batcher:

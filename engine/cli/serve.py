@@ -209,18 +209,12 @@ class Serving:
 
     @property
     def http_url(self) -> Optional[str]:
-        if self._sock is None:
-            return None
-        host, port = self._sock.getsockname()[:2]
-        return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+        return None if self._sock is None else f"http://{_address(self._sock)}"
 
     @property
     def grpc_url(self) -> Optional[str]:
         """host:port of the gRPC server (None: none), as a gRPC client takes it."""
-        if self._grpc_sock is None:
-            return None
-        host, port = self._grpc_sock.getsockname()[:2]
-        return f"{f'[{host}]' if ':' in host else host}:{port}"
+        return None if self._grpc_sock is None else _address(self._grpc_sock)
 
     def ready_line(self) -> str:
         if len(self.engines) == 1:
@@ -273,6 +267,12 @@ def _check_grpc(port) -> None:
     if find("grpc") is None or find("google.protobuf") is None:
         raise ValueError(f"--grpc-port {port} needs grpcio and protobuf: "
                          f"pip install 'shmbatch[grpc]'")
+
+
+def _address(sock) -> str:
+    """host:port a socket is bound to (an IPv6 host in brackets)."""
+    host, port = sock.getsockname()[:2]
+    return f"{f'[{host}]' if ':' in host else host}:{port}"
 
 
 def _stop(eng: Engine) -> None:

@@ -252,7 +252,8 @@ async def answer_of(client: Handle, seg, slot: int, gen: int, deadline: Optional
     # the common case, while answers come soon, on a loop that has its Waker
     # (its first request made it, and handed closed loops' requests back): the
     # answer there at a look
-    if client.async_spin_ns and _wakers.get(asyncio.get_running_loop()) is not None:
+    if client.async_spin_ns and seg.fused_out and \
+            _wakers.get(asyncio.get_running_loop()) is not None:
         answer = ticket.answered(client, seg, slot, gen)
         if answer is not ticket.NOT_YET:
             return answer

@@ -28,7 +28,7 @@ most), + HEADER_BYTES, unless http_max_body_bytes sets one for all.
 """
 import math
 import time
-from typing import Iterable, List, NamedTuple, Optional, Tuple, Union
+from typing import Iterable, Optional, Tuple
 
 import numpy as np
 
@@ -37,8 +37,7 @@ from engine.http.errors import BadRequest
 from engine.http.grpc.generated import grpc_service_pb2 as pb
 from engine.http.oip import request, tensors
 from engine.http.oip.repository import VERSION
-from engine.http.oip.request import Spec
-from engine.http.oip.tensors import ShmRef
+from engine.http.oip.request import Parsed, Spec
 from engine.http.values import NUMPY, datatype_of
 
 MAX_VALUE_BYTES = 10  # a protobuf varint's most; fixed-size values take 8 or fewer
@@ -50,31 +49,6 @@ TYPED = {"BOOL": ("bool_contents", np.bool_), "INT8": ("int_contents", np.int32)
          "UINT16": ("uint_contents", np.uint32), "UINT32": ("uint_contents", np.uint32),
          "UINT64": ("uint64_contents", np.uint64), "FP32": ("fp32_contents", np.float32),
          "FP64": ("fp64_contents", np.float64)}
-
-
-class Infer(NamedTuple):
-    k: int  # requests: every input's first dim
-    # [k, *shape] per input, in the engine's order; None for one in a region (`regions`)
-    arrays: List[Optional[np.ndarray]]
-    # (output index, name, how) of each output asked: how is True (raw contents), or
-    # the shared-memory region it goes to
-    wanted: List[Tuple[int, str, Union[bool, ShmRef]]]
-    timeout_s: float
-    priority: int  # the engine's level
-    request_id: Optional[str]
-    params: dict  # every request parameter, as Python values
-    # (index in arrays, datatype, shape, region) of each input given in a region
-    regions: Tuple[Tuple[int, str, Tuple[int, ...], ShmRef], ...] = ()
-
-    @property
-    def shared_memory(self) -> bool:
-        """Whether an input or an output is in a shared-memory region."""
-        return bool(self.regions) or any(isinstance(how, ShmRef) for _, _, how in self.wanted)
-
-    def as_parsed(self) -> request.Parsed:
-        """The HTTP front's Parsed of it, which its shared-memory reads take."""
-        return request.Parsed(self.k, self.arrays, self.wanted, self.timeout_s, self.priority,
-                              self.request_id, self.regions)
 
 
 def max_message_bytes(specs: Iterable[Spec], explicit: Optional[int]) -> int:
@@ -94,9 +68,10 @@ def parameters(params) -> dict:
     return out
 
 
-def read_infer(msg, spec: Spec, default_timeout_s: float) -> Infer:
-    """The infer request in msg, read against spec; BadRequest for one the
-    protocol or the engine does not take."""
+def read_infer(msg, spec: Spec, default_timeout_s: float) -> Tuple[Parsed, dict]:
+    """(the infer request in msg, read against spec as the HTTP front reads
+    one, and every request parameter as Python values); BadRequest for one
+    the protocol or the engine does not take."""
     params = parameters(msg.parameters)
     timeout_s = tensors.timeout_s(params.get("timeout", 0), default_timeout_s)
     priority = request.engine_priority(spec, params.get("priority", 0))
@@ -133,10 +108,9 @@ def read_infer(msg, spec: Spec, default_timeout_s: float) -> Infer:
         else:
             arrays[d.name] = _from_typed(tensor.contents, d)
     order = [i.name for i in spec.inputs]
-    return Infer(declared[0].shape[0], [arrays[name] for name in order], wanted, timeout_s,
-                 priority, request_id, params,
-                 tuple((order.index(name), d.datatype, d.shape, ref)
-                       for name, (d, ref) in regions.items()))
+    return Parsed(declared[0].shape[0], [arrays[name] for name in order], wanted, timeout_s,
+                  priority, request_id, tuple((order.index(name), d.datatype, d.shape, ref)
+                                              for name, (d, ref) in regions.items())), params
 
 
 def _from_raw(buffer: bytes, i: int, d: tensors.Declared) -> np.ndarray:

@@ -148,13 +148,13 @@ class Service(pb_grpc.GRPCInferenceServiceServicer):
         if model.config.iterative:  # answers of any length: no [k, ...] tensor holds them
             raise BadRequest(f"model {model.name!r} is iterative: expected ModelStreamInfer, "
                              f"got ModelInfer")
-        parsed = messages.read_infer(request, model.spec, self.engines.timeout_s)
+        parsed, _ = messages.read_infer(request, model.spec, self.engines.timeout_s)
         left_s = messages.deadline_s(parsed.timeout_s, arrived, context)
         if left_s <= 0:
             raise RequestTimeout(f"expected an answer within {parsed.timeout_s:g} s, got none: "
                                  f"the call's deadline had passed (nothing was enqueued)")
         shared = parsed.shared_memory
-        arrays = await sysshm.read_inputs(self.regions, model, parsed.as_parsed()) if shared \
+        arrays = await sysshm.read_inputs(self.regions, model, parsed) if shared \
             else parsed.arrays
         try:
             answers = await model.infer(arrays, parsed.k, left_s, parsed.priority)

@@ -94,17 +94,17 @@ async def _answer(service, msg, context, put, arrived: float) -> None:
     name = msg.model_name
     try:
         model = service.model(name, msg.model_version)
-        parsed = messages.read_infer(msg, model.spec, service.engines.timeout_s)
+        parsed, params = messages.read_infer(msg, model.spec, service.engines.timeout_s)
         if parsed.k != 1:
             raise BadRequest(f"expected one request (a first dim of 1) in each stream "
                              f"message, got {parsed.k}")
         if parsed.shared_memory:
             raise BadRequest("expected a stream's inputs and outputs in its messages, got "
                              "a shared-memory region (ModelInfer reads and writes them)")
-        max_steps = parsed.params.get("max_steps")
+        max_steps = params.get("max_steps")
         if max_steps is not None and (type(max_steps) is not int or max_steps < 1):
             raise BadRequest(f"max_steps: expected an integer >= 1, got {max_steps!r}")
-        sampling = _sampling(model, parsed.params)
+        sampling = _sampling(model, params)
         timeout_s = messages.deadline_s(parsed.timeout_s, arrived, context)
         if timeout_s <= 0:
             raise RequestTimeout(f"expected an answer within {parsed.timeout_s:g} s, got none: "
@@ -112,7 +112,7 @@ async def _answer(service, msg, context, put, arrived: float) -> None:
         arrays = cast(List[np.ndarray], parsed.arrays)  # none in a region: refused above
         x = model.config.request_of({spec.name: a[0] for (_, spec), a in
                                      zip(model.inputs, arrays)})
-        final = parsed.params.get(ENABLE_FINAL) is True
+        final = params.get(ENABLE_FINAL) is True
         flags = {FINAL: False} if final else None
         chunks = model.client.open_stream_async(x, timeout_s, priority=parsed.priority,
                                                 max_steps=max_steps, sampling=sampling)
