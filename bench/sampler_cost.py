@@ -10,9 +10,10 @@ For 1, 8 and 64 rows over GPT-2's vocabulary (V = 50,257), Rows.sample on
 numpy float32 logits and, where torch is installed, on torch CPU tensors
 (which the numpy path reads through a view) and on the same made to take the
 torch path (as tensors on a GPU do; here torch's CPU kernels). Rows: greedy;
-temperature 0.8 + top_p 0.9 + top_k 50; top_p 0.9 alone (its nucleus, ~2,300
-ids here: numpy gathers ~3,700 by a p threshold, torch reads 1,024 candidates,
-then 4,096); the second with logprobs=5. "The step itself": the LM head's matmul, [n, 768] @ [768,
+temperature 0.8 + top_p 0.9 + top_k 50; temperature 1 alone (no truncation);
+top_p 0.9 alone (its nucleus, ~2,300 ids here: numpy gathers ~3,700 by a p
+threshold, torch reads 1,024 candidates, then 4,096); top_p 0.99 alone; the
+second with logprobs=5. "The step itself": the LM head's matmul, [n, 768] @ [768,
 50257] float32, numpy and torch. Logits are N(0, 1) * 3, about as peaked as a
 small LM's. Medians of --repeat calls of wall time, after one unmeasured.
 """
@@ -31,7 +32,9 @@ VOCAB, HIDDEN = 50_257, 768
 CONFIGS = {
     "greedy": Sampling(temperature=0),
     "T 0.8, top_p 0.9, top_k 50": Sampling(temperature=0.8, top_p=0.9, top_k=50),
+    "temperature 1 (OpenAI's default)": Sampling(),
     "top_p 0.9 alone": Sampling(top_p=0.9),
+    "top_p 0.99 alone": Sampling(top_p=0.99),
     "T 0.8, top_p 0.9, top_k 50, logprobs 5": Sampling(temperature=0.8, top_p=0.9, top_k=50,
                                                        logprobs=5),
 }

@@ -318,6 +318,22 @@ def test_logits_that_are_not_float_n_by_v_are_a_bad_result(backend):
         rows.sample([[0.0], [1.0]])
 
 
+@pytest.mark.parametrize("kept", [0.002, 0.5, 1.0], ids=["few ids a row", "many", "every id"])
+def test_candidates_are_each_rows_ids_at_or_above_its_threshold_in_id_order(kept):
+    from engine.batching.sampler_numpy import gathered
+    rng = np.random.default_rng(8)
+    values = rng.random((9, 3001)).astype(np.float32)[:, ::2]  # strided, as a row subset is
+    t = np.quantile(values, 1 - kept, axis=1).astype(np.float32)
+    t[4] = np.nan  # a row that keeps nothing
+    ids, got = gathered(values, t, np.float32(-1), 3)
+    width = max(3, max(int((row >= cut).sum()) for row, cut in zip(values, t)))
+    assert ids.shape == got.shape == (9, width)
+    for row, cut, row_ids, row_got in zip(values, t, ids, got):
+        want = np.flatnonzero(row >= cut)
+        assert row_ids[:len(want)].tolist() == want.tolist() and (row_ids[len(want):] == -1).all()
+        assert (row_got[:len(want)] == row[want]).all() and (row_got[len(want):] == -1).all()
+
+
 def test_rows_keep_follows_the_batch_and_counts_each_rows_steps():
     rows = Rows(4, eos_token_ids=[0])
     rows.add([Sampling(min_tokens=1, temperature=0), Sampling(min_tokens=2, temperature=0)])

@@ -36,6 +36,7 @@ LEVEL_SHIFT = 21  # float32 bits >> 21: 4 p levels an octave
 LEVELS = (0x3F800000 >> LEVEL_SHIFT) + 1  # p in [0, 1]
 SAMPLE = 8  # a nucleus's level masses are guessed from every 8th id of its row ...
 REACH = 0.25  # ... with room: a guess short of the mass costs another gather
+WIDE_GATHER = 256  # ids a row past which gathered copies row by row
 TIE_SLACK = 1 + 2.0**-20  # a bound on p within an ulp or two of the cut counts as a tie
 
 
@@ -177,13 +178,16 @@ def plain_tokens(x, k, top_p, min_p, temperature, uniforms, mask_rows, mask_ids)
 def probabilities(x, temperature, min_p, mask_rows, mask_ids):
     """(p = exp((x - max) / T) per row, zero where masked or below min_p, in
     one new [m, V] array; bool[m]: rows whose max is not finite)."""
-    p = x.copy()
-    p[mask_rows, mask_ids] = -np.inf
-    top = p.max(axis=1)
+    masked = len(mask_rows) > 0
+    if masked:  # -inf before the row's max is read
+        x = x.copy()
+        x[mask_rows, mask_ids] = -np.inf
+    top = x.max(axis=1)
     broken = ~np.isfinite(top)
     top[broken] = 0
-    np.subtract(p, top[:, None], out=p)
-    np.divide(p, temperature[:, None], out=p)
+    p = np.subtract(x, top[:, None], out=x if masked else None)  # the one new [m, V] array
+    if (temperature != 1).any():  # T = 1 (OpenAI's default) divides by one: skipped
+        np.divide(p, temperature[:, None], out=p)
     np.exp(p, out=p)
     if (min_p > 0).any():
         np.multiply(p, p >= min_p[:, None], out=p)
@@ -196,17 +200,23 @@ def gathered(values, t, fill, least: int):
     at or above t[i], in id order, padded to the longest row (and at least
     `least`) with id -1 and value fill."""
     m, vocab = values.shape
-    flat = np.flatnonzero(values >= t[:, None])
-    rows = flat // vocab
-    cols = flat - rows * vocab
-    counts = np.bincount(rows, minlength=m)
+    flat = np.flatnonzero(values >= t[:, None])  # ascending: row by row
+    edges = np.searchsorted(flat, np.arange(m + 1) * vocab)
+    counts = np.diff(edges)
     width = max(int(counts.max()) if m else 0, least)
-    at = np.arange(len(flat)) - (np.cumsum(counts) - counts)[rows]
     ids = np.full((m, width), -1, np.int64)
     out = np.full((m, width), fill, values.dtype)
-    into = rows * width + at
-    ids.reshape(-1)[into] = cols
-    out.reshape(-1)[into] = values.reshape(-1)[flat]  # a copy first if values is strided
+    kept = values.reshape(-1)[flat]  # a copy first if values is strided
+    if len(flat) <= WIDE_GATHER * m:  # a few ids a row: one scatter
+        rows = np.repeat(np.arange(m), counts)
+        into = rows * width + np.arange(len(flat)) - edges[rows]  # its rank in its row
+        ids.reshape(-1)[into] = flat - rows * vocab
+        out.reshape(-1)[into] = kept
+        return ids, out
+    # many: a contiguous copy a row (numpy's scatter costs ~3x as much an id)
+    for i, (a, b) in enumerate(zip(edges[:-1].tolist(), edges[1:].tolist())):
+        np.subtract(flat[a:b], i * vocab, out=ids[i, :b - a])
+        out[i, :b - a] = kept[a:b]
     return ids, out
 
 
