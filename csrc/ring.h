@@ -145,15 +145,15 @@
  *   between the bit and the CAS leave a WRITING slot that the reaper frees.
  *
  * BLOCKING: futexes on shared words, never polling. Clients sleep on their
- * slot's ctl (low half); batchers on work_seq, which every publish bumps;
- * completion threads on done_seq, which every finished batch bumps; a
- * client that found the ring full on free_seq, which a freed slot bumps
- * while someone waits (free_waiters); each client process's evictor on
- * evict_seq, bumped to ask every process to move its unread answers out.
- * A wake is a hint: every waiter re-reads its word. A waiter may first spin
- * a bounded spin_ns, re-reading it: a spinner is not marked asleep, so its
- * waker skips the syscall and it the kernel's wake-up (half a short round
- * trip). The caller chooses spin_ns (0: none); the C never spins on its own.
+ * slot's ctl (low half); batchers on work_seq, which every publish bumps (and
+ * expect_work, ahead of one); completion threads on done_seq, which every
+ * finished batch bumps; a client that found the ring full on free_seq, which
+ * a freed slot bumps while someone waits (free_waiters); each client
+ * process's evictor on evict_seq, bumped to ask every process to move its
+ * unread answers out. A wake is a hint: every waiter re-reads its word. A
+ * waiter may first spin a bounded spin_ns, re-reading it: a spinner is not
+ * marked asleep, so its waker skips the syscall and it the kernel's wake-up
+ * (half a short round trip). spin_ns is the caller's (0: none), never the C's.
  * ASYNCIO: a loop binds a datagram socket at the abstract address
  * "\0shmbatch-wake-%08x" of its wake id and puts gen << 32 | id in each slot
  * it awaits (sb_await_slot); who settles a slot or puts a stream's chunks
@@ -414,10 +414,10 @@ int sb_wait_evict(sb_ring *r, uint32_t seen, int64_t timeout_ns);
 uint32_t sb_work_seq(const sb_ring *r);
 int sb_wait_work(sb_ring *r, uint32_t seen, int64_t timeout_ns, uint64_t spin_ns);
 void sb_wake_work(sb_ring *r);
+void sb_expect_work(sb_ring *r); /* a request comes: wake one asleep */
 /* time (futex.c, under wait.c's waits); and the floor a cross-process
- * request cannot beat: a futex ping-pong on word[0] of a shared mapping
- * (role 0 pings, role 1 answers), each side spinning up to spin_ns before
- * it sleeps, as the ring's waits do */
+ * request cannot beat: a futex ping-pong on word[0] of a shared mapping (role
+ * 0 pings, 1 answers), each side spinning spin_ns before it sleeps, as waits do */
 uint64_t sb_now_ns(void);
 void sb_spin_ns(uint64_t ns);
 uint32_t sb_pingpong(void *word, uint32_t role, uint32_t rounds, uint64_t spin_ns,

@@ -125,3 +125,22 @@ def test_an_engine_that_never_spins_idle_still_answers_every_request(make_engine
         for k in range(50):  # each one wakes the sleeping batcher
             x = np.full(16, k, np.float32)
             assert np.array_equal(c.infer(x, timeout=30), x * 2 + 1)
+
+
+class _Woken:
+    """A ring whose wait for work returns code."""
+
+    def __init__(self, code: int) -> None:
+        self.code = code
+
+    def wait_work(self, seen, timeout_ns, spin_ns=0) -> int:
+        return self.code
+
+
+def test_a_batcher_woken_with_nothing_to_claim_spins_before_it_sleeps_again():
+    from engine.batching.loop import await_work
+    rule = policy.FlushRule(max_batch=4, max_delay_ns=0, idle_spin_ns=50_000)
+    # woken (a client's expect_work, or a publish another batcher claimed): a request comes
+    assert await_work(_Woken(codes.OK), rule, 0, 0, 0, 0, 0, 0) == 50_000
+    # the idle bound passed with no wake: asleep again at once
+    assert await_work(_Woken(codes.ETIMEOUT), rule, 0, 0, 0, 0, 0, 50_000) == 0

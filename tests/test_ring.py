@@ -170,6 +170,27 @@ def test_a_spinning_wait_still_times_out_at_its_bound(segment):
     assert ring.now_ns() - t >= 40_000_000  # spin (5 ms) counted in each 20 ms bound
 
 
+def test_expect_work_leaves_the_work_word_alone_while_no_batcher_sleeps(segment):
+    r = segment.ring
+    seen = r.work_seq()
+    r.expect_work()
+    assert r.work_seq() == seen
+
+
+def test_expect_work_wakes_a_batcher_asleep_on_the_work_word(segment):
+    r = segment.ring
+    seen, codes_got = r.work_seq(), []
+    sleeper = threading.Thread(target=lambda: codes_got.append(r.wait_work(seen, 60 * 10**9)),
+                               daemon=True)
+    sleeper.start()
+    deadline = ring.now_ns() + 10 * 10**9
+    while sleeper.is_alive() and ring.now_ns() < deadline:
+        r.expect_work()  # nothing until the thread is counted asleep, then its wake
+        sleeper.join(0.001)
+    assert not sleeper.is_alive() and codes_got == [codes.OK]
+    assert r.work_seq() != seen
+
+
 def test_late_completion_after_abandon_never_reaches_the_next_owner(segment):
     r = segment.ring
     _, slot, gen = r.acquire(os.getpid(), 0)

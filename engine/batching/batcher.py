@@ -123,8 +123,7 @@ class Batcher:
             else:
                 if ready == 0 and state == codes.ENGINE_STOPPED:
                     return STOPPED
-                await_work(r, rule, seen, ready, oldest_ns, cutoff_ns, now_ns, spin_ns)
-                spin_ns = 0
+                spin_ns = await_work(r, rule, seen, ready, oldest_ns, cutoff_ns, now_ns, spin_ns)
 
     def retry_inherited(self) -> None:
         """The batch a dead predecessor left under this batcher number (kept

@@ -127,8 +127,8 @@ class Stepper:
             ready, oldest_ns, cutoff_ns = self.last_claim
             if ready == 0 and state == codes.ENGINE_STOPPED:
                 return self.gone(STOPPED)
-            await_work(r, self.rule, seen, ready, oldest_ns, cutoff_ns, start_ns, spin_ns)
-            spin_ns = 0
+            spin_ns = await_work(r, self.rule, seen, ready, oldest_ns, cutoff_ns, start_ns,
+                                 spin_ns)
 
     # -- 1. what is over before the step ------------------------------------------------
     def drop_expired(self, now_ns: int) -> None:

@@ -48,11 +48,17 @@ def await_epoch(r) -> None:
 
 
 def await_work(r, rule, seen: int, ready: int, oldest_ns: int, cutoff_ns: int, now_ns: int,
-               spin_ns: int) -> None:
+               spin_ns: int) -> int:
     """After a claim that took nothing: with nothing READY, sleep until a
     publish (spinning spin_ns first); with the oldest not due yet, until it
-    is due or a publish. (Otherwise a publish raced the claim: no wait.)"""
+    is due or a publish. (Otherwise a publish raced the claim: no wait.)
+    Returns the spin before the next sleep: the rule's idle spin once woken
+    by the work word (a client's expect_work says a request is coming, or a
+    publish another batcher claimed), else none."""
     if ready == 0:
-        r.wait_work(seen, IDLE_CHECK_NS, spin_ns)
+        code = r.wait_work(seen, IDLE_CHECK_NS, spin_ns)
     elif oldest_ns > cutoff_ns:
-        r.wait_work(seen, rule.wait_ns(oldest_ns, now_ns))
+        code = r.wait_work(seen, rule.wait_ns(oldest_ns, now_ns))
+    else:
+        return 0
+    return rule.idle_spin_ns if code == codes.OK else 0

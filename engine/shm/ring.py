@@ -331,6 +331,10 @@ class Ring:
     def wake_work(self) -> None:
         lib.sb_wake_work(self.r)
 
+    def expect_work(self) -> None:
+        """Wakes a sleeping batcher ahead of a request about to be published."""
+        lib.sb_expect_work(self.r)
+
     def claim(self, batcher: int, max_n: int, flush_n: int, cutoff_ns: int, batch: ClaimBuffers,
               expire_ns: int = 0):
         """Fails unstarted the READY requests whose deadline is before expire_ns;
