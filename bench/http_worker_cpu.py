@@ -3,7 +3,7 @@
     python bench/http_worker_cpu.py [--tree DIR] [--streams 1,16,64] [--chunks 200]
                                     [--step-ms 2] [--seconds 5] [--infers 4000]
                                     [--concurrency 1,16] [--repeat 3] [--floor]
-                                    [--idle-spin-us US]
+                                    [--idle-spin-us US] [--grpc]
 
 `shmbatch serve --config` with one HTTP worker and two engines: an iterative
 counting model (a request (start, n) answers start, start + 1, ... n chunks,
@@ -16,7 +16,8 @@ request (0 wrong, or the run fails). The figure is the worker's CPU time
 (its threads' run time, /proc/PID/task/*/schedstat; the user/system split
 from psutil's 10 ms ticks) over the run, less its idle rate (measured first:
 uvicorn's ticks, the client's threads), divided by the chunks or requests;
-the median of --repeat runs. How many streams share a wake of the worker
+the median of --repeat runs; an infer row also gives the identity engine's
+batcher's CPU a request in that run. How many streams share a wake of the worker
 (one per engine step) sets the cost of a chunk: each row says its rate.
 --tree: another source tree of shmbatch (its engine/_ringc built), e.g. a
 worktree of an earlier commit (without --idle-spin-us, which it may lack).
@@ -27,7 +28,9 @@ infer by echoing its input (json.loads, json.dumps; no engine): the cost of
 uvicorn and a JSON round trip alone, measured the same way; and the same
 stream rows against it streaming generate_stream's events on its own loop's
 timer every --step-ms (asyncio.sleep: no engine, no other process to wake
-it): what a chunk costs uvicorn alone, one stream against many.
+it): what a chunk costs uvicorn alone, one stream against many. --grpc: also
+the infer rows as ModelInfer calls (tritonclient.grpc.aio, C callers on one
+channel) to the same worker's gRPC server (serve --grpc-port).
 """
 import argparse
 import asyncio
@@ -249,6 +252,32 @@ async def infers(address, name: str, count: int, total: int) -> int:
     return sum(await asyncio.gather(*(caller(k) for k in range(count))))
 
 
+async def grpc_infers(target: str, name: str, count: int, total: int) -> int:
+    """count callers on one channel sending one-row ModelInfers until total are answered."""
+    import numpy as np
+    import tritonclient.grpc.aio as grpcclient
+    left = [total]
+    client = grpcclient.InferenceServerClient(target)
+
+    async def caller(k: int) -> int:
+        done = 0
+        while left[0] > 0:
+            left[0] -= 1
+            x = (np.arange(16, dtype=np.float32) / 4 + k * 100_000 + left[0] % 100_000)[None]
+            given = grpcclient.InferInput("INPUT", [1, 16], "FP32")
+            given.set_data_from_numpy(x)
+            out = (await client.infer(name, [given])).as_numpy("OUTPUT")
+            if out is None or not np.array_equal(out, x):
+                raise AssertionError(f"ModelInfer of {x[0, :2]}...: got {out!r}")
+            done += 1
+        return done
+
+    try:
+        return sum(await asyncio.gather(*(caller(k) for k in range(count))))
+    finally:
+        await client.close()
+
+
 def cpu_s(proc: psutil.Process) -> float:
     """The process's CPU time (user + system, its threads' that ended included)."""
     t = proc.cpu_times()
@@ -274,25 +303,30 @@ def idle_rate(pid: int) -> float:
     return (threads_cpu_s(pid) - began) / IDLE_S
 
 
-def measure(worker, idle_per_s: float, run) -> tuple:
+def measure(worker, idle_per_s: float, run, batcher=None) -> tuple:
     """(µs of the worker's CPU per unit net of idle, of it in user and system
-    mode, units, seconds) of run()."""
+    mode, units, seconds, µs of the batcher's CPU per unit or None) of run()."""
     t0, c0, began = worker.cpu_times(), threads_cpu_s(worker.pid), time.monotonic()
+    b0 = threads_cpu_s(batcher) if batcher else 0.0
     units = run()
     spent = time.monotonic() - began
     t1, c1 = worker.cpu_times(), threads_cpu_s(worker.pid)
     user, system = t1.user - t0.user, t1.system - t0.system  # in 10 ms ticks
     per = (c1 - c0 - idle_per_s * spent) / units * 1e6  # to the ns
-    return per, user / units * 1e6, system / units * 1e6, units, spent
+    theirs = (threads_cpu_s(batcher) - b0) / units * 1e6 if batcher else None
+    return per, user / units * 1e6, system / units * 1e6, units, spent, theirs
 
 
-def rows(worker, idle_per_s: float, repeat: int, run) -> str:
-    """The median of `repeat` runs, with the range and the user/system split."""
-    got = sorted((measure(worker, idle_per_s, run) for _ in range(repeat)), key=lambda m: m[0])
-    per, user, system, units, spent = got[len(got) // 2]
+def rows(worker, idle_per_s: float, repeat: int, run, batcher=None) -> str:
+    """The median of `repeat` runs, with the range and the user/system split
+    (and the batcher's CPU a unit in that run, given its pid)."""
+    got = sorted((measure(worker, idle_per_s, run, batcher) for _ in range(repeat)),
+                 key=lambda m: m[0])
+    per, user, system, units, spent, theirs = got[len(got) // 2]
     spread = f" (of {repeat}: {got[0][0]:.1f}..{got[-1][0]:.1f})" if repeat > 1 else ""
+    also = f"; batcher {theirs:.1f} µs" if theirs is not None else ""
     return (f"{per:6.1f} µs{spread}; user {user:.1f} + system {system:.1f}; "
-            f"{units / spent:,.0f}/s")
+            f"{units / spent:,.0f}/s{also}")
 
 
 def main() -> int:
@@ -306,6 +340,8 @@ def main() -> int:
     p.add_argument("--concurrency", default="1,16", help="infer connections, per row")
     p.add_argument("--repeat", type=int, default=3, help="runs of each row (the median shown)")
     p.add_argument("--floor", action="store_true", help="also uvicorn with a minimal echo app")
+    p.add_argument("--grpc", action="store_true", help="also the infer rows over gRPC "
+                   "(tritonclient.grpc.aio), the worker's gRPC server")
     p.add_argument("--idle-spin-us", type=float, help="the engines' idle_spin_us (default: "
                    "theirs)")
     args = p.parse_args()
@@ -315,8 +351,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as folder:
         path = pathlib.Path(folder) / "models.toml"
         path.write_text(config(gen, one, args.step_ms, args.idle_spin_us))
+        grpc = ["--grpc-port", "0"] if args.grpc else []
         serve = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--config", str(path),
-                                  "--http-port", "0", "--log-level", "WARNING"],
+                                  "--http-port", "0", *grpc, "--log-level", "WARNING"],
                                  stdout=subprocess.PIPE, text=True, env=env, cwd=folder)
         try:
             code = run(args, tree, serve, gen, one)
@@ -329,12 +366,14 @@ def main() -> int:
 
 
 def run(args, tree, serve, gen: str, one: str) -> int:
+    said = ""
     for line in serve.stdout:
+        said += line
         if "ready" in line:
             break
     else:
         raise RuntimeError("serve exited before it was ready")
-    host, port = re.search(r"http://(\S+)$", line.strip()).group(1).rsplit(":", 1)
+    host, port = re.search(r"http://(\S+?)(?: and gRPC |$)", line.strip()).group(1).rsplit(":", 1)
     address = (host, int(port))
     worker = next(c for c in psutil.Process(serve.pid).children(recursive=True)
                   if "engine.http.worker" in " ".join(c.cmdline()))
@@ -350,10 +389,19 @@ def run(args, tree, serve, gen: str, one: str) -> int:
                                                          lambda: asyncio.run(streams(
                                                              address, gen, count, args.chunks,
                                                              time.monotonic() + args.seconds))))
+    # the one-shot engine's batcher: what the worker's requests cost it too
+    batcher = int(re.search(rf"'{one}' \(batchers \[(\d+)", said).group(1))
     for count in (int(c) for c in args.concurrency.split(",")):
         print(f"  infer, one row, {count:3d} connections, per request: " + rows(
             worker, idle_per_s, args.repeat,
-            lambda: asyncio.run(infers(address, one, count, args.infers))))
+            lambda: asyncio.run(infers(address, one, count, args.infers)), batcher))
+    for count in (int(c) for c in args.concurrency.split(",")) if args.grpc else ():
+        at = re.search(r"gRPC (\S+)$", said.strip())
+        if at is None:
+            raise RuntimeError(f"serve named no gRPC address: {said!r}")
+        print(f"  ModelInfer (gRPC), one row, {count:3d} callers, per request: " + rows(
+            worker, idle_per_s, args.repeat,
+            lambda: asyncio.run(grpc_infers(at.group(1), one, count, args.infers)), batcher))
     return 0
 
 

@@ -82,6 +82,7 @@ class Model:
         self.outputs = [(spec.name or "OUTPUT", spec) for spec in config.output_specs]
         self.spec = request.spec_of(name, config)  # ValueError for a dtype the protocol lacks
         self.json_limits: Dict[tuple, tuple] = {}  # (rows, explicit) -> a JSON body's limit
+        self.in_flight = 0  # requests awaiting the engine (infer)
 
     def metadata(self) -> dict:
         def tensor(name, spec):
@@ -110,6 +111,13 @@ class Model:
     async def infer(self, arrays, k: int, timeout_s: float, priority: int) -> List[np.ndarray]:
         """The k requests' answers, each output stacked [k, *shape], in spec
         order (engine.http.engines.answers_of: refused one, withdrawn all)."""
+        self.in_flight += 1
+        try:
+            return await self._answers(arrays, k, timeout_s, priority)
+        finally:
+            self.in_flight -= 1
+
+    async def _answers(self, arrays, k: int, timeout_s: float, priority: int) -> List[np.ndarray]:
         c = self.client
         if k == 1 and not self.config.named:  # the common case, without a stack
             return [(await c.infer_async(arrays[0][0], timeout_s, priority=priority))[None]]
@@ -127,12 +135,15 @@ class Model:
         return [np.stack([a[spec.name] for a in answers]) for _, spec in self.outputs]
 
     def expect(self) -> None:
-        """Wakes a sleeping batcher as a request begins to be read: its
-        wake-up (tens of µs on a VM) overlaps the body's reading and parsing
-        rather than following the enqueue, and an awake batcher then answers
-        within the client's first look. Nothing while a batcher is awake."""
+        """Wakes a sleeping batcher as a request begins to be read, when no
+        other request of this worker awaits the engine: its wake-up (tens of
+        µs on a VM) then overlaps the body's reading and parsing rather than
+        following the enqueue, and the client's first look finds the answer.
+        With others in flight the worker's loop has their work between this
+        and the enqueue, and an early batcher would spin through it; an
+        awake batcher costs the hint one load."""
         seg = self.client.attached
-        if seg is not None:
+        if seg is not None and not self.in_flight:
             seg.ring.expect_work()
 
     def engine_priority(self, triton_priority) -> int:
