@@ -390,7 +390,10 @@ def run(args, tree, serve, gen: str, one: str) -> int:
                                                              address, gen, count, args.chunks,
                                                              time.monotonic() + args.seconds))))
     # the one-shot engine's batcher: what the worker's requests cost it too
-    batcher = int(re.search(rf"'{one}' \(batchers \[(\d+)", said).group(1))
+    named = re.search(rf"'{one}' \(batchers \[(\d+)", said)
+    if named is None:
+        raise RuntimeError(f"serve's ready line names no batcher of {one!r}: {said!r}")
+    batcher = int(named.group(1))
     for count in (int(c) for c in args.concurrency.split(",")):
         print(f"  infer, one row, {count:3d} connections, per request: " + rows(
             worker, idle_per_s, args.repeat,

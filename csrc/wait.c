@@ -132,8 +132,9 @@ int sb_wait_work(sb_ring *r, uint32_t seen, int64_t timeout_ns, uint64_t spin_ns
 void sb_expect_work(sb_ring *r)
 {
 	sb_header *h = hdr(r);
-	/* seq_cst: as work_arrived's pair; a batcher falling asleep after the
-	 * load misses this hint only, never a request (its publish wakes it) */
+	/* no Dekker pair needed, unlike work_arrived: a batcher falling asleep
+	 * after the load misses this hint only, never a request (its publish
+	 * wakes it); seq_cst as every other access to these two words */
 	if (sb_load_seq_cst(&h->batchers_sleeping)) {
 		sb_add_seq_cst(&h->work_seq, 1);
 		futex_wake(&h->work_seq, 1);

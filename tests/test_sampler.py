@@ -318,6 +318,16 @@ def test_logits_that_are_not_float_n_by_v_are_a_bad_result(backend):
         rows.sample([[0.0], [1.0]])
 
 
+def test_logits_in_column_major_order_draw_what_row_major_ones_do():
+    x = steps_of_logits(1, 64, 50_257, seed=6)[0]
+    got = []
+    for logits in (x, np.asfortranarray(x)):  # a transposed tensor's view, say
+        rows = Rows(64, seed=7)
+        rows.add([Sampling(top_p=0.9)] * 64)  # one kind of row: sampled through a view of x
+        got.append([rows.sample(logits).tokens.tolist() for _ in range(10)])
+    assert got[0] == got[1]
+
+
 @pytest.mark.parametrize("kept", [0.002, 0.5, 1.0], ids=["few ids a row", "many", "every id"])
 def test_candidates_are_each_rows_ids_at_or_above_its_threshold_in_id_order(kept):
     from engine.batching.sampler_numpy import gathered

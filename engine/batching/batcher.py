@@ -1,8 +1,9 @@
 """The batcher process: gathers ready requests, calls the backend once, scatters.
 
 Flush rule (policy.FlushRule): with nothing queued, sleep on the
-ring's work word with no flush timer (after a batch, spin up to the rule's
-idle_spin_ns first: under steady load the next request comes within it);
+ring's work word with no flush timer (after a batch or a wake on that word,
+spin up to the rule's idle_spin_ns first: under steady load, or after a
+client's expect_work, the next request comes within it);
 once something is queued its deadline is the OLDEST request's arrival
 + max_delay; flush when max_batch_size are ready or the deadline passes,
 whichever comes first. The C claim applies the rule's thresholds in its one

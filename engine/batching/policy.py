@@ -30,9 +30,10 @@ from engine.shm import ring
 class FlushRule:
     max_batch: int
     max_delay_ns: int
-    # after a batch, with nothing queued: how long to spin before sleeping on
-    # the work word (a request that comes within it costs its client no wake
-    # of a sleeping process); one spin per batch at most, so an idle batcher sleeps
+    # after a batch, or a wake on the work word (a client's expect_work: a
+    # request comes), with nothing queued: how long to spin before sleeping on
+    # it (a request that comes within it costs its client no wake of a
+    # sleeping process); one spin per batch or wake at most, so an idle batcher sleeps
     idle_spin_ns: int = ring.SPIN_NS
 
     @classmethod

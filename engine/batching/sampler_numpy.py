@@ -36,7 +36,7 @@ LEVEL_SHIFT = 21  # float32 bits >> 21: 4 p levels an octave
 LEVELS = (0x3F800000 >> LEVEL_SHIFT) + 1  # p in [0, 1]
 SAMPLE = 8  # a nucleus's level masses are guessed from every 8th id of its row ...
 REACH = 0.25  # ... with room: a guess short of the mass costs another gather
-WIDE_GATHER = 256  # ids a row past which gathered copies row by row
+WIDE_GATHER = 256  # ids a row on average past which gathered copies row by row
 TIE_SLACK = 1 + 2.0**-20  # a bound on p within an ulp or two of the cut counts as a tie
 
 
@@ -185,7 +185,8 @@ def probabilities(x, temperature, min_p, mask_rows, mask_ids):
     top = x.max(axis=1)
     broken = ~np.isfinite(top)
     top[broken] = 0
-    p = np.subtract(x, top[:, None], out=x if masked else None)  # the one new [m, V] array
+    # the one new [m, V] array, row-major whatever x's order: a row's sums run as they always do
+    p = np.subtract(x, top[:, None], out=x if masked else None, order="C")
     if (temperature != 1).any():  # T = 1 (OpenAI's default) divides by one: skipped
         np.divide(p, temperature[:, None], out=p)
     np.exp(p, out=p)

@@ -49,6 +49,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from engine.batching.policy import FlushRule
 from engine.client.client import Client
 from engine.config import EngineConfig
 from engine.errors import EngineError, EngineUnavailable, QueueFull, RequestTimeout
@@ -83,6 +84,8 @@ class Model:
         self.spec = request.spec_of(name, config)  # ValueError for a dtype the protocol lacks
         self.json_limits: Dict[tuple, tuple] = {}  # (rows, explicit) -> a JSON body's limit
         self.in_flight = 0  # requests awaiting the engine (infer)
+        # a batcher woken early with nothing to claim sleeps again at once without its idle spin
+        self.wakes_early = FlushRule.of(config).idle_spin_ns > 0
 
     def metadata(self) -> dict:
         def tensor(name, spec):
@@ -141,9 +144,10 @@ class Model:
         following the enqueue, and the client's first look finds the answer.
         With others in flight the worker's loop has their work between this
         and the enqueue, and an early batcher would spin through it; an
-        awake batcher costs the hint one load."""
+        awake batcher costs the hint one load. None where the batcher does
+        not spin (one CPU): it would sleep again before the request came."""
         seg = self.client.attached
-        if seg is not None and not self.in_flight:
+        if seg is not None and not self.in_flight and self.wakes_early:
             seg.ring.expect_work()
 
     def engine_priority(self, triton_priority) -> int:
@@ -321,10 +325,10 @@ class App:
         if model.config.iterative:  # answers of any length: no [k, ...] tensor holds them
             raise BadRequest(f"model {model.name!r} is iterative: expected POST "
                              f"/v2/models/{model.name}/generate or generate_stream, got infer")
-        model.expect()
         engines = self.engines
         header_length = asgi.header(scope, b"inference-header-content-length")
         limit, why = model.body_limit(header_length, model.spec.capacity, engines.max_body_bytes)
+        model.expect()  # its batcher's wake-up overlaps the body's reading and parsing
         raw = await body.read(scope, receive, limit, why)
         parsed = await self.parser.parse(_size(raw, header_length), request.parse_infer, raw,
                                          header_length, model.spec, engines.timeout_s)
