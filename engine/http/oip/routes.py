@@ -114,25 +114,22 @@ class Model:
     async def infer(self, arrays, k: int, timeout_s: float, priority: int) -> List[np.ndarray]:
         """The k requests' answers, each output stacked [k, *shape], in spec
         order (engine.http.engines.answers_of: refused one, withdrawn all)."""
+        c = self.client
         self.in_flight += 1
         try:
-            return await self._answers(arrays, k, timeout_s, priority)
+            if k == 1 and not self.config.named:  # the common case, without a stack
+                return [(await c.infer_async(arrays[0][0], timeout_s, priority=priority))[None]]
+            specs = [spec for _, spec in self.inputs]
+            if self.config.named:
+                rows = [{s.name: a[i] for s, a in zip(specs, arrays)} for i in range(k)]
+            else:
+                rows = list(arrays[0])
+            if k == 1:
+                answers: list = [await c.infer_async(rows[0], timeout_s, priority=priority)]
+            else:
+                answers = await answers_of(c, rows, timeout_s, priority)
         finally:
             self.in_flight -= 1
-
-    async def _answers(self, arrays, k: int, timeout_s: float, priority: int) -> List[np.ndarray]:
-        c = self.client
-        if k == 1 and not self.config.named:  # the common case, without a stack
-            return [(await c.infer_async(arrays[0][0], timeout_s, priority=priority))[None]]
-        specs = [spec for _, spec in self.inputs]
-        if self.config.named:
-            rows = [{s.name: a[i] for s, a in zip(specs, arrays)} for i in range(k)]
-        else:
-            rows = list(arrays[0])
-        if k == 1:
-            answers: list = [await c.infer_async(rows[0], timeout_s, priority=priority)]
-        else:
-            answers = await answers_of(c, rows, timeout_s, priority)
         if not self.config.named:
             return [np.stack(answers)]
         return [np.stack([a[spec.name] for a in answers]) for _, spec in self.outputs]
