@@ -343,8 +343,8 @@ uint64_t sb_corrupt_total(const sb_ring *r);
 /* the creator's geometry and magic over the header's: fields changed (counted) */
 int sb_restore_header(sb_ring *r);
 
-/* client (client.c). EFULL is not counted: the caller, having tried to
- * make room, decides whether it is a rejection. */
+/* client (client.c); EFULL is not counted: the caller, having tried to make
+ * room, decides whether it is a rejection. */
 int sb_acquire(sb_ring *r, uint32_t pid, uint64_t start_ticks,
 	       uint32_t *slot, uint32_t *gen);
 /* a request's attributes, set at publish: its real length (0: fixed shape),
@@ -367,10 +367,9 @@ int sb_abandon(sb_ring *r, uint32_t slot, uint32_t gen);
 #define SB_T_CLAIM 1
 #define SB_T_DONE 2
 #define SB_T_BATCH 3   /* its batch's requests (a stream's: at its first chunk) */
-/* with admit and a deadline, SB_EOVERLOADED (nothing taken, the predicted
- * wait in ms in ticket[0], counted in SB_W_OVERLOADED) when the predicted
- * wait would end after the deadline: the caller's admission by deadline,
- * decided before a slot is taken */
+/* with admit and a deadline: SB_EOVERLOADED (nothing taken; the predicted wait,
+ * ms, in ticket[0]; counted in SB_W_OVERLOADED) if that wait would end after
+ * the deadline: the caller's admission by deadline, before a slot is taken */
 int sb_submit(sb_ring *r, uint32_t pid, uint64_t start_ticks, const void *src,
 	      uint64_t nbytes, uint32_t length, uint64_t deadline_ns,
 	      uint32_t priority, uint32_t admit, uint32_t *ticket);
@@ -391,9 +390,8 @@ int sb_poll(sb_ring *r, const uint32_t *slots, const uint32_t *gens,
 	    uint32_t n, int32_t *states);
 uint32_t sb_slot_error(sb_ring *r, uint32_t slot, char *msg,
 		       uint32_t msg_cap, uint32_t *msg_len);
-/* making room in a full ring: acquire, sleeping until a slot is freed, at
- * most timeout_ns (SB_EFULL then); ask every client process's evictor to move
- * its answered slots out (bumps evict_seq); the evictor's wait for that */
+/* making room in a full ring: acquire, asleep until a slot is freed (SB_EFULL
+ * after timeout_ns); ask every evictor to move its answers out; its wait */
 int sb_acquire_wait(sb_ring *r, uint32_t pid, uint64_t start_ticks,
 		    int64_t timeout_ns, uint32_t *slot, uint32_t *gen);
 
@@ -423,9 +421,8 @@ void sb_spin_ns(uint64_t ns);
 uint32_t sb_pingpong(void *word, uint32_t role, uint32_t rounds, uint64_t spin_ns,
 		     uint64_t *round_trip_ns);
 
-/* admission (admission.c) */
-/* how many requests are READY at priority max_priority or more urgent (a
- * popcount of their bitmaps: a hint, for the admission estimate) */
+/* admission (admission.c): how many requests are READY at priority
+ * max_priority or more urgent (a popcount of their bitmaps: a hint) */
 uint32_t sb_queued(const sb_ring *r, uint32_t max_priority);
 /* the figures admission reads, in one call: out[SB_A_*] */
 #define SB_A_QUEUED 0      /* sb_queued(max_priority), if count */
@@ -547,12 +544,15 @@ uint64_t sb_bucket_lower_ns(uint32_t bucket);
  * while WRITING: the request's own bound (0: the engine's); then follows the
  * word: sb_wait_chunks returns SB_OK once it is not `seen` (in *chunks: the
  * count, | SB_CHUNKS_END when final, | _STOP or _LIMIT when its request
- * completed) or the slot is settled, SB_ETIMEOUT, SB_ESTALE (not the
- * ticket's slot), SB_ECORRUPT (a count beyond steps). A spinning reader
- * costs its batcher no wake. */
+ * completed) or the slot is settled, SB_ETIMEOUT, SB_ESTALE (not the ticket's
+ * slot), SB_ECORRUPT (a count beyond steps). A spinning reader costs its
+ * batcher no wake. sb_poll_chunks: moved[k] = 1 on each of n streams where it
+ * would not time out. */
 int sb_stream_open(sb_ring *r, uint32_t slot, uint32_t gen, uint32_t max_steps);
 int sb_wait_chunks(sb_ring *r, uint32_t slot, uint32_t gen, uint32_t seen,
 		   int64_t timeout_ns, uint64_t spin_ns, uint32_t *chunks);
+uint32_t sb_poll_chunks(sb_ring *r, const uint32_t *slots, const uint32_t *gens,
+			const uint32_t *seen, uint32_t n, uint8_t *moved);
 /* the batcher, at join: each slot's own bound, within [1, steps], and its
  * deadline (CLOCK_MONOTONIC ns, 0: none) */
 void sb_stream_limits(sb_ring *r, const uint32_t *slots, uint32_t n, uint32_t *max_steps,

@@ -61,6 +61,28 @@ int sb_wait_chunks(sb_ring *r, uint32_t slot, uint32_t gen, uint32_t seen,
 	return SB_OK;
 }
 
+uint32_t sb_poll_chunks(sb_ring *r, const uint32_t *slots, const uint32_t *gens,
+			const uint32_t *seen, uint32_t n, uint8_t *moved)
+{
+	uint32_t count = 0;
+	for (uint32_t k = 0; k < n; k++) {
+		uint32_t slot = slots[k];
+		uint8_t m = 1; /* a bad argument too: sb_wait_chunks says which */
+		if (r->steps && slot < r->capacity) {
+			/* acquire: as sb_wait_chunks's, so that a word moved before
+			 * the wake that brought its reader here is seen moved */
+			uint32_t cur = sb_load_acquire(&stream_at(r, slot)->chunks);
+			uint64_t ctl = sb_load_acquire(ctl_at(r, slot));
+			uint32_t st = SB_CTL_STATE(ctl);
+			m = SB_CTL_GEN(ctl) != gens[k] || cur != seen[k] ||
+			    (st != SB_READY && st != SB_CLAIMED);
+		}
+		moved[k] = m;
+		count += m;
+	}
+	return count;
+}
+
 void sb_stream_limits(sb_ring *r, const uint32_t *slots, uint32_t n, uint32_t *max_steps,
 		      uint64_t *deadlines)
 {

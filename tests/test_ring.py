@@ -6,7 +6,7 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import unique_name
+from conftest import raw_segment, unique_name
 
 from engine.config import EngineConfig
 from engine.segment import Segment
@@ -192,6 +192,28 @@ def test_expect_work_wakes_a_batcher_asleep_on_the_work_word(segment):
     sleeper.join(10)
     assert woken and codes_got == [codes.OK]
     assert r.work_seq() != seen
+
+
+def test_poll_chunks_marks_the_streams_a_wait_would_not_time_out_on():
+    with raw_segment("pollc", iterative=True, max_steps=8) as seg:
+        r = seg.ring
+        (a, ga), (b, gb), (c, gc) = [r.submit(os.getpid(), 0, np.ones(4, np.float32), 0)[1:]
+                                     for _ in range(3)]
+        batch = ring.ClaimBuffers(seg.capacity, 2)
+        assert r.claim(0, 2, 1, ring.MAX_NS, batch)[0] == 2  # a and b; c stays READY
+        one = np.ones(1, np.uint32)
+        states = np.empty(1, np.int32)
+        assert r.stream_put(0, np.array([a], np.uint32), np.array([ga], np.uint32), one,
+                            np.zeros(1, np.uint32), states) == 1
+        slots = np.array([a, b, c, c], np.uint32)  # the last: a ticket no longer its slot's
+        gens = np.array([ga, gb, gc, gc + 1], np.uint32)
+        seen = np.zeros(4, np.uint32)
+        moved = np.full(4, 7, np.uint8)
+        assert r.poll_chunks(slots, gens, seen, moved) == 2
+        assert moved.tolist() == [1, 0, 0, 1]
+        waits = [r.wait_chunks(int(s), int(g), 0, 0)[0] != codes.ETIMEOUT
+                 for s, g in zip(slots, gens)]
+        assert waits == [True, False, False, True]
 
 
 def test_late_completion_after_abandon_never_reaches_the_next_owner(segment):

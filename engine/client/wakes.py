@@ -141,11 +141,11 @@ class Waker:
             self._checked_ns = now
             self._lives = {id(t.seg): ticket.engine_lives(t.seg) for t in self.pending.values()}
         answers: Dict[int, list] = collections.defaultdict(list)
+        streams: Dict[int, list] = collections.defaultdict(list)
         for key, t in list(self.pending.items()):
-            if t.kind == CHUNKS:
-                self._settled(key, t, None, now)
-            else:
-                answers[id(t.seg)].append((key, t))
+            (streams if t.kind == CHUNKS else answers)[id(t.seg)].append((key, t))
+        for group in streams.values():
+            self._streams_pass(group, now)
         for group in answers.values():
             r = group[0][1].seg.ring
             slots = np.fromiter((t.slot for _, t in group), np.uint32, len(group))
@@ -154,6 +154,22 @@ class Waker:
             r.poll(slots, gens, outcomes)
             for (key, t), code in zip(group, outcomes.tolist()):
                 self._settled(key, t, code, now)
+
+    def _streams_pass(self, group: list, now: int) -> None:
+        """The (key, stream) of one engine: those whose chunk word moved (one
+        C pass over all, as a batch's streams wait beside the queued ones),
+        ended, or are due are settled; the rest are left as they are."""
+        seg = group[0][1].seg
+        n = len(group)
+        slots = np.fromiter((t.slot for _, t in group), np.uint32, n)
+        gens = np.fromiter((t.gen for _, t in group), np.uint32, n)
+        seen = np.fromiter((t.seen for _, t in group), np.uint32, n)
+        moved = np.empty(n, np.uint8)
+        seg.ring.poll_chunks(slots, gens, seen, moved)
+        lives = self._lives.get(id(seg), True)
+        for (key, t), m in zip(group, moved.tolist()):
+            if m or t.over or not lives or (t.deadline is not None and now >= t.deadline):
+                self._settled(key, t, None, now)
 
     def _settled(self, key: int, t: Item, code: Optional[int], now: int,
                  error: Optional[EngineError] = None) -> None:

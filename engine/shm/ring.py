@@ -387,6 +387,13 @@ class Ring:
         code = lib.sb_wait_chunks(self.r, slot, gen, seen, timeout_ns, spin_ns, out)
         return code, out[0]
 
+    def poll_chunks(self, slots: np.ndarray, gens: np.ndarray, seen: np.ndarray,
+                    moved: np.ndarray) -> int:
+        """Sets moved[k] (uint8) where wait_chunks(slots[k], gens[k], seen[k], 0)
+        would not time out, in one pass; returns how many."""
+        return lib.sb_poll_chunks(self.r, _ptr(slots, "uint32_t *"), _ptr(gens, "uint32_t *"),
+                                  _ptr(seen, "uint32_t *"), len(slots), _ptr(moved, "uint8_t *"))
+
     def stream_limits(self, slots: np.ndarray, max_steps: np.ndarray,
                       deadlines: np.ndarray) -> None:
         """Each claimed slot's own bound on its chunks (uint32, within [1,
