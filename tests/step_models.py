@@ -13,6 +13,8 @@ write its chunk `arg`, or to its join:
     KILL       the step kills its own batcher (SIGKILL) before chunk arg
     BAD_OUT    the step returns one chunk too few, before chunk arg
     FAIL_LEAVE its leave raises (after recording it)
+    HOLD_LEAVE its leave first waits (at most 60 s) for the test to open the gate:
+               its last chunk is out, its slot not yet settled
 
 Every join and leave, and every hold before it waits, is written to the
 file `log` (when given), one line each, "join|leave|hold PID ID TAG CHUNKS",
@@ -30,7 +32,7 @@ from engine.shm import ring
 
 TAG = 1000                 # chunk k of tag t: t * TAG + k (k < TAG)
 VERSION = 1_000_000_000    # the model's `version`, to tell reloaded weights apart
-NONE, HOLD, FAIL_JOIN, FAIL_STEP, KILL, BAD_OUT, FAIL_LEAVE = range(7)
+NONE, HOLD, FAIL_JOIN, FAIL_STEP, KILL, BAD_OUT, FAIL_LEAVE, HOLD_LEAVE = range(8)
 
 
 def request(tag, length, mark=NONE, arg=0) -> np.ndarray:
@@ -119,6 +121,8 @@ class Scripted:
             self._record("leave", rid, -1 if s is None else s[0], -1 if s is None else s[4])
             if s is not None and s[2] == FAIL_LEAVE:
                 failing.append(s[0])
+            if s is not None and s[2] == HOLD_LEAVE:
+                self.gate.acquire(60)
         if failing:
             raise KeyError(f"leave refuses tags {failing}")
 

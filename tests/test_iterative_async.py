@@ -1,9 +1,11 @@
 """Iterative engines under asyncio: Client.stream_async streams run
 concurrently, each with its own chunks; leaving one early withdraws its
 request; one past its timeout raises after the chunks that came in time;
-and closing the client ends them with EngineUnavailable.
+and closing the client ends them with EngineUnavailable; the loop is never
+blocked waiting for a stream's slot to settle after its last chunk.
 """
 import asyncio
+import threading
 
 import pytest
 from conftest import wait_until_no_slot_in_use
@@ -17,7 +19,7 @@ from iterative_helpers import (
     wait_idle,
     wait_left,
 )
-from step_models import HOLD, chunks, request
+from step_models import HOLD, HOLD_LEAVE, chunks, request
 
 import engine
 from engine.shm import codes
@@ -116,3 +118,44 @@ def test_closing_the_client_ends_its_async_streams_with_engine_unavailable(make_
     gate.open()
     assert wait_until_no_slot_in_use(eng)  # the batcher freed the withdrawn slot
     assert len(left(log, 1)) == 1
+
+
+def test_the_loop_runs_on_while_a_stream_waits_for_its_slot_to_settle(make_engine, log, gate):
+    # the model's leave holds the settle after the last chunk until the gate opens:
+    # the loop that read that chunk must be free to open it (a thread does, late,
+    # if the loop is blocked: then the loop is not who opened it)
+    eng = scripted(make_engine, "async-settle", log, gate=gate)
+    opened_by = []
+
+    def late() -> None:
+        if not opened_by:
+            opened_by.append("a thread")
+            gate.open()
+
+    async def main(c):
+        got = []
+        stream = c.stream_async(request(1, 3, HOLD_LEAVE), timeout=60)
+
+        async def opener():
+            while len(got) < 3:  # the last chunk is read: the slot settles after the leave
+                await asyncio.sleep(0.001)
+            if not opened_by:
+                opened_by.append("the loop")
+                gate.open()
+
+        task = asyncio.ensure_future(opener())
+        async for chunk in stream:
+            got.append(int(chunk))
+        await task
+        return got
+
+    timer = threading.Timer(10, late)
+    timer.start()
+    try:
+        with engine.Client(eng.name) as c:
+            got = asyncio.run(asyncio.wait_for(main(c), 60))
+    finally:
+        timer.cancel()
+    assert got == chunks(1, 3) and opened_by == ["the loop"]
+    assert_each_joined_request_left_once(log)
+

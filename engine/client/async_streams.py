@@ -32,7 +32,7 @@ class _Waits:
 
     async def wait(self) -> None:
         """Until the stream may have moved (a wake since the last wait counts;
-        a stream whose end is known never waits: nothing would wake it)."""
+        a stream that is over never waits: nothing would wake it)."""
         if self._moved or self._final():
             self._moved = False
             return
@@ -100,7 +100,7 @@ class AsyncStream(_Waits):
 
     async def __anext__(self) -> Any:
         while True:
-            item = self._step(self.stream.next_ready)
+            item = self._step(self.stream.next_ready, False)
             if item is not NOT_YET:
                 return item
             if not self._look():
@@ -117,7 +117,7 @@ class AsyncStream(_Waits):
             got = s.take_ready()
             if got is not None:
                 return got
-            self._step(s.next_ready)  # no chunk left: NOT_YET, or the end
+            self._step(s.next_ready, False)  # no chunk left: NOT_YET, or the end
             if self.failed is None:
                 return None
             self._look()  # the error: raised, unless answered that instant
@@ -175,8 +175,9 @@ class AsyncStream(_Waits):
         code, word = self.seg.ring.wait_chunks(self.slot, self.gen, self.seen, 0)
         if code == codes.ETIMEOUT:
             return False
-        # the word final, or the slot settled (the same word), or no longer ours
-        final = code != codes.OK or word == self.seen or bool(word & codes.CHUNKS_END)
+        # the slot settled (the same word) or no longer ours; a final count alone
+        # is not the end: its loop then waits for the settle, which this wakes
+        final = code != codes.OK or word == self.seen
         self.seen = word
         if not self.inbox.post(AsyncStream.wake, self):  # nobody reads this stream any more
             self.over = True

@@ -104,9 +104,12 @@ class Stream:
             pass
 
     # -- one step of the iteration, without a wait (AsyncStream's interface) ----------
-    def next_ready(self) -> Any:
+    def next_ready(self, block: bool = True) -> Any:
         """The next chunk if one is written; else NOT_YET, or at the end
-        StopIteration (answered) or the request's error."""
+        StopIteration (answered) or the request's error. A final count
+        whose slot is not settled yet is waited for (its batcher settles it
+        after the rest of its step), unless block is False (an event loop's:
+        NOT_YET, and the settle wakes the loop)."""
         if not self._open:
             raise StopIteration
         count = self._word & COUNT_MASK
@@ -118,7 +121,9 @@ class Stream:
         if not (self._word & codes.CHUNKS_END or self._settled):
             return NOT_YET
         code = self.seg.ring.wait_slot(self.slot, self.gen, 0, 0)
-        if code == codes.ETIMEOUT:  # the count is final, the slot settles an instant later
+        if code == codes.ETIMEOUT:  # the count is final, the slot settles soon
+            if not block:
+                return NOT_YET
             code = self._await_settled()
         self._open = False
         stamps = self._stamps()  # settled: read before the slot is freed
@@ -154,9 +159,9 @@ class Stream:
 
     @property
     def final(self) -> bool:
-        """Whether the stream's end is known (its count final, its slot
-        settled, or it is closed): no chunk is still to come."""
-        return bool(self._word & codes.CHUNKS_END) or self._settled or not self._open
+        """Whether nothing is still to come: its slot seen settled, or the
+        stream closed (a final count alone: its settle is still to come)."""
+        return self._settled or not self._open
 
     def give_up(self, error: EngineError) -> None:
         """Withdraws the request and raises error, unless it was answered that

@@ -190,8 +190,8 @@ class EventStream:
                 except Finished as e:
                     return await self._finish(e.body + self.end(e.finish_reason))
                 if reason is not None:  # the last chunk: its end is known with it
-                    try:
-                        self.chunks.ready()  # settles its slot: StopAsyncIteration
+                    try:  # its slot settled already: StopAsyncIteration (else its settle wakes it)
+                        self.chunks.ready()
                     except StopAsyncIteration:
                         return await self._finish(body + self.end(reason))
                     except EngineError as e:
