@@ -22,6 +22,7 @@ from iterative_helpers import (
 from step_models import HOLD, HOLD_LEAVE, chunks, request
 
 import engine
+from engine.client import ticket, wakes
 from engine.shm import codes
 
 
@@ -120,10 +121,16 @@ def test_closing_the_client_ends_its_async_streams_with_engine_unavailable(make_
     assert len(left(log, 1)) == 1
 
 
-def test_the_loop_runs_on_while_a_stream_waits_for_its_slot_to_settle(make_engine, log, gate):
+@pytest.mark.parametrize("waker", ["the loop's", "the completion thread"])
+def test_the_loop_runs_on_while_a_stream_waits_for_its_slot_to_settle(make_engine, log, gate,
+                                                                       waker, monkeypatch):
     # the model's leave holds the settle after the last chunk until the gate opens:
     # the loop that read that chunk must be free to open it (a thread does, late,
-    # if the loop is blocked: then the loop is not who opened it)
+    # if the loop is blocked: then the loop is not who opened it); no liveness tick
+    # comes while the test runs, so the settle's own wake is what ends the stream
+    monkeypatch.setattr(ticket, "LIVENESS_SLICE_NS", 600 * 10**9)
+    if waker == "the completion thread":
+        monkeypatch.setattr(wakes, "for_loop", lambda seg: None)
     eng = scripted(make_engine, "async-settle", log, gate=gate)
     opened_by = []
 
@@ -153,7 +160,8 @@ def test_the_loop_runs_on_while_a_stream_waits_for_its_slot_to_settle(make_engin
     timer.start()
     try:
         with engine.Client(eng.name) as c:
-            got = asyncio.run(asyncio.wait_for(main(c), 60))
+            got = asyncio.run(asyncio.wait_for(main(c), 30))
+            c.attached.ring.wake_done()  # a completion thread asleep for the long slice closes now
     finally:
         timer.cancel()
     assert got == chunks(1, 3) and opened_by == ["the loop"]

@@ -205,15 +205,19 @@ def test_poll_chunks_marks_the_streams_a_wait_would_not_time_out_on():
         states = np.empty(1, np.int32)
         assert r.stream_put(0, np.array([a], np.uint32), np.array([ga], np.uint32), one,
                             np.zeros(1, np.uint32), states) == 1
-        slots = np.array([a, b, c, c], np.uint32)  # the last: a ticket no longer its slot's
-        gens = np.array([ga, gb, gc, gc + 1], np.uint32)
-        seen = np.zeros(4, np.uint32)
-        moved = np.full(4, 7, np.uint8)
-        assert r.poll_chunks(slots, gens, seen, moved) == 2
-        assert moved.tolist() == [1, 0, 0, 1]
+        # c: READY, then as a ticket no longer its slot's; a slot past the ring's
+        slots = np.array([a, b, c, c, seg.capacity], np.uint32)
+        gens = np.array([ga, gb, gc, gc + 1, 0], np.uint32)
+        seen = np.zeros(5, np.uint32)
+        moved = np.full(5, 7, np.uint8)
+        assert r.poll_chunks(slots, gens, seen, moved) == 3
+        assert moved.tolist() == [1, 0, 0, 1, 1]
         waits = [r.wait_chunks(int(s), int(g), 0, 0)[0] != codes.ETIMEOUT
                  for s, g in zip(slots, gens)]
-        assert waits == [True, False, False, True]
+        assert waits == [True, False, False, True, True]
+        # b settled with no new chunk: its word is the one seen, and it moved
+        assert r.complete_some(0, np.array([b], np.uint32), np.array([gb], np.uint32), 0, b"") == 1
+        assert r.poll_chunks(slots[1:2], gens[1:2], seen[1:2], moved[:1]) == 1
 
 
 def test_late_completion_after_abandon_never_reaches_the_next_owner(segment):

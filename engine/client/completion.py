@@ -22,7 +22,7 @@ from typing import Deque, Dict, Optional
 import numpy as np
 
 from engine.client import loops, ticket
-from engine.client.handle import CHUNKS, Handle, Item
+from engine.client.handle import CHUNKS, Handle, Item, deadline_of, overdue
 from engine.errors import EngineError
 from engine.shm import codes, ring
 
@@ -128,7 +128,7 @@ class Completer(threading.Thread):
             seg.ring.poll(slots, gens, outcomes)
             for (key, t), code in zip(group, outcomes.tolist()):
                 next_deadline = self._settled(key, t, code, now, next_deadline)
-        for key, t in streams:  # each woken if its chunk word moved; over once it is final
+        for key, t in streams:  # each woken if its chunk word moved; over once its slot settled
             next_deadline = self._settled(key, t, None, now, next_deadline)
         return next_deadline
 
@@ -147,15 +147,16 @@ class Completer(threading.Thread):
                       self.client.name, type(e).__name__, e)
             ticket.give_up(t.seg, t.slot, t.gen, EngineError(f"{type(e).__name__}: {e}"))
             settled = True
+        deadline = deadline_of(t)
         if settled:
             del self.pending[key]
-        elif t.deadline is not None:
-            next_deadline = min(next_deadline or t.deadline, t.deadline)
+        elif deadline is not None:
+            next_deadline = min(next_deadline or deadline, deadline)
         return next_deadline
 
     def _expired(self, t: Item, now: int) -> bool:
         """Whether pending item t was failed now: at its deadline, or its engine gone."""
-        if t.deadline is not None and now >= t.deadline:
+        if overdue(t, now):
             return t.try_settle(ticket.expired(t.seg, t.slot, t.gen, t.timeout, t.deadline))
         if self.lives is None:  # a probe costs 2 syscalls: at most one a slice
             self.lives = now - self.checked_ns < ticket.LIVENESS_SLICE_NS

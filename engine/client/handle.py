@@ -21,6 +21,7 @@ import weakref
 from typing import TYPE_CHECKING, Any, Dict, Literal, Optional, Protocol, Tuple, Union
 
 from engine.errors import EngineError
+from engine.shm.codes import CHUNKS_END
 
 if TYPE_CHECKING:
     from engine.segment import Segment
@@ -89,11 +90,13 @@ class AwaitsAnswer(Watched, Protocol):
 
 class FollowsChunks(Watched, Protocol):
     """An item of kind CHUNKS: a stream whose loop is woken as chunks come;
-    the completer fails it at its deadline, or when the engine dies."""
+    the completer fails it at its deadline (not once its final count came:
+    overdue), or when the engine dies."""
 
     kind: Literal["chunks"]
     deadline: Optional[int]
     timeout: Optional[float]
+    seen: int  # its chunk word as the completer last saw it
 
 
 Item = Union[AwaitsAnswer, FollowsChunks]
@@ -104,3 +107,18 @@ class Completion(Protocol):
 
     def add(self, item: Item) -> None:
         ...
+
+
+def deadline_of(item: Item) -> Optional[int]:
+    """item's deadline while it bounds it: none once a stream's final count
+    came (every chunk came in time; only its settle is still to come)."""
+    if item.kind == CHUNKS and item.seen & CHUNKS_END:
+        return None
+    return item.deadline
+
+
+def overdue(item: Item, now: int) -> bool:
+    """Whether item's deadline (deadline_of) has passed."""
+    deadline = deadline_of(item)
+    return deadline is not None and now >= deadline
+

@@ -29,7 +29,7 @@ from typing import Any, Dict, Optional
 import numpy as np
 
 from engine.client import async_streams, ticket
-from engine.client.handle import CHUNKS, Handle, Item
+from engine.client.handle import CHUNKS, Handle, Item, deadline_of, overdue
 from engine.errors import EngineError, EngineUnavailable
 from engine.shm import codes, liveness, ring
 
@@ -79,7 +79,7 @@ class Waker:
         code = item.seg.ring.await_slot(item.slot, item.gen, self.id)
         if code != codes.ETIMEOUT or item.kind == CHUNKS:
             self._settled(key, item, code if item.kind != CHUNKS else None, ring.now_ns())
-        deadline = getattr(item, "deadline", None)
+        deadline = deadline_of(item)
         due = ring.now_ns() + ticket.LIVENESS_SLICE_NS
         if deadline is not None and deadline < due:
             due = deadline
@@ -119,7 +119,7 @@ class Waker:
         if self.pending:
             due = ring.now_ns() + ticket.LIVENESS_SLICE_NS
             for item in self.pending.values():
-                deadline = getattr(item, "deadline", None)
+                deadline = deadline_of(item)
                 if deadline is not None and deadline < due:
                     due = deadline
             self._arm(due)
@@ -168,7 +168,7 @@ class Waker:
         seg.ring.poll_chunks(slots, gens, seen, moved)
         lives = self._lives.get(id(seg), True)
         for (key, t), m in zip(group, moved.tolist()):
-            if m or t.over or not lives or (t.deadline is not None and now >= t.deadline):
+            if m or t.over or not lives or overdue(t, now):
                 self._settled(key, t, None, now)
 
     def _settled(self, key: int, t: Item, code: Optional[int], now: int,
@@ -193,7 +193,7 @@ class Waker:
             self.owners.pop(key, None)
 
     def _expired(self, t: Item, now: int) -> bool:
-        if t.deadline is not None and now >= t.deadline:
+        if overdue(t, now):
             return t.try_settle(ticket.expired(t.seg, t.slot, t.gen, t.timeout, t.deadline))
         lives = self._lives.get(id(t.seg), True)
         return not lives and t.try_settle(ticket.engine_gone(t.seg.name))

@@ -189,8 +189,10 @@ class EventStream:
                     body = self.events(got, reason)
                 except Finished as e:
                     return await self._finish(e.body + self.end(e.finish_reason))
-                if reason is not None:  # the last chunk: its end is known with it
-                    try:  # its slot settled already: StopAsyncIteration (else its settle wakes it)
+                # the last chunk, its finish_reason known: ended here if its slot
+                # settled already (StopAsyncIteration), else its settle's wake ends it
+                if reason is not None:
+                    try:
                         self.chunks.ready()
                     except StopAsyncIteration:
                         return await self._finish(body + self.end(reason))

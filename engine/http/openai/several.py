@@ -87,8 +87,8 @@ class Runs:
         return items or None
 
     def _take(self, i: int):
-        """(the blocks come on run i, whether it ended): its end is settled as
-        soon as it is known, with its last chunk."""
+        """(the blocks come on run i, whether it ended): it ends once its slot
+        settled, with its last chunk or on the wake of its settle after it."""
         stream = self.streams[i]
         blocks: list = []
         try:
