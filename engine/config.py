@@ -36,9 +36,9 @@ class EngineConfig:
     max_input_shape: Optional[Tuple] = knob(None, "shape", "the padding bound of a variable dim")
     max_batch_size: int = knob(32, "int", "flush when this many are gathered ...")
     max_delay_ms: float = knob(0.0, "float", "... or when the oldest has waited this long")
-    idle_spin_us: Optional[float] = knob(None, "float", "after a batch, a batcher with nothing "
-                                         "queued spins this long before it sleeps (None: 50 on "
-                                         "more than one CPU, 0 on one)")
+    idle_spin_us: Optional[float] = knob(None, "float", "after a batch (or an early wake), a "
+                                         "batcher with nothing queued spins this long before it "
+                                         "sleeps (None: 50 on more than one CPU, 0 on one)")
     queue_capacity: int = knob(1024, "int", "requests queued or being computed at most")
     instances: int = knob(1, "int", "batcher processes serving the one queue")
     priority_levels: int = knob(1, "int", "requests carry a priority in [0, levels); 0 is "

@@ -44,7 +44,8 @@ def stub_model(**knobs) -> Model:
 
 
 def test_an_infer_read_while_none_awaits_the_engine_wakes_its_sleeping_batcher(make_engine):
-    eng = make_engine("early", input_shape=(4,), output_shape=(4,))
+    # a batcher that spins (on one CPU none does by default, and none is woken early)
+    eng = make_engine("early", input_shape=(4,), output_shape=(4,), idle_spin_us=50)
     with engine.Client(eng.name) as client:
         model, r = Model(eng.name, eng.config, client), client.attached.ring
         seen = r.work_seq()

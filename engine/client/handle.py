@@ -118,7 +118,8 @@ def deadline_of(item: Item) -> Optional[int]:
 
 
 def overdue(item: Item, now: int) -> bool:
-    """Whether item's deadline (deadline_of) has passed."""
-    deadline = deadline_of(item)
-    return deadline is not None and now >= deadline
+    """Whether item's deadline (deadline_of) has passed; run for every pending
+    item at each wake: the common answer (none, or not yet) is read first."""
+    deadline = item.deadline
+    return deadline is not None and now >= deadline and deadline_of(item) is not None
 
