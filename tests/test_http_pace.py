@@ -3,7 +3,8 @@ chunks, in order, through the writer that takes every chunk come in one wake of 
 loop; a protocol's event writer (engine.http.events.EventStream) under any ASGI server writes
 them through send and may end an answer early, which withdraws its request; an async
 request whose awaiter is cancelled is withdrawn; and a keep-alive connection's later
-request has a read timeout of its own, from its first byte."""
+request has a read timeout of its own, from its first byte; a followed stream whose
+caller left hands out nothing more."""
 import asyncio
 import http.client
 import json
@@ -17,12 +18,12 @@ pytest.importorskip("uvicorn")
 from conftest import unique_name, wait_for  # noqa: E402
 from test_http_connections import CLOSED_WITHIN_S, READ_TIMEOUT_S, Serve  # noqa: E402
 from test_http_connections import response, until_closed  # noqa: E402
-from iterative_helpers import scripted  # noqa: E402
-from step_models import chunks, request  # noqa: E402
+from iterative_helpers import bits, scripted, wait_held, wait_left  # noqa: E402
+from step_models import HOLD, chunks, request  # noqa: E402
 from test_multi_engine import Served, table, top  # noqa: E402
 
 import engine  # noqa: E402
-from engine.http.events import EventStream, Finished, event  # noqa: E402
+from engine.http.events import EventStream, Finished, Follower, event  # noqa: E402
 
 STEPS = dict(input_shape=[2], input_dtype="int64", output_shape=[], output_dtype="int64")
 X = np.arange(16, dtype=np.float32)
@@ -132,6 +133,34 @@ def test_a_cancelled_async_request_is_withdrawn(make_engine, gate):
         assert np.array_equal(c.infer(X + 2, timeout=60), (X + 2) * 2 + 1)
     stats = eng.stats()
     assert (stats["answered_total"], stats["withdrawn_total"], stats["requests_total"]) == (2, 1, 3)
+
+
+def test_a_followed_stream_whose_caller_left_hands_out_nothing_more(make_engine, log, gate):
+    # chunks came unread when the caller left: the follower reads them no more (an
+    # answer whose chunks came on at every wake would otherwise run to its end)
+    eng = scripted(make_engine, "follow-gone", log, gate=gate)
+    left_now = asyncio.Event()
+
+    async def receive():
+        await left_now.wait()
+        return {"type": "http.disconnect"}
+
+    async def main(c):
+        follower = Follower(c.open_stream_async(request(1, 10, HOLD, bits(2)), timeout=60),
+                            receive)
+        try:
+            wait_held(log, 1, 2)  # chunks 0 and 1 are out, unread
+            left_now.set()
+            await asyncio.wait_for(asyncio.shield(follower.gone), 30)
+            return await asyncio.wait_for(follower.next(), 30)
+        finally:
+            await follower.close()
+
+    with engine.Client(eng.name) as c:
+        assert asyncio.run(main(c)) is None
+        wait_for(lambda: eng.stats()["withdrawn_total"] == 1, "the request withdrawn")
+    gate.open()
+    assert wait_left(log, 1) == [3]
 
 
 def test_a_later_request_on_a_kept_connection_has_its_own_read_timeout(tmp_path):

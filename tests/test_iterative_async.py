@@ -8,7 +8,7 @@ import asyncio
 import threading
 
 import pytest
-from conftest import wait_until_no_slot_in_use
+from conftest import wait_for, wait_until_no_slot_in_use
 from iterative_helpers import (
     assert_each_joined_request_left_once,
     bits,
@@ -17,13 +17,14 @@ from iterative_helpers import (
     slot_states,
     tag_length,
     wait_idle,
+    wait_held,
     wait_left,
 )
 from step_models import HOLD, HOLD_LEAVE, chunks, request
 
 import engine
 from engine.client import ticket, wakes
-from engine.shm import codes
+from engine.shm import codes, ring
 
 
 def test_async_streams_run_concurrently_each_with_its_own_chunks(make_engine, log):
@@ -99,6 +100,37 @@ def test_an_async_stream_past_its_timeout_raises_after_the_chunks_that_came_in_t
         gate.open()
         assert wait_left(log, 1) == [3]
         assert wait_idle(eng)["timeouts_total"] == 1
+    assert_each_joined_request_left_once(log)
+
+
+@pytest.mark.parametrize("waker", ["the loop's", "the completion thread"])
+def test_a_deadline_that_passes_while_chunks_wait_unread_still_ends_the_stream(
+        make_engine, log, gate, waker, monkeypatch):
+    # the loop is held until the deadline has passed with two chunks unread: its next
+    # pass hands over the chunks and the deadline's error together, and the error is
+    # what the wait after the chunks returns for (nothing else would wake it)
+    if waker == "the completion thread":
+        monkeypatch.setattr(wakes, "for_loop", lambda seg: None)
+    eng = scripted(make_engine, "async-late", log, gate=gate)
+
+    async def main(c):
+        chunks = c.open_stream_async(request(1, 10, HOLD, bits(2)), timeout=1.0)
+        wait_held(log, 1, 2)  # chunks 0 and 1 are out: the loop has not seen them
+        wait_for(lambda: ring.now_ns() >= chunks.deadline, "the deadline passed", 30)
+        try:
+            await asyncio.wait_for(chunks.wait(), 30)
+            got = [int(v) for v in chunks.ready()]
+            await asyncio.wait_for(chunks.wait(), 30)
+            with pytest.raises(engine.RequestTimeout):
+                chunks.ready()
+            return got
+        finally:
+            await chunks.aclose()
+
+    with engine.Client(eng.name) as c:
+        assert asyncio.run(main(c)) == chunks(1, 2)
+        gate.open()
+        assert wait_left(log, 1) == [3]
     assert_each_joined_request_left_once(log)
 
 

@@ -20,42 +20,47 @@ from engine.errors import EngineError
 from engine.shm import codes
 
 
-class _Waits:
-    """One future per wait, set by wake() (on the loop's thread)."""
+class Waits:
+    """One future per wait, set by wake() (on the loop's thread). A subclass
+    says when nothing more will wake it (final)."""
 
     loop: asyncio.AbstractEventLoop
     _waiter: Optional[asyncio.Future] = None
-    _moved = False  # woken while no wait was pending
+    _moved = False  # woken while no wait was pending (or after it was ended)
     # called at each wake instead, while set (on the loop's thread): a writer
     # that takes the chunks in the wake itself, with no coroutine resumed
     on_wake: Optional[Callable[[], None]] = None
 
     async def wait(self) -> None:
-        """Until the stream may have moved (a wake since the last wait counts;
-        a stream that is over never waits: nothing would wake it)."""
-        if self._moved or self._final():
+        """Until the stream may have moved: a wake since the last wait counts,
+        even one that came after the wait was ended but before it resumed (two
+        wakes of one pass: a chunk, then its deadline's error); a stream that
+        is final never waits, as nothing would wake it."""
+        if self._moved or self.final:
             self._moved = False
             return
         self._waiter = waiter = self.loop.create_future()
         try:
             await waiter
         finally:
-            self._waiter, self._moved = None, False
+            self._waiter = None
 
     def wake(self) -> None:
         """Ends the pending wait() (or the next one) at once; on the loop's thread."""
         if self.on_wake is not None:
             return self.on_wake()
-        self._moved = True
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+        else:
+            self._moved = True
 
-    def _final(self) -> bool:
+    @property
+    def final(self) -> bool:
         raise NotImplementedError
 
 
-class AsyncStream(_Waits):
+class AsyncStream(Waits):
     """A Stream for asyncio: ``async for chunk in client.stream_async(x)``.
 
     It waits on one future per wake, with no task or timer. Besides
@@ -122,8 +127,12 @@ class AsyncStream(_Waits):
                 return None
             self._look()  # the error: raised, unless answered that instant
 
-    def _final(self) -> bool:
-        return self.stream.final
+    @property
+    def final(self) -> bool:
+        """Whether nothing more will wake the stream: its slot settled, it was
+        closed, or the completion thread failed it (its error, after the
+        chunks that came before it, is what ready() hands out next)."""
+        return self.failed is not None or self.stream.final
 
     def _look(self) -> bool:
         """Whether the stream moved since the last read (then read): an error
@@ -186,7 +195,7 @@ class AsyncStream(_Waits):
         return final
 
 
-class AsyncAnswered(_Waits):
+class AsyncAnswered(Waits):
     """open_stream_async() of a one-shot engine: its one answer, once, as
     AsyncStream hands out chunks (iterated, or ready() and wait())."""
 
@@ -212,7 +221,8 @@ class AsyncAnswered(_Waits):
                 return {k: v[0] for k, v in got.items()} if isinstance(got, dict) else got[0]
             await self.wait()
 
-    def _final(self) -> bool:
+    @property
+    def final(self) -> bool:
         return self._over or (self._task is not None and self._task.done())
 
     def ready(self) -> Any:

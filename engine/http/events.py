@@ -74,16 +74,15 @@ class Follower:
         waiting for one at least; None once the caller went away.
         StopAsyncIteration at the end; the request's error after its chunks."""
         chunks = self.chunks
-        if self.read:
+        if self.read and not self.gone.done():
             await chunks.wait()
-        while True:
+        while not self.gone.done():  # checked first: chunks may come on forever
             got = chunks.ready()
             if got is not None:
                 self.read = True
                 return got
-            if self.gone.done():
-                return None
             await chunks.wait()
+        return None
 
     async def close(self) -> None:
         """Withdraws the request unless it ended."""

@@ -22,6 +22,7 @@ import asyncio
 import json
 from typing import List, Optional
 
+from engine.client.async_streams import Waits
 from engine.errors import EngineError, EngineUnavailable
 from engine.http import events
 from engine.http.openai.generate import ROLE, Request, Text, choice, chunk, head, sse, usage
@@ -51,7 +52,7 @@ class Run:
         return pieces
 
 
-class Runs:
+class Runs(Waits):
     """The runs' engine streams followed as one, through the interface of an
     AsyncStream that events.Follower and events.EventStream read: ready()
     hands out, for each run that moved, (its index, its blocks of chunks,
@@ -61,9 +62,7 @@ class Runs:
     def __init__(self, streams: list) -> None:
         self.streams = streams
         self.open = list(range(len(streams)))  # the runs still to be read
-        self.on_wake = None  # as AsyncStream's: called at each wake instead, while set
-        self._moved = False
-        self._waiter: Optional[asyncio.Future] = None
+        self.loop = asyncio.get_running_loop()
         for stream in streams:
             stream.on_wake = self.wake
 
@@ -109,23 +108,11 @@ class Runs:
             self.open.remove(i)
             self.streams[i].close()
 
-    async def wait(self) -> None:
-        if self._moved or not self.open:
-            self._moved = False
-            return
-        self._waiter = waiter = asyncio.get_running_loop().create_future()
-        try:
-            await waiter
-        finally:
-            self._waiter, self._moved = None, False
-
-    def wake(self) -> None:
-        if self.on_wake is not None:
-            return self.on_wake()
-        self._moved = True
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+    @property
+    def final(self) -> bool:
+        """Once every run was read to its end, or one run is final (its end or
+        its error is what ready() reads next)."""
+        return not self.open or any(self.streams[i].final for i in self.open)
 
     async def aclose(self) -> None:
         """Withdraws every run that has not ended."""
