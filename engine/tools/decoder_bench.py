@@ -15,8 +15,9 @@ With `http` (engine.tools.decoder_http), the same requests at the same
 times also go to the iterative engine through HTTP: served by `shmbatch
 serve`, through Triton's generate_stream and OpenAI's /v1/completions, and to
 a FastAPI + StreamingResponse baseline doing the same model work; `pin` puts
-every serving process on the last CPU and the clients on the others, in
-every row.
+the model on the last CPU (the engine's batcher; the baseline's process) and
+the callers on the others (serve's HTTP workers with the clients that call
+them), in every row.
 
 Then the engine's own cost per step: the step's wall time (the engine's
 service figure) minus the model's time inside it (join and step, timed in

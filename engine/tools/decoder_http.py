@@ -22,8 +22,11 @@ A row returns each request's answer for the caller to check against the model
 decoding that request alone, the engine's figures, and the CPU time the
 serving processes spent per chunk (psutil: their CPU time across the row): the
 HTTP workers' for serve, the whole process's for the baseline (its model
-included). With `pin`, every serving process runs on the last CPU and the
-clients on the others.
+included). With `pin`, the model runs on the last CPU and the rest on the
+others: serve's batcher is pinned there (its engine's `cpus`), its
+supervisor and HTTP workers run beside the clients, as a web app's workers
+run beside a batcher pinned to its core (and as the `Client` row's callers
+do); the baseline's one process, its model inside, runs on the last CPU.
 """
 import asyncio
 import dataclasses
@@ -186,10 +189,12 @@ class Server:
 
 def start_serve(settings: dict, setup, openai: bool, folder: str) -> Server:
     path = os.path.join(folder, "models.toml")
+    if server_cpus(setup.pin):  # the batcher on its core, the web side with the clients
+        settings = {**settings, "cpus": [server_cpus(setup.pin)]}
     with open(path, "w") as f:
         f.write(serve_config(settings, setup.http_workers, setup.timeout_s, openai))
     server = Server([sys.executable, "-m", "engine", "serve", "--config", path,
-                     "--http-port", "0"], server_cpus(setup.pin), folder)
+                     "--http-port", "0"], client_cpus(setup.pin), folder)
     workers = [c.pid for c in psutil.Process(server.proc.pid).children(recursive=True)
                if "engine.http.worker" in " ".join(_cmdline(c))]
     if len(workers) != setup.http_workers:
