@@ -400,10 +400,9 @@ uint32_t sb_done_seq(const sb_ring *r);
 /* requests settled outside a finished batch: their async waiters are woken */
 void sb_wake_done(sb_ring *r);
 int sb_wait_done_seq(sb_ring *r, uint32_t seen, int64_t timeout_ns);
-/* an asyncio loop awaits the ticket: waker (its wake id; 0: none) in the
- * slot's waker word, seq_cst as the settler's CAS and load of it (either it
- * sees the id or this sees the slot settled); returns sb_wait_slot's code
- * without waiting. sb_wake_close: the socket this process sent wakes from. */
+/* an asyncio loop awaits the ticket: waker (its wake id; 0: none) in the slot's
+ * waker word, seq_cst as the settler's CAS and load of it (one sees the other);
+ * sb_wait_slot's code, never waiting. sb_wake_close: this process's socket. */
 int sb_await_slot(sb_ring *r, uint32_t slot, uint32_t gen, uint32_t waker);
 void sb_wake_close(sb_ring *r);
 void sb_request_evict(sb_ring *r);
@@ -413,6 +412,7 @@ uint32_t sb_work_seq(const sb_ring *r);
 int sb_wait_work(sb_ring *r, uint32_t seen, int64_t timeout_ns, uint64_t spin_ns);
 void sb_wake_work(sb_ring *r);
 void sb_expect_work(sb_ring *r); /* a request comes: wake one asleep */
+uint32_t sb_batchers_sleeping(const sb_ring *r); /* asleep now: a hint */
 /* time (futex.c, under wait.c's waits); and the floor a cross-process
  * request cannot beat: a futex ping-pong on word[0] of a shared mapping (role
  * 0 pings, 1 answers), each side spinning spin_ns before it sleeps, as waits do */

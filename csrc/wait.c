@@ -141,6 +141,13 @@ void sb_expect_work(sb_ring *r)
 	}
 }
 
+uint32_t sb_batchers_sleeping(const sb_ring *r)
+{
+	/* relaxed: a hint for how long a caller's first look at its answer
+	 * spins; a batcher that sleeps or wakes just after costs that look */
+	return sb_load_relaxed(&hdr(r)->batchers_sleeping);
+}
+
 void sb_wake_work(sb_ring *r)
 {
 	sb_header *h = hdr(r);

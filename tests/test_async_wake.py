@@ -1,6 +1,7 @@
 """An asyncio caller is woken by the engine itself (engine.client.wakes): its
 answers right across processes, a dead batcher's usual error, a closed or
-stuck loop that never holds a batcher up, a forked child's own wakes."""
+stuck loop that never holds a batcher up, a forked child's own wakes; a batcher is
+counted asleep while idle, the hint for how long a lone caller looks."""
 import asyncio
 import os
 import signal
@@ -244,3 +245,16 @@ def test_a_failed_request_is_raised_by_the_first_look(make_engine, untraced):
         with pytest.raises(engine.BackendError):
             ticket.answered(c, seg, slot, gen)
         assert wait_until_no_slot_in_use(eng)
+
+
+def test_a_batcher_is_counted_asleep_while_idle_and_awake_while_it_serves(make_engine, gate):
+    # the hint a lone asyncio caller reads before it looks long at its answer
+    eng = make_engine("asleep", backend="helpers:gated", backend_args={"gate": gate.name})
+    with engine.Client(eng.name) as c:
+        r = c._segment().ring
+        wait_for(lambda: r.batchers_sleeping() == 1, "the idle batcher asleep", BOUND_S)
+        held = c.submit(X, timeout=BOUND_S)  # its batch waits at the gate: awake
+        wait_for(lambda: r.batchers_sleeping() == 0, "the batcher awake", BOUND_S)
+        gate.open()
+        assert np.array_equal(held.result(BOUND_S), X * 2 + 1)
+        wait_for(lambda: r.batchers_sleeping() == 1, "asleep again once idle", BOUND_S)

@@ -261,16 +261,19 @@ def close_client(client: Handle) -> None:
 async def answer_of(client: Handle, seg, slot: int, gen: int, deadline: Optional[int],
                     timeout: Optional[float]) -> Any:
     """ticket.answer_of through the loop's Waker (or the completion thread),
-    after ticket.answered's look. It spins no longer than that look, as
-    infer() may: the loop's other work (its connections) may be ready, and on
-    a busy machine a spinner takes the core its batcher needs
-    (bench/RESULTS.md, async_wake.py)."""
+    after ticket.answered's look. It spins no longer than that look (longer
+    only while nothing else of the loop awaits an engine), as infer() may: the
+    loop's other work (its connections) may be ready, and on a busy machine a
+    spinner takes the core its batcher needs (bench/RESULTS.md, async_wake.py)."""
     # the common case, while answers come soon, on a loop that has its Waker
     # (its first request made it, and handed closed loops' requests back): the
     # answer there at a look
-    if client.async_spin_ns and seg.fused_out and \
-            _wakers.get(asyncio.get_running_loop()) is not None:
-        answer = ticket.answered(client, seg, slot, gen)
+    waker = _wakers.get(asyncio.get_running_loop())
+    # nothing else of the loop awaits an engine, and its batcher is awake (an
+    # early wake's, say): a longer look (ticket.ASYNC_LONE_SPIN_NS) pays
+    lone = waker is not None and not waker.pending and not seg.ring.batchers_sleeping()
+    if client.async_spin_ns and seg.fused_out and waker is not None:
+        answer = ticket.answered(client, seg, slot, gen, lone)
         if answer is not ticket.NOT_YET:
             return answer
     missed_ns = ring.now_ns()
@@ -280,7 +283,8 @@ async def answer_of(client: Handle, seg, slot: int, gen: int, deadline: Optional
     else:
         answer = await ticket.answer_of(_Sender(waker, client), seg, slot, gen, deadline,
                                         timeout, DIRECT)
-    if ring.now_ns() - missed_ns <= ticket.ASYNC_SOON_NS:  # a longer look would have had it
+    # a longer look would have had it: look again
+    if ring.now_ns() - missed_ns <= (ticket.ASYNC_LONE_SOON_NS if lone else ticket.ASYNC_SOON_NS):
         client.async_spin_ns = ticket.ASYNC_SPIN_NS
     return answer
 

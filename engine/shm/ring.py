@@ -335,6 +335,10 @@ class Ring:
         """Wakes a sleeping batcher ahead of a request about to be published."""
         lib.sb_expect_work(self.r)
 
+    def batchers_sleeping(self) -> int:
+        """How many batchers sleep for work now (a hint: it may change at once)."""
+        return lib.sb_batchers_sleeping(self.r)
+
     def claim(self, batcher: int, max_n: int, flush_n: int, cutoff_ns: int, batch: ClaimBuffers,
               expire_ns: int = 0):
         """Fails unstarted the READY requests whose deadline is before expire_ns;
