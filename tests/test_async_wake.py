@@ -1,7 +1,7 @@
 """An asyncio caller is woken by the engine itself (engine.client.wakes): its
 answers right across processes, a dead batcher's usual error, a closed or
 stuck loop that never holds a batcher up, a forked child's own wakes; a batcher is
-counted asleep while idle, the hint for how long a lone caller looks."""
+counted asleep while idle, and a lone caller looks long only while no batcher sleeps."""
 import asyncio
 import os
 import signal
@@ -258,3 +258,21 @@ def test_a_batcher_is_counted_asleep_while_idle_and_awake_while_it_serves(make_e
         gate.open()
         assert np.array_equal(held.result(BOUND_S), X * 2 + 1)
         wait_for(lambda: r.batchers_sleeping() == 1, "asleep again once idle", BOUND_S)
+
+
+
+class _Hints:
+    """A ring's hint as lone_look_pays reads it."""
+
+    def __init__(self, sleeping: int) -> None:
+        self.sleeping = sleeping
+
+    def batchers_sleeping(self) -> int:
+        return self.sleeping
+
+
+@pytest.mark.parametrize("sleeping, pays", [(0, True), (1, False), (2, False)])
+def test_a_lone_caller_looks_long_only_while_no_batcher_sleeps(sleeping, pays):
+    class Seg:
+        ring = _Hints(sleeping)
+    assert ticket.lone_look_pays(Seg()) is pays

@@ -259,15 +259,24 @@ class Awaited:
 # ASYNC_SOON_NS of a look again (wakes.answer_of): a slow or sleeping batcher
 # costs a loop no look; none on a single CPU (a look that does not spin
 # comes before the batcher could answer). A loop with nothing else awaiting
-# an engine (its one connection's request, say) looks up to ASYNC_LONE_SPIN_NS:
-# there a miss costs it a sleep and a wake, tens of µs of CPU on a VM, more
-# than the spin (bench/RESULTS.md, http_worker_cpu); with others pending, the
-# loop's time is theirs.
+# an engine (its one connection's request, say) looks up to ASYNC_LONE_SPIN_NS
+# where that pays (lone_look_pays): a miss there costs it a sleep and a wake,
+# tens of µs of CPU on a VM, more than the spin (bench/RESULTS.md,
+# http_worker_cpu); with others pending, the loop's time is theirs.
 ASYNC_SPIN_NS = min(2_000, ring.SPIN_NS)
 ASYNC_LONE_SPIN_NS = min(20_000, ring.SPIN_NS)
 ASYNC_SOON_NS = 4 * ASYNC_SPIN_NS
 ASYNC_LONE_SOON_NS = 4 * ASYNC_LONE_SPIN_NS
 NOT_YET = object()  # answered()'s: no outcome in the slot yet
+
+
+def lone_look_pays(seg) -> bool:
+    """Whether a lone caller's look of ASYNC_LONE_SPIN_NS may find its answer:
+    no batcher of seg is asleep (a hint). A sleeping batcher's wake-up takes
+    longer than the spin, and the spinning caller may hold the CPU it needs
+    (bench/RESULTS.md). A model slower than the spin makes the look miss,
+    which stops the looks until an answer comes soon again (wakes.answer_of)."""
+    return not seg.ring.batchers_sleeping()
 
 
 def answered(client: Handle, seg, slot: int, gen: int, lone: bool = False) -> Any:

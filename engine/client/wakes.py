@@ -269,9 +269,9 @@ async def answer_of(client: Handle, seg, slot: int, gen: int, deadline: Optional
     # (its first request made it, and handed closed loops' requests back): the
     # answer there at a look
     waker = _wakers.get(asyncio.get_running_loop())
-    # nothing else of the loop awaits an engine, and its batcher is awake (an
-    # early wake's, say): a longer look (ticket.ASYNC_LONE_SPIN_NS) pays
-    lone = waker is not None and not waker.pending and not seg.ring.batchers_sleeping()
+    # nothing else of the loop awaits an engine, whose batcher is awake (an
+    # early wake's, say): a longer look (ticket.ASYNC_LONE_SPIN_NS)
+    lone = waker is not None and not waker.pending and ticket.lone_look_pays(seg)
     if client.async_spin_ns and seg.fused_out and waker is not None:
         answer = ticket.answered(client, seg, slot, gen, lone)
         if answer is not ticket.NOT_YET:
