@@ -1,10 +1,11 @@
 """An asyncio caller's round trip and CPU beside the blocking infer(), one or more trees.
 
     python bench/async_wake.py [--tree LABEL=DIR ...] [--rounds 3] [--seconds 2]
-                               [--only blocking async1 async8 async32]
+                               [--only blocking async1 async8 async32] [--model-us US]
 
 For each tree (default: this one), each round starts an engine (identity
-backend, float32[16], max_batch_size 32) in its own process, then measures in
+backend, float32[16], max_batch_size 32; with --model-us, the synthetic backend
+busy-waiting US µs a batch, answering 2x + 1) in its own process, then measures in
 a fresh caller process, one after another for --seconds each:
 
   blocking   Client.infer(), one request at a time
@@ -28,8 +29,12 @@ import sys
 ENGINE = r"""
 import signal, sys
 import engine
-eng = engine.Engine(sys.argv[1], backend="engine.backends:identity", input_shape=(16,),
-                    output_shape=(16,), max_batch_size=32, queue_capacity=256)
+model_us = float(sys.argv[2])
+backend = dict(backend="engine.backends:synthetic",
+               backend_args={"fixed_ms": model_us / 1000, "per_item_us": 0.0}) if model_us \
+    else dict(backend="engine.backends:identity")
+eng = engine.Engine(sys.argv[1], **backend, input_shape=(16,), output_shape=(16,),
+                    max_batch_size=32, queue_capacity=256)
 eng.start()
 print("ready", flush=True)
 signal.signal(signal.SIGTERM, lambda *a: (eng.stop(), sys.exit(0)))
@@ -43,6 +48,7 @@ import engine
 name, seconds, rows = sys.argv[1], float(sys.argv[2]), sys.argv[3].split(",")
 c = engine.Client(name, wait_s=30)
 xs = np.random.default_rng(0).random((256, 16), dtype=np.float32)
+ys = xs * 2 + 1 if float(sys.argv[4]) else xs  # the synthetic model's answers, or identity's
 
 def figures(times, n, cpu_s, wall_s):
     times = np.array(times)
@@ -62,7 +68,7 @@ def blocking():
             break
         y = c.infer(xs[k % 256])
         times.append(time.monotonic_ns() - t)
-        assert (y == xs[k % 256]).all()
+        assert (y == ys[k % 256]).all()
         k += 1
     return figures(times, k, time.process_time() - c0, (time.monotonic_ns() - t0) / 1e9)
 
@@ -73,7 +79,7 @@ async def in_flight(n):
             t = time.monotonic_ns()
             y = await c.infer_async(xs[k % 256])
             times.append(time.monotonic_ns() - t)
-            assert (y == xs[k % 256]).all()
+            assert (y == ys[k % 256]).all()
             count[0] += 1
             k += n
     warm = []
@@ -91,17 +97,18 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def run_tree(tree: str, rows: list, seconds: float, tag: str) -> dict:
+def run_tree(tree: str, rows: list, seconds: float, tag: str, model_us: float = 0.0) -> dict:
     path = [os.path.abspath(tree)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                                       if p]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     name = f"asyncwake-{os.getpid()}-{tag}"
-    eng = subprocess.Popen([sys.executable, "-c", ENGINE, name], env=env, cwd="/",
+    eng = subprocess.Popen([sys.executable, "-c", ENGINE, name, str(model_us)], env=env, cwd="/",
                            stdout=subprocess.PIPE, text=True)
     try:
         if eng.stdout.readline().strip() != "ready":
             raise RuntimeError(f"{tree}: the engine did not start")
-        proc = subprocess.run([sys.executable, "-c", PROBE, name, str(seconds), ",".join(rows)],
+        proc = subprocess.run([sys.executable, "-c", PROBE, name, str(seconds), ",".join(rows),
+                               str(model_us)],
                               env=env, capture_output=True, text=True, timeout=600, cwd="/")
     finally:
         eng.terminate()
@@ -118,6 +125,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=2.0)
     p.add_argument("--only", nargs="*", default=["blocking", "async1", "async8", "async32"])
+    p.add_argument("--model-us", type=float, default=0.0,
+                   help="a synthetic model of this many µs a batch (default: identity)")
     args = p.parse_args()
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     trees = dict(t.split("=", 1) for t in args.tree) or {"this": here}
@@ -125,7 +134,8 @@ def main() -> int:
     for r in range(args.rounds):
         order = list(trees.items()) if r % 2 == 0 else list(trees.items())[::-1]
         for label, tree in order:
-            results[label].append(run_tree(tree, args.only, args.seconds, f"{label}{r}"))
+            results[label].append(run_tree(tree, args.only, args.seconds, f"{label}{r}",
+                                           args.model_us))
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     with open("/proc/loadavg") as f:
         load = f.read().split()[:3]
