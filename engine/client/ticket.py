@@ -256,13 +256,14 @@ class Awaited:
 # batcher that is awake answers within it, and the request then costs the loop
 # no future, item or wake (bench/RESULTS.md, async_wake). After a look that
 # found nothing the next ones do not spin, until an answer comes within
-# ASYNC_SOON_NS of a look again (wakes.answer_of): a slow or sleeping batcher
-# costs a loop no look; none on a single CPU (a look that does not spin
-# comes before the batcher could answer). A loop with nothing else awaiting
-# an engine (its one connection's request, say) looks up to ASYNC_LONE_SPIN_NS
-# where that pays (lone_look_pays): a miss there costs it a sleep and a wake,
-# tens of µs of CPU on a VM, more than the spin (bench/RESULTS.md,
-# http_worker_cpu); with others pending, the loop's time is theirs.
+# ASYNC_SOON_NS of a look again (ASYNC_LONE_SOON_NS of a lone one;
+# wakes.answer_of): a slow or sleeping batcher costs a loop no look; none on a
+# single CPU (a look that does not spin comes before the batcher could
+# answer). A loop with nothing else awaiting an engine (its one connection's
+# request, say) looks up to ASYNC_LONE_SPIN_NS where that pays
+# (lone_look_pays): a miss there costs it a sleep and a wake, tens of µs of
+# CPU on a VM, more than the spin (bench/RESULTS.md, http_worker_cpu and
+# async_wake --model-us); with others pending, the loop's time is theirs.
 ASYNC_SPIN_NS = min(2_000, ring.SPIN_NS)
 ASYNC_LONE_SPIN_NS = min(20_000, ring.SPIN_NS)
 ASYNC_SOON_NS = 4 * ASYNC_SPIN_NS
@@ -281,8 +282,8 @@ def lone_look_pays(seg) -> bool:
 
 def answered(client: Handle, seg, slot: int, gen: int, lone: bool = False) -> Any:
     """The answer in the slot, taken in one C call after a spin of at most
-    client.async_spin_ns (ASYNC_LONE_SPIN_NS if lone: nothing else of the
-    loop awaits an engine) (the engine's one output, no span to record);
+    client.async_spin_ns, or ASYNC_LONE_SPIN_NS if lone (nothing else of the
+    loop awaits an engine), for the engine's one output with no span to record;
     NOT_YET when none came or the request is not of that common kind (the
     looks then stop until an answer comes soon again); a failure raised."""
     if not seg.fused_out or TRACE_MODULE in sys.modules:
