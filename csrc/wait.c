@@ -134,7 +134,8 @@ void sb_expect_work(sb_ring *r)
 	sb_header *h = hdr(r);
 	/* no Dekker pair needed, unlike work_arrived: a batcher falling asleep
 	 * after the load misses this hint only, never a request (its publish
-	 * wakes it); seq_cst as every other access to these two words */
+	 * wakes it); seq_cst as every other access to these two words but
+	 * sb_batchers_sleeping's relaxed hint */
 	if (sb_load_seq_cst(&h->batchers_sleeping)) {
 		sb_add_seq_cst(&h->work_seq, 1);
 		futex_wake(&h->work_seq, 1);

@@ -1,7 +1,9 @@
 """An asyncio caller is woken by the engine itself (engine.client.wakes): its
 answers right across processes, a dead batcher's usual error, a closed or
 stuck loop that never holds a batcher up, a forked child's own wakes; a batcher is
-counted asleep while idle, and a lone caller looks long only while no batcher sleeps."""
+counted asleep while idle; a caller alone on an idle loop looks long (not while another
+answer is awaited there, nor on a busy loop, nor while no batcher is awake), and backs those
+looks off as they miss."""
 import asyncio
 import os
 import signal
@@ -13,7 +15,7 @@ import pytest
 from conftest import wait_for, wait_until_no_slot_in_use
 
 import engine
-from engine.client import ticket, tracing, wakes
+from engine.client import looks, ticket, tracing, wakes
 from engine.shm import codes
 
 X = np.arange(16, dtype=np.float32)
@@ -222,7 +224,7 @@ def test_an_answer_already_in_its_slot_is_taken_by_the_first_look(affine_engine,
         seg, slot, gen, _ = c._enqueue(X + 5, ticket.deadline_ns(BOUND_S))
         # answered, and left in the slot
         assert seg.ring.wait_slot(slot, gen, int(BOUND_S * 1e9), 0) == codes.OK
-        assert np.array_equal(ticket.answered(c, seg, slot, gen), (X + 5) * 2 + 1)
+        assert np.array_equal(looks.answered(c, seg, slot, gen), (X + 5) * 2 + 1)
         assert wait_until_no_slot_in_use(affine_engine)  # taken: its slot is free again
 
 
@@ -243,7 +245,7 @@ def test_a_failed_request_is_raised_by_the_first_look(make_engine, untraced):
         seg, slot, gen, _ = c._enqueue(X - 100, ticket.deadline_ns(BOUND_S))  # negative: raises
         assert seg.ring.wait_slot(slot, gen, int(BOUND_S * 1e9), 0) == codes.EFAILED
         with pytest.raises(engine.BackendError):
-            ticket.answered(c, seg, slot, gen)
+            looks.answered(c, seg, slot, gen)
         assert wait_until_no_slot_in_use(eng)
 
 
@@ -275,4 +277,67 @@ class _Hints:
 def test_a_lone_caller_looks_long_only_while_no_batcher_sleeps(sleeping, pays):
     class Seg:
         ring = _Hints(sleeping)
-    assert ticket.lone_look_pays(Seg()) is pays
+    assert looks.lone_look_pays(Seg()) is pays
+
+
+def test_lone_looks_back_off_on_misses_and_come_back_on_a_find():
+    lone = looks.LoneLooks()
+    taken = []
+    for hit in [False] * 9 + [True]:
+        while not lone.due():
+            taken.append(0)
+        taken.append(1)
+        lone.found(hit)
+    # each miss skips twice as many chances as the last (capped), a find resets
+    assert taken == [1, 0, 1, 0, 0, 1] + [0] * 4 + [1] + [0] * 8 + [1] + [0] * 16 + [1] + \
+        [0] * 32 + [1] + [0] * 64 + [1] + [0] * 64 + [1] + [0] * 64 + [1]
+    assert (lone.skip, lone.backoff) == (0, 1) and lone.due()
+    assert looks.LONE_BACKOFF_MAX == 64
+
+
+@pytest.fixture
+def lone_seen(monkeypatch, untraced):
+    """The `lone` of every look answer_of makes, with the batcher taken to be awake
+    and the looks' spins those of a machine of 2+ CPUs (on one, nothing spins)."""
+    seen = []
+    real = looks.answered
+    monkeypatch.setattr(looks, "ASYNC_SPIN_NS", 2_000)  # a Client made now starts with it
+    monkeypatch.setattr(looks, "ASYNC_LONE_SPIN_NS", 20_000)
+
+    def answered(client, seg, slot, gen, lone=False):
+        seen.append(lone)
+        return real(client, seg, slot, gen, lone)
+    monkeypatch.setattr(looks, "answered", answered)
+    monkeypatch.setattr(looks, "lone_look_pays", lambda seg: True)
+    return seen
+
+
+@pytest.mark.parametrize("busy_ns, lone", [(0, True), (10**15, False)])
+def test_a_caller_alone_on_an_idle_loop_looks_long_and_on_a_busy_one_does_not(
+        affine_engine, lone_seen, monkeypatch, busy_ns, lone):
+    with engine.Client(affine_engine.name) as c:
+        async def two():
+            await c.infer_async(X, timeout=BOUND_S)  # makes the loop's Waker: no look
+            monkeypatch.setattr(looks, "LOOP_BUSY_NS", busy_ns)  # an answer "just" came, or not
+            return await c.infer_async(X + 1, timeout=BOUND_S)
+        y = asyncio.run(asyncio.wait_for(two(), BOUND_S))
+    assert np.array_equal(y, (X + 1) * 2 + 1) and lone_seen == [lone]
+
+
+def test_a_caller_whose_loop_awaits_another_answer_does_not_look_long(make_engine, gate,
+                                                                      lone_seen, monkeypatch):
+    eng = make_engine("sharedlook", backend="helpers:gated", backend_args={"gate": gate.name},
+                      max_batch_size=1)
+    monkeypatch.setattr(looks, "LOOP_BUSY_NS", 0)
+    with engine.Client(eng.name) as c:
+        async def main():
+            held = asyncio.ensure_future(c.infer_async(X, timeout=BOUND_S))  # at the gate
+            await asyncio.sleep(0)  # enqueued, pending on the loop's Waker
+            wait_for(lambda: eng.stats()["queue_depth"] == 0, "the first request claimed")
+            second = asyncio.ensure_future(c.infer_async(X + 1, timeout=BOUND_S))
+            await asyncio.sleep(0)  # its look, with the first still pending
+            gate.open()
+            return await asyncio.wait_for(asyncio.gather(held, second), BOUND_S)
+        ys = asyncio.run(main())
+    assert all(np.array_equal(y, (X + k) * 2 + 1) for k, y in enumerate(ys))
+    assert lone_seen == [False]  # the first made the Waker; the second was not alone

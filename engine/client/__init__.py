@@ -4,6 +4,7 @@
     attach         finding the engine's segment: at once, after a wait, lazily, after a restart
     handle         the typed interfaces inside: Handle (a Client to its helpers), Item
     ticket         a ticket's answer: wait for it, take it, or give it up
+    looks          an asyncio caller's first look at its answer: how long it spins, and when
     future         submit()'s Future, its answer taken in the asking thread
     stdfuture      what that Future relies on of concurrent.futures beyond its API
     completion     the completion thread: settles what is awaited without asking

@@ -38,8 +38,8 @@ from typing import Any, AsyncIterator, Dict, Iterator, Optional, Tuple, TypeVar
 
 import numpy as np
 
-from engine.client import (async_streams, bulk, completion, retrying, room, sampled, shares,
-                           streams, ticket, tracing, wakes)
+from engine.client import (async_streams, bulk, completion, looks, retrying, room, sampled,
+                           shares, streams, ticket, tracing, wakes)
 from engine.client.attach import attach
 from engine.client.future import Request
 from engine.client.lent import SlotRequest
@@ -76,8 +76,8 @@ class Client:
     an iterative engine also ``sampling=`` (an engine.Sampling, for an engine
     with sampling=True: engine.client.sampled).
 
-    The attributes name, pid, start_ticks, spin_ns, async_spin_ns, attached, held,
-    futures_lock and futures_cond, and the methods completer() and
+    The attributes name, pid, start_ticks, spin_ns, async_spin_ns, lone_looks, attached,
+    held, futures_lock and futures_cond, and the methods completer() and
     validated(), are handle.Handle: what the client's helpers use of it.
     Callers need none of them."""
 
@@ -101,7 +101,8 @@ class Client:
         # the handle.Handle fields, documented there
         self.pid = os.getpid()
         self.start_ticks = liveness.start_ticks(self.pid) or 0
-        self.spin_ns, self.async_spin_ns = ring.SPIN_NS, ticket.ASYNC_SPIN_NS  # see ticket
+        self.spin_ns, self.async_spin_ns = ring.SPIN_NS, looks.ASYNC_SPIN_NS  # see looks
+        self.lone_looks = looks.LoneLooks()
         self.futures_lock = threading.RLock()
         self.futures_cond = threading.Condition(self.futures_lock)
         self.held: Dict[int, "weakref.ref[Any]"] = {}

@@ -42,8 +42,14 @@ class Handle(Protocol):
     # wait ended within it, else 0. A hint, written by every waiter, unlocked.
     spin_ns: int
     # how long an asyncio caller's first look at its answer spins
-    # (ticket.answered): ticket.ASYNC_SPIN_NS while its answers come soon, else 0
+    # (looks.answered): looks.ASYNC_SPIN_NS while its answers come soon, else 0
     async_spin_ns: int
+
+    @property
+    def lone_looks(self) -> "Backoff":
+        """A lone asyncio caller's longer looks (looks.LoneLooks)."""
+        ...
+
     attached: Optional["Segment"]  # the segment attached last; None once closed
     # slot -> weakref of its pending submit() Future, for room.sweep() when
     # the ring is full; guarded by futures_lock
@@ -64,6 +70,18 @@ class Handle(Protocol):
         """(segment, arrays, lengths, outs) of a request checked against the
         running engine's spec, before anything is enqueued; EngineUnavailable
         while no batcher serves and none is expected to before deadline."""
+        ...
+
+
+class Backoff(Protocol):
+    """Chances taken or skipped by what came of the last ones (looks.LoneLooks)."""
+
+    def due(self) -> bool:
+        """Whether this chance is taken."""
+        ...
+
+    def found(self, hit: bool) -> None:
+        """What the chance taken found."""
         ...
 
 

@@ -252,54 +252,6 @@ class Awaited:
         return settled
 
 
-# An asyncio caller's first look at its answer spins this long at most: a
-# batcher that is awake answers within it, and the request then costs the loop
-# no future, item or wake (bench/RESULTS.md, async_wake). After a look that
-# found nothing the next ones do not spin, until an answer comes within
-# ASYNC_SOON_NS of a look again (ASYNC_LONE_SOON_NS of a lone one;
-# wakes.answer_of): a slow or sleeping batcher costs a loop no look; none on a
-# single CPU (a look that does not spin comes before the batcher could
-# answer). A loop with nothing else awaiting an engine (its one connection's
-# request, say) looks up to ASYNC_LONE_SPIN_NS where that pays
-# (lone_look_pays): a miss there costs it a sleep and a wake, tens of µs of
-# CPU on a VM, more than the spin (bench/RESULTS.md, http_worker_cpu and
-# async_wake --model-us); with others pending, the loop's time is theirs.
-ASYNC_SPIN_NS = min(2_000, ring.SPIN_NS)
-ASYNC_LONE_SPIN_NS = min(20_000, ring.SPIN_NS)
-ASYNC_SOON_NS = 4 * ASYNC_SPIN_NS
-ASYNC_LONE_SOON_NS = 4 * ASYNC_LONE_SPIN_NS
-NOT_YET = object()  # answered()'s: no outcome in the slot yet
-
-
-def lone_look_pays(seg) -> bool:
-    """Whether a lone caller's look of ASYNC_LONE_SPIN_NS may find its answer:
-    no batcher of seg is asleep (a hint). A sleeping batcher's wake-up takes
-    longer than the spin, and the spinning caller may hold the CPU it needs
-    (bench/RESULTS.md). A model slower than the spin makes the look miss,
-    which stops the looks until an answer comes soon again (wakes.answer_of)."""
-    return not seg.ring.batchers_sleeping()
-
-
-def answered(client: Handle, seg, slot: int, gen: int, lone: bool = False) -> Any:
-    """The answer in the slot, taken in one C call after a spin of at most
-    client.async_spin_ns, or ASYNC_LONE_SPIN_NS if lone (nothing else of the
-    loop awaits an engine), for the engine's one output with no span to record;
-    NOT_YET when none came or the request is not of that common kind (the
-    looks then stop until an answer comes soon again); a failure raised."""
-    if not seg.fused_out or TRACE_MODULE in sys.modules:
-        return NOT_YET
-    into = np.empty(seg.out_shape, seg.out_dtype)
-    spin_ns = client.async_spin_ns and (ASYNC_LONE_SPIN_NS if lone else client.async_spin_ns)
-    # the timeout is the spin: it ends there, never sleeping
-    code = seg.ring.take(slot, gen, spin_ns, spin_ns, into)
-    if code == codes.OK:
-        return seg.config.answer((into,))
-    if code == codes.ETIMEOUT:
-        client.async_spin_ns = 0
-        return NOT_YET
-    raise failed(seg, slot, gen, code)
-
-
 async def answer_of(completer: Completion, seg, slot: int, gen: int, deadline: Optional[int],
                     timeout: Optional[float], inbox: Any = None) -> Any:
     """The answer of an enqueued request, awaited: at once if its engine

@@ -28,7 +28,7 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
-from engine.client import async_streams, ticket
+from engine.client import async_streams, looks, ticket
 from engine.client.handle import CHUNKS, Handle, Item, deadline_of, overdue
 from engine.errors import EngineError, EngineUnavailable
 from engine.shm import codes, liveness, ring
@@ -68,6 +68,7 @@ class Waker:
         self._timer_ns = 0  # when the timer fires (ring.now_ns() clock)
         self._checked_ns = ring.now_ns()
         self._lives: Dict[int, bool] = {}  # this pass's probes: id(segment) -> lives
+        self.answered_ns = 0  # when answer_of last handed out an answer (ring.now_ns())
         loop.add_reader(sock.fileno(), self._readable)
 
     def add(self, item: Item, owner: Handle) -> None:
@@ -261,21 +262,22 @@ def close_client(client: Handle) -> None:
 async def answer_of(client: Handle, seg, slot: int, gen: int, deadline: Optional[int],
                     timeout: Optional[float]) -> Any:
     """ticket.answer_of through the loop's Waker (or the completion thread),
-    after ticket.answered's look. It spins no longer than that look (longer
-    only while nothing else of the loop awaits an engine), as infer() may: the
-    loop's other work (its connections) may be ready, and on a busy machine a
-    spinner takes the core its batcher needs (bench/RESULTS.md, async_wake.py)."""
+    after looks.answered's look. It spins no longer than that look (a lone
+    caller's, looks.ASYNC_LONE_SPIN_NS), as infer() may: the loop's other
+    work (its connections) may be ready, and on a busy machine a spinner
+    takes the core its batcher needs (bench/RESULTS.md, async_wake.py)."""
     # the common case, while answers come soon, on a loop that has its Waker
     # (its first request made it, and handed closed loops' requests back): the
     # answer there at a look
     waker = _wakers.get(asyncio.get_running_loop())
-    # nothing else of the loop awaits an engine, whose batcher is awake (an
-    # early wake's, say): a longer look (ticket.ASYNC_LONE_SPIN_NS)
-    lone = waker is not None and not waker.pending and ticket.lone_look_pays(seg)
-    if client.async_spin_ns and seg.fused_out and waker is not None:
-        answer = ticket.answered(client, seg, slot, gen, lone)
-        if answer is not ticket.NOT_YET:
-            return answer
+    if waker is not None and seg.fused_out:
+        lone = (not waker.pending and ring.now_ns() - waker.answered_ns > looks.LOOP_BUSY_NS
+                and looks.lone_look_pays(seg) and client.lone_looks.due())
+        if lone or client.async_spin_ns:
+            answer = looks.answered(client, seg, slot, gen, lone)
+            if answer is not looks.NOT_YET:
+                waker.answered_ns = ring.now_ns()
+                return answer
     missed_ns = ring.now_ns()
     waker = for_loop(seg)
     if waker is None:
@@ -283,9 +285,11 @@ async def answer_of(client: Handle, seg, slot: int, gen: int, deadline: Optional
     else:
         answer = await ticket.answer_of(_Sender(waker, client), seg, slot, gen, deadline,
                                         timeout, DIRECT)
-    # a longer look would have had it: look again
-    if ring.now_ns() - missed_ns <= (ticket.ASYNC_LONE_SOON_NS if lone else ticket.ASYNC_SOON_NS):
-        client.async_spin_ns = ticket.ASYNC_SPIN_NS
+    now_ns = ring.now_ns()
+    if now_ns - missed_ns <= looks.ASYNC_SOON_NS:  # a longer look would have had it
+        client.async_spin_ns = looks.ASYNC_SPIN_NS
+    if waker is not None:
+        waker.answered_ns = now_ns
     return answer
 
 
