@@ -4,7 +4,7 @@ loop; a protocol's event writer (engine.http.events.EventStream) under any ASGI 
 them through send and may end an answer early, which withdraws its request; an async
 request whose awaiter is cancelled is withdrawn; and a keep-alive connection's later
 request has a read timeout of its own, from its first byte; a followed stream whose
-caller left hands out nothing more."""
+caller left hands out nothing more, and several runs followed as one are final once any is."""
 import asyncio
 import http.client
 import json
@@ -24,6 +24,7 @@ from test_multi_engine import Served, table, top  # noqa: E402
 
 import engine  # noqa: E402
 from engine.http.events import EventStream, Finished, Follower, event  # noqa: E402
+from engine.http.openai.several import Runs  # noqa: E402
 
 STEPS = dict(input_shape=[2], input_dtype="int64", output_shape=[], output_dtype="int64")
 X = np.arange(16, dtype=np.float32)
@@ -182,3 +183,24 @@ def test_a_later_request_on_a_kept_connection_has_its_own_read_timeout(tmp_path)
         assert s.infer().tolist() == (X * 2 + 1).tolist()
     finally:
         s.close()
+
+
+class _Run:
+    """A run's stream as several.Runs follows it: final once failed or ended."""
+
+    def __init__(self) -> None:
+        self.final, self.on_wake, self.prompt_logprobs = False, None, None
+
+
+@pytest.mark.parametrize("failed", [0, 1])
+def test_several_runs_are_final_once_any_run_is_so_a_wait_never_outlasts_its_error(failed):
+    # a run failed by its completer wakes the runs once; the wait after the
+    # chunks read on that wake must return at once, or nothing would wake it
+    async def main():
+        runs = [_Run(), _Run()]
+        followed = Runs(runs)
+        assert not followed.final
+        runs[failed].final = True
+        assert followed.final
+        await asyncio.wait_for(followed.wait(), 5)  # returns at once
+    asyncio.run(main())
