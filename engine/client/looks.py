@@ -61,6 +61,16 @@ class LoneLooks:
             self.skip, self.backoff = self.backoff, min(2 * self.backoff, LONE_BACKOFF_MAX)
 
 
+def alone(client: Handle, seg, others_pending: bool, last_answer_ns: int) -> bool:
+    """Whether this look is a lone caller's (ASYNC_LONE_SPIN_NS): looks spin on
+    this machine, nothing else of the loop awaits an engine (others_pending),
+    the loop handed out its last answer (at last_answer_ns) over LOOP_BUSY_NS
+    ago, no batcher of seg sleeps, and the back-off takes this chance."""
+    return bool(ASYNC_LONE_SPIN_NS) and not others_pending and \
+        ring.now_ns() - last_answer_ns > LOOP_BUSY_NS and lone_look_pays(seg) and \
+        client.lone_looks.due()
+
+
 def lone_look_pays(seg) -> bool:
     """Whether a lone caller's look may find its answer: no batcher of seg is
     asleep (a hint). A sleeping batcher's wake-up takes longer than the

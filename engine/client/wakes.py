@@ -271,8 +271,7 @@ async def answer_of(client: Handle, seg, slot: int, gen: int, deadline: Optional
     # answer there at a look
     waker = _wakers.get(asyncio.get_running_loop())
     if waker is not None and seg.fused_out:
-        lone = (not waker.pending and ring.now_ns() - waker.answered_ns > looks.LOOP_BUSY_NS
-                and looks.lone_look_pays(seg) and client.lone_looks.due())
+        lone = looks.alone(client, seg, bool(waker.pending), waker.answered_ns)
         if lone or client.async_spin_ns:
             answer = looks.answered(client, seg, slot, gen, lone)
             if answer is not looks.NOT_YET:
