@@ -253,14 +253,13 @@ def test_a_batcher_is_counted_asleep_while_idle_and_awake_while_it_serves(make_e
     # the hint a lone asyncio caller reads before it looks long at its answer
     eng = make_engine("asleep", backend="helpers:gated", backend_args={"gate": gate.name})
     with engine.Client(eng.name) as c:
-        r = c._segment().ring
+        r = c.attached.ring  # attached at once: the engine runs
         wait_for(lambda: r.batchers_sleeping() == 1, "the idle batcher asleep", BOUND_S)
         held = c.submit(X, timeout=BOUND_S)  # its batch waits at the gate: awake
         wait_for(lambda: r.batchers_sleeping() == 0, "the batcher awake", BOUND_S)
         gate.open()
         assert np.array_equal(held.result(BOUND_S), X * 2 + 1)
         wait_for(lambda: r.batchers_sleeping() == 1, "asleep again once idle", BOUND_S)
-
 
 
 class _Hints:

@@ -114,18 +114,18 @@ def test_a_deadline_that_passes_while_chunks_wait_unread_still_ends_the_stream(
     eng = scripted(make_engine, "async-late", log, gate=gate)
 
     async def main(c):
-        chunks = c.open_stream_async(request(1, 10, HOLD, bits(2)), timeout=1.0)
+        stream = c.open_stream_async(request(1, 10, HOLD, bits(2)), timeout=1.0)
         wait_held(log, 1, 2)  # chunks 0 and 1 are out: the loop has not seen them
-        wait_for(lambda: ring.now_ns() >= chunks.deadline, "the deadline passed", 30)
+        wait_for(lambda: ring.now_ns() >= stream.deadline, "the deadline passed", 30)
         try:
-            await asyncio.wait_for(chunks.wait(), 30)
-            got = [int(v) for v in chunks.ready()]
-            await asyncio.wait_for(chunks.wait(), 30)
+            await asyncio.wait_for(stream.wait(), 30)
+            got = [int(v) for v in stream.ready()]
+            await asyncio.wait_for(stream.wait(), 30)
             with pytest.raises(engine.RequestTimeout):
-                chunks.ready()
+                stream.ready()
             return got
         finally:
-            await chunks.aclose()
+            await stream.aclose()
 
     with engine.Client(eng.name) as c:
         assert asyncio.run(main(c)) == chunks(1, 2)

@@ -156,8 +156,11 @@ def _client(name: str, mode: str, requests: list, cpus, conn) -> None:
 def run_row(mode: str, setup: Setup, rate: float, offered: list, oracle: list, row: int):
     """One row: the engine of `mode`, these requests at `rate`, every answer
     checked (an HTTP row's skip: a string saying why)."""
+    name = f"bench-dec-{os.getpid()}-{mode}-{row}"
+    settings = engine_settings(ITERATIVE if mode in decoder_http.ROWS else mode, setup, name)
+    if decoder_http.server_cpus(setup.pin):  # the batcher on its core, in every row
+        settings["cpus"] = [decoder_http.server_cpus(setup.pin)]
     if mode in decoder_http.ROWS:
-        settings = engine_settings(ITERATIVE, setup, f"bench-dec-{os.getpid()}-{mode}-{row}")
         got = decoder_http.run_row(mode, setup, settings, rate, offered, row)
         if isinstance(got, str):
             return got
@@ -165,11 +168,7 @@ def run_row(mode: str, setup: Setup, rate: float, offered: list, oracle: list, r
         out["server_cpu_us_per_chunk"] = got.cpu_us_per_chunk
         return out
     offsets = loads.poisson_offsets_ns(rate, len(offered), setup.seed + row)
-    name = f"bench-dec-{os.getpid()}-{mode}-{row}"
     ctx = multiprocessing.get_context("fork")
-    settings = engine_settings(mode, setup, name)
-    if decoder_http.server_cpus(setup.pin):
-        settings["cpus"] = [decoder_http.server_cpus(setup.pin)]
     with Engine(**settings) as eng:
         parts = [[] for _ in range(setup.clients)]
         for k, (prompt, steps) in enumerate(offered):

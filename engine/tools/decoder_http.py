@@ -189,10 +189,10 @@ class Server:
 
 def start_serve(settings: dict, setup, openai: bool, folder: str) -> Server:
     path = os.path.join(folder, "models.toml")
-    if server_cpus(setup.pin):  # the batcher on its core, the web side with the clients
-        settings = {**settings, "cpus": [server_cpus(setup.pin)]}
     with open(path, "w") as f:
         f.write(serve_config(settings, setup.http_workers, setup.timeout_s, openai))
+    # settings' cpus (decoder_bench) pin the batcher; serve, its HTTP workers
+    # with it, runs beside the clients
     server = Server([sys.executable, "-m", "engine", "serve", "--config", path,
                      "--http-port", "0"], client_cpus(setup.pin), folder)
     workers = [c.pid for c in psutil.Process(server.proc.pid).children(recursive=True)
