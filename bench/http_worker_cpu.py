@@ -28,7 +28,10 @@ infer by echoing its input (json.loads, json.dumps; no engine): the cost of
 uvicorn and a JSON round trip alone, measured the same way; and the same
 stream rows against it streaming generate_stream's events on its own loop's
 timer every --step-ms (asyncio.sleep: no engine, no other process to wake
-it): what a chunk costs uvicorn alone, one stream against many. --grpc: also
+it): what a chunk costs uvicorn alone, one stream against many; and the
+infer rows once more, that app's echo answered by serve's identity engine
+(Client.infer_async, nothing of the front): uvicorn, JSON and the engine's
+round trip alone. --grpc: also
 the infer rows as ModelInfer calls (tritonclient.grpc.aio, C callers on one
 channel) to the same worker's gRPC server (serve --grpc-port).
 """
@@ -115,21 +118,47 @@ async def ticker(scope, receive, send) -> None:
     await send({"type": "http.response.body", "body": b""})
 
 
+_CLIENT: list = []  # the --floor app's Client of FLOOR_ENGINE, attached at its first infer
+
+
+async def through_engine(scope, receive, send) -> None:
+    """The --floor app's infer through the engine FLOOR_ENGINE names: echo()
+    with its array answered by Client.infer_async, as the worker's route is,
+    with nothing of the front (no routing, checks, limits or guard)."""
+    import numpy as np
+    if not _CLIENT:
+        from engine import Client
+        _CLIENT.append(Client(os.environ["FLOOR_ENGINE"]))
+    x = json.loads(await request_body(receive))["inputs"][0]
+    got = await _CLIENT[0].infer_async(np.array(x["data"], np.float32).reshape(x["shape"][1:]),
+                                       30.0)
+    out = json.dumps({"model_name": "echo", "model_version": "1", "outputs": [
+        {"name": "OUTPUT", "datatype": x["datatype"], "shape": x["shape"],
+         "data": got.ravel().tolist()}]}, separators=(",", ":")).encode()
+    await send({"type": "http.response.start", "status": 200, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(out)).encode())]})
+    await send({"type": "http.response.body", "body": out})
+
+
 async def floor_app(scope, receive, send) -> None:
-    """echo() for infers, ticker() for generate_stream."""
+    """echo() for infers (through_engine() for those to /engine), ticker() for
+    generate_stream."""
     if scope["type"] != "http":
         return
     if scope["path"].endswith("/generate_stream"):
         return await ticker(scope, receive, send)
+    if scope["path"].startswith("/v2/models/engine/"):
+        return await through_engine(scope, receive, send)
     return await echo(scope, receive, send)
 
 
-def floor_rows(args, env: dict) -> None:
-    """The stream and infer rows against uvicorn serving floor_app()."""
+def floor_rows(args, env: dict, engine: str) -> None:
+    """The stream and infer rows against uvicorn serving floor_app(), and the
+    infer rows again through the running engine `engine`."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**env, "FLOOR_STEP_MS": str(args.step_ms)}
+    env = {**env, "FLOOR_STEP_MS": str(args.step_ms), "FLOOR_ENGINE": engine}
     server = subprocess.Popen([sys.executable, "-m", "uvicorn", "http_worker_cpu:floor_app",
                                "--app-dir", str(HERE), "--port", str(port), "--http",
                                "httptools", "--log-level", "warning", "--no-access-log"],
@@ -146,6 +175,7 @@ def floor_rows(args, env: dict) -> None:
                 time.sleep(0.05)
         worker = psutil.Process(server.pid)
         asyncio.run(infers(("127.0.0.1", port), "echo", 4, 400))
+        asyncio.run(infers(("127.0.0.1", port), "engine", 4, 400))
         idle_per_s = idle_rate(worker.pid)
         print(f"floor: uvicorn + a minimal JSON echo app and a timer's stream, pid {worker.pid}, "
               f"idle {idle_per_s * 1e6:,.0f} µs of CPU a second (subtracted):")
@@ -159,6 +189,12 @@ def floor_rows(args, env: dict) -> None:
             print(f"  infer, one row, {count:3d} connections, per request: " + rows(
                 worker, idle_per_s, args.repeat,
                 lambda: asyncio.run(infers(("127.0.0.1", port), "echo", count, args.infers))))
+        for count in (int(c) for c in args.concurrency.split(",")):
+            print(f"  infer, one row, {count:3d} connections, through the engine "
+                  f"(Client.infer_async), per request: " + rows(
+                      worker, idle_per_s, args.repeat,
+                      lambda: asyncio.run(infers(("127.0.0.1", port), "engine", count,
+                                                 args.infers))))
     finally:
         server.terminate()
         server.wait(60)
@@ -357,11 +393,11 @@ def main() -> int:
                                  stdout=subprocess.PIPE, text=True, env=env, cwd=folder)
         try:
             code = run(args, tree, serve, gen, one)
+            if args.floor:  # beside serve: its identity engine answers the floor's too
+                floor_rows(args, env, one)
         finally:
             serve.terminate()
             serve.wait(60)
-    if args.floor:
-        floor_rows(args, env)
     return code
 
 
