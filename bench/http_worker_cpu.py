@@ -31,7 +31,8 @@ timer every --step-ms (asyncio.sleep: no engine, no other process to wake
 it): what a chunk costs uvicorn alone, one stream against many; and the
 infer rows once more, that app's echo answered by serve's identity engine
 (Client.infer_async, nothing of the front): uvicorn, JSON and the engine's
-round trip alone. --grpc: also
+round trip alone; then both infer rows against a server with no ASGI layer
+(Direct: an asyncio protocol on httptools alone). --grpc: also
 the infer rows as ModelInfer calls (tritonclient.grpc.aio, C callers on one
 channel) to the same worker's gRPC server (serve --grpc-port).
 """
@@ -152,27 +153,91 @@ async def floor_app(scope, receive, send) -> None:
     return await echo(scope, receive, send)
 
 
-def floor_rows(args, env: dict, engine: str) -> None:
-    """The stream and infer rows against uvicorn serving floor_app(), and the
-    infer rows again through the running engine `engine`."""
+class Direct(asyncio.Protocol):
+    """The --floor's server with no ASGI layer: an asyncio protocol on httptools
+    alone answering each infer (keep-alive, one at a time a connection) by
+    echoing its input, or through the engine FLOOR_ENGINE names for those to
+    /v2/models/engine/ (a task a request): what uvicorn's own per-request work
+    adds to a JSON round trip, and what a server of no layers pays for the engine's."""
+
+    def connection_made(self, transport) -> None:
+        import httptools
+        self.transport, self.parser = transport, httptools.HttpRequestParser(self)
+        self.url, self.body = b"", []
+
+    def data_received(self, data: bytes) -> None:
+        self.parser.feed_data(data)
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        x = json.loads(b"".join(self.body))["inputs"][0]
+        url, self.url, self.body = self.url, b"", []
+        if url.startswith(b"/v2/models/engine/"):
+            asyncio.get_running_loop().create_task(self.through_engine(x))
+        else:
+            self.answer(x, x["data"])
+
+    async def through_engine(self, x: dict) -> None:
+        import numpy as np
+        if not _CLIENT:
+            from engine import Client
+            _CLIENT.append(Client(os.environ["FLOOR_ENGINE"]))
+        got = await _CLIENT[0].infer_async(
+            np.array(x["data"], np.float32).reshape(x["shape"][1:]), 30.0)
+        self.answer(x, got.ravel().tolist())
+
+    def answer(self, x: dict, data: list) -> None:
+        out = json.dumps({"model_name": "echo", "model_version": "1", "outputs": [
+            {"name": "OUTPUT", "datatype": x["datatype"], "shape": x["shape"], "data": data}]},
+            separators=(",", ":")).encode()
+        self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                             b"content-length: %d\r\n\r\n%b" % (len(out), out))
+
+
+def serve_direct(port: int) -> None:
+    """Runs Direct on 127.0.0.1:port (uvloop, as uvicorn runs) until killed."""
+    import uvloop
+
+    async def forever() -> None:
+        server = await asyncio.get_running_loop().create_server(Direct, "127.0.0.1", port)
+        await server.serve_forever()
+    uvloop.install()
+    asyncio.run(forever())
+
+
+def started(command: list, env: dict) -> tuple:
+    """(the server process, its port) once it takes connections."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    server = subprocess.Popen([*command, str(port)], env=env, cwd="/tmp")
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return server, port
+        except OSError:
+            if time.monotonic() > deadline or server.poll() is not None:
+                server.kill()
+                server.wait(60)
+                raise RuntimeError(f"{command} did not start")
+            time.sleep(0.05)
+
+
+def floor_rows(args, env: dict, engine: str) -> None:
+    """The stream and infer rows against uvicorn serving floor_app(), the
+    infer rows again through the running engine `engine`, then both infer
+    rows against Direct."""
     env = {**env, "FLOOR_STEP_MS": str(args.step_ms), "FLOOR_ENGINE": engine}
-    server = subprocess.Popen([sys.executable, "-m", "uvicorn", "http_worker_cpu:floor_app",
-                               "--app-dir", str(HERE), "--port", str(port), "--http",
-                               "httptools", "--log-level", "warning", "--no-access-log"],
-                              env=env, cwd="/tmp")
+    server, port = started([sys.executable, "-m", "uvicorn", "http_worker_cpu:floor_app",
+                            "--app-dir", str(HERE), "--http", "httptools", "--log-level",
+                            "warning", "--no-access-log", "--port"], env)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise RuntimeError("uvicorn (--floor) did not start")
-                time.sleep(0.05)
         worker = psutil.Process(server.pid)
         asyncio.run(infers(("127.0.0.1", port), "echo", 4, 400))
         asyncio.run(infers(("127.0.0.1", port), "engine", 4, 400))
@@ -185,19 +250,32 @@ def floor_rows(args, env: dict, engine: str) -> None:
                       worker, idle_per_s, args.repeat, lambda: asyncio.run(streams(
                           ("127.0.0.1", port), "ticker", count, args.chunks,
                           time.monotonic() + args.seconds))))
-        for count in (int(c) for c in args.concurrency.split(",")):
-            print(f"  infer, one row, {count:3d} connections, per request: " + rows(
-                worker, idle_per_s, args.repeat,
-                lambda: asyncio.run(infers(("127.0.0.1", port), "echo", count, args.infers))))
-        for count in (int(c) for c in args.concurrency.split(",")):
-            print(f"  infer, one row, {count:3d} connections, through the engine "
-                  f"(Client.infer_async), per request: " + rows(
-                      worker, idle_per_s, args.repeat,
-                      lambda: asyncio.run(infers(("127.0.0.1", port), "engine", count,
-                                                 args.infers))))
+        infer_rows(args, worker, idle_per_s, port)
     finally:
         server.terminate()
         server.wait(60)
+    server, port = started([sys.executable, str(pathlib.Path(__file__).resolve()),
+                            "--serve-direct"], env)
+    try:
+        worker = psutil.Process(server.pid)
+        asyncio.run(infers(("127.0.0.1", port), "echo", 4, 400))
+        asyncio.run(infers(("127.0.0.1", port), "engine", 4, 400))
+        idle_per_s = idle_rate(worker.pid)
+        print(f"floor with no ASGI layer: an asyncio protocol on httptools alone, pid "
+              f"{worker.pid}, idle {idle_per_s * 1e6:,.0f} µs of CPU a second (subtracted):")
+        infer_rows(args, worker, idle_per_s, port)
+    finally:
+        server.terminate()
+        server.wait(60)
+
+
+def infer_rows(args, worker, idle_per_s: float, port: int) -> None:
+    """A floor server's infer rows: echoed, then through the engine."""
+    for how, name in (("", "echo"), (" through the engine (Client.infer_async),", "engine")):
+        for count in (int(c) for c in args.concurrency.split(",")):
+            print(f"  infer, one row, {count:3d} connections,{how} per request: " + rows(
+                worker, idle_per_s, args.repeat,
+                lambda: asyncio.run(infers(("127.0.0.1", port), name, count, args.infers))))
 
 
 def counting(step_ms: float = 2.0) -> Counting:
@@ -366,6 +444,9 @@ def rows(worker, idle_per_s: float, repeat: int, run, batcher=None) -> str:
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["--serve-direct"]:  # the --floor's Direct server, in its own process
+        serve_direct(int(sys.argv[2]))
+        return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tree", type=pathlib.Path, default=ROOT)
     p.add_argument("--streams", default="1,16,64", help="streams at once, per row")

@@ -32,7 +32,6 @@ SHORT = {
     "engine/__main__.py": "`python -m engine`: Python's own entry point",
     "engine/client/shares.py": "the priority shares' rule, one for a single submit and a bulk "
                                "call's chunks",
-    "engine/http/asgi.py": "the ASGI types every protocol and the server speak, named once",
     "engine/serving/notify.py": "sd_notify, the service manager's protocol: nothing else of "
                                 "the supervisor speaks it",
     "engine/batching/aimd.py": "the additive-increase, multiplicative-decrease rule, one "

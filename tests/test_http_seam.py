@@ -1,5 +1,5 @@
 """The seam between the HTTP worker's connections and uvicorn's internals
-(engine.http.server.connections, the one module that reaches into them)
+(engine.http.server.connections and .writes, the modules that reach into them)
 holds on the uvicorn installed: each name and behaviour it relies on is
 there. A uvicorn release that moves one fails here, by name, before any
 connection misbehaves; the `http` extra pins the releases tested."""
@@ -14,7 +14,7 @@ pytest.importorskip("httptools")
 from uvicorn.protocols.http import httptools_impl  # noqa: E402
 
 from engine.http.asgi import WRITE_BODY  # noqa: E402
-from engine.http.server import connections  # noqa: E402
+from engine.http.server import connections, writes  # noqa: E402
 
 
 class Transport(asyncio.Transport):
@@ -100,7 +100,7 @@ def test_a_request_reaches_the_app_through_the_held_head_and_the_body_writer():
         for name in ("send", "transport", "flow", "disconnected", "message_event",
                      "response_started", "response_complete", "chunked_encoding"):
             assert hasattr(cycle, name), name
-        assert isinstance(cycle.send, connections.HeadWithBody)
+        assert isinstance(cycle.send, writes.HeadWithBody)
         for name in ("connections", "loop", "transport", "flow", "scope"):
             assert hasattr(protocol, name), name
         assert hasattr(protocol.flow, "read_paused") and hasattr(cycle.flow, "write_paused")
@@ -124,3 +124,85 @@ def test_a_connection_over_the_cap_is_answered_503_and_closed():
 
     transport = asyncio.run(asyncio.wait_for(main(), 10))
     assert transport.written[0].startswith(b"HTTP/1.1 503")
+
+
+def _whole_connection(answer):
+    """A connection whose front takes POST /w whole, answered by answer(raw);
+    the ASGI app must never run."""
+    async def app(scope, receive, send):
+        raise AssertionError(f"the app ran for {scope['path']}")
+
+    def whole(scope):
+        return answer if scope["path"] == "/w" else None
+    return _connection(app, connections.Guard(read_timeout_s=5.0, max_connections=8,
+                                              whole=whole))
+
+
+async def _settled(protocol) -> None:
+    """Until the connection's tasks have ended (bounded)."""
+    await asyncio.wait_for(asyncio.gather(*protocol.tasks), 5)
+
+
+def test_a_request_taken_whole_waits_for_its_body_then_is_answered_in_one_write():
+    bodies = []
+
+    async def answer(raw):
+        bodies.append(raw)
+        return 201, raw.upper(), [(b"content-type", b"text/plain")]
+
+    async def main():
+        protocol, transport = _whole_connection(answer)
+        protocol.data_received(b"POST /w HTTP/1.1\r\nhost: a\r\ncontent-length: 5\r\n\r\nhe")
+        await asyncio.sleep(0)  # a loop pass: nothing may start before the body is whole
+        assert bodies == [] and not protocol.tasks
+        protocol.data_received(b"llo")
+        await _settled(protocol)
+        # what answer_whole reads and sets of uvicorn's cycle and protocol
+        cycle = protocol.cycle
+        for name in ("waiting_for_100_continue", "more_body", "body", "keep_alive",
+                     "on_response", "message_event", "flow", "disconnected", "scope"):
+            assert hasattr(cycle, name), name
+        assert hasattr(protocol.server_state, "default_headers")
+        assert cycle.response_complete and not transport.closed
+        return transport.written
+
+    written = asyncio.run(asyncio.wait_for(main(), 10))
+    assert bodies == [b"hello"] and len(written) == 1, written
+    head, _, body = written[0].partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 201") and b"\r\ncontent-length: 5" in head
+    assert b"\r\ncontent-type: text/plain" in head and body == b"HELLO"
+
+
+def test_a_whole_answer_that_fails_is_uvicorns_500_and_the_connection_closes():
+    async def answer(raw):
+        raise RuntimeError("a fault of the front's own")
+
+    async def main():
+        protocol, transport = _whole_connection(answer)
+        protocol.data_received(b"POST /w HTTP/1.1\r\nhost: a\r\ncontent-length: 2\r\n\r\n{}")
+        await _settled(protocol)
+        return transport
+
+    transport = asyncio.run(asyncio.wait_for(main(), 10))
+    assert transport.written[0].startswith(b"HTTP/1.1 500")
+    assert transport.written[0].endswith(b"connection: close\r\ncontent-length: 21\r\n\r\n"
+                                         b"Internal Server Error")
+    assert transport.closed
+
+
+def test_a_caller_gone_before_its_whole_answer_is_written_nothing():
+    async def main():
+        gate = asyncio.Event()
+
+        async def answer(raw):
+            await gate.wait()
+            return 200, b"late", []
+        protocol, transport = _whole_connection(answer)
+        protocol.data_received(b"POST /w HTTP/1.1\r\nhost: a\r\ncontent-length: 2\r\n\r\n{}")
+        await asyncio.sleep(0)
+        protocol.connection_lost(None)
+        gate.set()
+        await _settled(protocol)
+        return transport
+
+    assert asyncio.run(asyncio.wait_for(main(), 10)).written == []

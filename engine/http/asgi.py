@@ -5,7 +5,7 @@ gives the request's messages (its body, then `http.disconnect` once the
 caller is gone), send() writes the response's. Each protocol's routes, the
 events of a stream and the server's connections speak only these.
 """
-from typing import Any, Awaitable, Callable, Iterable, MutableMapping, Optional, Tuple
+from typing import Any, Awaitable, Callable, Iterable, List, MutableMapping, Optional, Tuple
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -13,6 +13,10 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 App = Callable[[Scope, Receive, Send], Awaitable[None]]
 Headers = Iterable[Tuple[bytes, bytes]]
+# a request answered from its whole body, without the ASGI messages (the
+# front's whole(scope), where the server has it): (status, body, headers);
+# the server writes the head, with the body's length, and the body
+WholeAnswer = Callable[[bytes], Awaitable[Tuple[int, bytes, List[Tuple[bytes, bytes]]]]]
 
 # scope["extensions"][WRITE_BODY], where the server has it: write_body(body) ->
 # bool, the next bytes of a streamed response's body written at once, as send

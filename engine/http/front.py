@@ -13,11 +13,15 @@ at its startup, and a worker says it is ready then), a caller's W3C
 traceparent, continued for the request's spans, the API key (engine.http.auth),
 checked before any route reads a body and refused 401 in the shape of the
 route asked, and GET /health, vLLM's probe that gateways use: 200 while every
-engine serves (as /v2/health/ready), else 503 with Retry-After. With
-grpc_at, the front also runs the Open Inference Protocol over gRPC
-(engine.http.grpc) on its event loop, over the same Engines: started at
-startup (before the worker says it is ready), stopped by drain().
+engine serves (as /v2/health/ready), else 503 with Retry-After. A server
+that asks (the worker's connections) gets from whole() the answer to an
+infer once its body has come whole: the same checks and route, with no
+ASGI message between the server and the route. With grpc_at, the front
+also runs the Open Inference Protocol over gRPC (engine.http.grpc) on its
+event loop, over the same Engines: started at startup (before the worker
+says it is ready), stopped by drain().
 """
+import functools
 import json
 from typing import Dict, Optional, Tuple
 
@@ -111,6 +115,24 @@ class Front:
             if token is not None:
                 tracing.detach(token)
 
+    def whole(self, scope: Scope) -> Optional[asgi.WholeAnswer]:
+        """The answer to a request once its body has come whole, where a
+        route takes it so (an infer of the Open Inference Protocol), with
+        what __call__ does around it; None for any other request, which the
+        server hands to __call__. Asked with the request's head: a request
+        without the API key goes to __call__, which refuses it."""
+        path = scope["path"]
+        if self.openai is not None and (path.startswith("/v1/") or
+                                        path in openai_routes.ROOT_PATHS):
+            return None
+        if self.api_key is not None and self.api_key.refusal(scope) is not None:
+            return None
+        self.engines.refresh()  # explicit model control: the engines serve has now
+        answer = self.oip.whole(scope)
+        if answer is None or tracing.context() is None:
+            return answer
+        return functools.partial(_traced, scope, answer)
+
     async def _health(self, scope: Scope, send: Send) -> None:
         """200 while every engine serves, else 503 naming the first that does
         not (the OIP's error shape: the path is no protocol's)."""
@@ -151,6 +173,16 @@ class Front:
                 self.close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+
+async def _traced(scope: Scope, answer: asgi.WholeAnswer, raw: bytes):
+    """answer(raw) in the context of the caller's traceparent, as __call__ runs a route."""
+    token = tracing.continued(scope["headers"])
+    try:
+        return await answer(raw)
+    finally:
+        if token is not None:
+            tracing.detach(token)
 
 
 async def _unauthorized(scope: Scope, receive: Receive, send: Send, why: str,

@@ -46,7 +46,7 @@ def _entry() -> None:
                     api_key=args.get("api_key"), catalog_fd=args.get("catalog_fd"),
                     control_at=args.get("control_at"), regions_fd=args.get("regions_fd"),
                     grpc_at=None if grpc_at is None else tuple(grpc_at), max_rpcs=cap)
-        guard = connections.Guard(args["read_timeout_s"], cap)
+        guard = connections.Guard(args["read_timeout_s"], cap, app.whole)
         # uvicorn's own lines at INFO (four per worker start and stop) say what
         # serve's one line says already
         level = max(logging.getLevelName(args["log_level"].upper()), logging.WARNING)

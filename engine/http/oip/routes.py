@@ -21,6 +21,10 @@ meanings: `timeout` in microseconds (0 or absent: the server's default),
 `priority` 1 the most urgent, k the engine's level k - 1, 0 or absent the
 default (level 0).
 
+An infer whose body comes whole (whole(): a Content-Length within its
+limit, no Content-Encoding) is answered by the same route once the server
+has read it, with no ASGI message; any other as an ASGI app.
+
 A k-row infer is k requests enqueued from the event loop, each through
 the priority shares and admission as a single one is; a refusal of any
 withdraws those already enqueued. Its timeout counts from the request's
@@ -45,7 +49,7 @@ import json
 import logging
 import time
 from importlib import metadata
-from typing import Dict, List, Optional, Tuple
+from typing import Awaitable, Dict, List, Optional, Tuple, TypeVar
 
 import numpy as np
 
@@ -71,6 +75,7 @@ EXTENSIONS = ("binary_tensor_data", "model_configuration", "model_repository", "
 
 # a route's answer: status, body, headers
 Answer = Tuple[int, bytes, List[Tuple[bytes, bytes]]]
+T = TypeVar("T")
 
 
 class Model:
@@ -186,32 +191,56 @@ class App:
         self.regions.close()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        headers: List[Tuple[bytes, bytes]] = []
         try:
             answered = await self._route(scope, receive, send)
             if answered is None:  # a stream, written as it came
                 return
-            status, out, headers = answered
         except Disconnected:
             return
         except body.Refused as e:  # answered, then the rest of its body read and dropped
             return await body.refuse(scope, receive, send, _error(str(e)), e)
-        except BadRequest as e:
-            status, out, headers = e.status, _error(str(e)), list(e.headers)
-        except EngineError as e:
-            status = status_of(e)
-            out = _error(f"{type(e).__name__}: {e}")
-            if status == 503:
-                headers = retry_after(getattr(e, "retry_after_s", 1))
-        except parsing.ParseFailed as e:
-            log.warning("%s %s: %s", scope["method"], scope["path"], e)
-            status, out = 500, _error(f"ParseFailed: {e}")
         except Exception as e:
-            log.exception("%s %s failed", scope["method"], scope["path"])
-            status, out = 500, _error(f"{type(e).__name__}: {e}")
-        if not headers or not any(name == b"content-type" for name, _ in headers):
-            headers.append(asgi.JSON)
-        await asgi.send_whole(send, status, out, headers)
+            answered = _failed(scope, e)
+        await asgi.send_whole(send, *_typed(answered))
+
+    def whole(self, scope: Scope) -> Optional[asgi.WholeAnswer]:
+        """The answer to an infer request once its body has come whole, as
+        __call__ answers it (its errors included); None for any other route,
+        a model this worker does not serve now, or a body __call__ refuses
+        before it has come (a Content-Length over the limit, a
+        Content-Encoding: its decoded bytes are counted as they come)."""
+        parts = scope["path"].split("/")  # "", "v2", "models", NAME, ["versions", "1",] "infer"
+        if len(parts) == 7 and parts[4:6] == ["versions", VERSION]:
+            del parts[4:6]
+        if len(parts) != 5 or parts[:3] != ["", "v2", "models"] or parts[4] != "infer" or \
+                scope["method"] != "POST" or parts[3] not in self.engines.configs:
+            return None
+        length, header_length = None, None
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                length = value
+            elif name == b"content-encoding":
+                return None
+            elif name == b"inference-header-content-length":
+                header_length = value.decode("latin-1")
+        model = self.model(parts[3])
+        if length is None or not length.isdigit() or int(length) > model.body_limit(
+                header_length, model.spec.capacity, self.engines.max_body_bytes)[0]:
+            return None
+        # the request's timeout counts from its arrival, not from its body's end
+        return functools.partial(self._answer_whole, model, scope, time.monotonic())
+
+    async def _answer_whole(self, model: Model, scope: Scope, arrived: float,
+                            raw: bytes) -> Answer:
+        async def receive() -> asgi.Message:
+            return {"type": "http.request", "body": raw, "more_body": False}
+        try:
+            answered = await self._retried(model, self._infer(model, scope, receive, arrived))
+        except body.Refused as e:  # the whole body came: nothing is left to drain
+            answered = e.status, _error(str(e)), [*e.headers, (b"connection", b"close")]
+        except Exception as e:
+            answered = _failed(scope, e)
+        return _typed(answered)
 
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> Optional[Answer]:
         """(status, body, headers) of the request; None once a route has
@@ -243,9 +272,14 @@ class App:
         if parts == ["models", "stats"]:  # every engine's (as Triton, before a model's route)
             return _get(method, self._all_stats)
         model, rest = self.model(parts[1]), parts[2:]
+        return await self._retried(model, self._model_route(model, rest, method, scope,
+                                                            receive, send))
+
+    async def _retried(self, model: Model, answer: Awaitable[T]) -> T:
+        """The route's answer; a 503 refusal of the engine says when to try again."""
         try:
-            return await self._model_route(model, rest, method, scope, receive, send)
-        except (QueueFull, EngineUnavailable) as e:  # 503: when to try again
+            return await answer
+        except (QueueFull, EngineUnavailable) as e:
             if not hasattr(e, "retry_after_s"):
                 e.retry_after_s = self.engines.retry_after_s(model.name, e)  # type: ignore
             raise
@@ -269,7 +303,7 @@ class App:
                 stats.model_stat(model.name, VERSION, self.engines.segment(model.name))]})
         if rest == ["infer"]:
             allowed(method, "POST")
-            return await self._infer(model, scope, receive)
+            return await self._infer(model, scope, receive, time.monotonic())
         if rest in (["generate"], ["generate_stream"]):
             allowed(method, "POST")
             engines = self.engines
@@ -317,8 +351,10 @@ class App:
                 continue
         return {"model_stats": found}
 
-    async def _infer(self, model: Model, scope: Scope, receive: Receive) -> Answer:
-        arrived = time.monotonic()  # the request's timeout counts from here
+    async def _infer(self, model: Model, scope: Scope, receive: Receive,
+                     arrived: float) -> Answer:
+        """The infer's answer; arrived: when its head came (time.monotonic()),
+        which its timeout counts from."""
         if model.config.iterative:  # answers of any length: no [k, ...] tensor holds them
             raise BadRequest(f"model {model.name!r} is iterative: expected POST "
                              f"/v2/models/{model.name}/generate or generate_stream, got infer")
@@ -364,6 +400,33 @@ def _size(raw: bytes, header_length: Optional[str]) -> int:
         return int(header_length) if header_length is not None else len(raw)
     except ValueError:
         return len(raw)
+
+
+def _failed(scope: Scope, e: Exception) -> Answer:
+    """The answer to a request that failed with e: its status and {"error"}."""
+    headers: List[Tuple[bytes, bytes]] = []
+    if isinstance(e, BadRequest):
+        status, out, headers = e.status, _error(str(e)), list(e.headers)
+    elif isinstance(e, EngineError):
+        status = status_of(e)
+        out = _error(f"{type(e).__name__}: {e}")
+        if status == 503:
+            headers = retry_after(getattr(e, "retry_after_s", 1))
+    elif isinstance(e, parsing.ParseFailed):
+        log.warning("%s %s: %s", scope["method"], scope["path"], e)
+        status, out = 500, _error(f"ParseFailed: {e}")
+    else:
+        log.error("%s %s failed", scope["method"], scope["path"], exc_info=e)
+        status, out = 500, _error(f"{type(e).__name__}: {e}")
+    return status, out, headers
+
+
+def _typed(answer: Answer) -> Answer:
+    """The answer with its content-type: JSON unless the route named another."""
+    status, out, headers = answer
+    if not any(name == b"content-type" for name, _ in headers):
+        headers = [*headers, asgi.JSON]
+    return status, out, headers
 
 
 def _get(method: str, make) -> Answer:

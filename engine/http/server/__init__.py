@@ -2,6 +2,7 @@
 
 `workers` serve's side of its HTTP worker processes (bind, start, replace,
 stop: each runs engine.http.worker); `connections` what a connection may
-cost, the one module that reaches into uvicorn's internals; `parsing`
-bodies parsed off the event loop (in a thread, or the parser process).
+cost, and `writes` how its answers are written (the two modules that reach
+into uvicorn's internals); `parsing` bodies parsed off the event loop (in a
+thread, or the parser process).
 """

@@ -14,10 +14,16 @@ uvicorn's httptools protocol, subclassed, with what it lacks:
   (uvicorn stops accepting, and the kernel would queue new connections on
   the shared socket until serve closes it, then reset them).
 
-And each request's send (HeadWithBody) writes the head of a response that
-says its length with its body, in one write of the socket, and lends the
-app a writer of a streamed body's next bytes (scope["extensions"]
-[WRITE_BODY]) that writes at once, with no coroutine.
+Each request starts one of two ways (engine.http.server.writes writes
+both answers). A request the front answers from its whole body (its
+whole(): an infer of at most WHOLE_BYTES that says its length) is read
+whole, then answered in one task with no ASGI message; any other goes to the
+app through ASGI, its send (HeadWithBody) writing the head of a response
+that says its length with its body, in one write of the socket, and
+lending the app a writer of a streamed body's next bytes
+(scope["extensions"][WRITE_BODY]) that writes at once, with no coroutine.
+Either way uvicorn's cycle of the request holds its state, so pipelining,
+keep-alive, the drain and this read timeout treat both alike.
 
 A refused connection is half-closed after its answer and read (discarded)
 for at most LINGER_S before it closes, so a caller still sending its
@@ -32,12 +38,13 @@ import logging
 import os
 import resource
 import time
-from typing import Optional
+from typing import Any, Callable, Optional, Tuple
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from engine.http.asgi import WRITE_BODY
+from engine.http.asgi import WRITE_BODY, Scope, WholeAnswer
+from engine.http.server import writes
 
 log = logging.getLogger("shmbatch")
 
@@ -50,7 +57,6 @@ LINGER_S = 2.0
 MAX_LINGERING = 16  # refused connections read at once; beyond, one closes at once
 LINGER_BYTES = 1 << 16
 LOG_INTERVAL_S = 10.0
-COALESCE_BYTES = 1 << 16  # a body up to this size is written with its response's head
 OOM_SCORE_RAISE = 500  # a worker dies before a batcher when memory runs out
 
 
@@ -75,8 +81,10 @@ class Guard:
     """What the connections of one worker share: their limits, the drain, the
     refusals' tallies."""
 
-    def __init__(self, read_timeout_s: float, max_connections: int) -> None:
+    def __init__(self, read_timeout_s: float, max_connections: int,
+                 whole: Optional[Callable[[Scope], Optional[WholeAnswer]]] = None) -> None:
         self.read_timeout_s, self.max_connections = read_timeout_s, max_connections
+        self.whole = whole  # the front's whole(): a request it answers from its whole body
         self.draining = False
         self.lingering = 0
         self.refused = Tally(f"connections refused (503): {max_connections} open already "
@@ -117,6 +125,9 @@ class GuardedProtocol(HttpToolsProtocol):
         self._refused = False
         self._linger: Optional[asyncio.TimerHandle] = None  # a refused connection's closing timer
         self._discarded = 0
+        # a request answered from its whole body, waiting for the rest of it:
+        # (its cycle, the front's answer)
+        self._whole: Optional[Tuple[Any, WholeAnswer]] = None
 
     # -- a connection refused at once ------------------------------------------
     def connection_made(self, transport) -> None:
@@ -152,6 +163,7 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc) -> None:
         self._disarm()
+        self._whole = None
         if self._linger is not None:
             self._linger.cancel()
             self._linger = None
@@ -170,13 +182,36 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._head_done = True
-        existing = self.cycle
         super().on_headers_complete()
-        if self.cycle is not existing:
-            send = HeadWithBody(self.cycle)
-            self.cycle.send = send  # type: ignore[method-assign]  # run_asgi looks it up later
-            extensions: dict = self.scope.setdefault("extensions", {})
+
+    def _start_asgi_task(self, cycle, app) -> None:
+        """A request's start (its head has come, and no earlier request's
+        answer is still being written): answered from its whole body where
+        the front takes it so, else by the app through its ASGI messages."""
+        whole = self.guard.whole
+        answer = None
+        if whole is not None and app is self.app and not cycle.waiting_for_100_continue and \
+                writes.whole_length(cycle.scope["headers"]) is not None:
+            try:
+                answer = whole(cycle.scope)
+            except Exception:  # the app answers it as it answers its faults
+                log.exception("%s %s: the front's whole() failed", cycle.scope["method"],
+                              cycle.scope["path"])
+        if answer is None:
+            send = writes.HeadWithBody(cycle)
+            cycle.send = send  # run_asgi looks it up when it runs
+            extensions: dict = cycle.scope.setdefault("extensions", {})
             extensions[WRITE_BODY] = send.write_body
+            return super()._start_asgi_task(cycle, app)
+        if cycle.more_body:  # the body is still coming: answered once it has come
+            self._whole = (cycle, answer)
+        else:
+            self._answer(cycle, answer)
+
+    def _answer(self, cycle, answer: WholeAnswer) -> None:
+        task = self.loop.create_task(writes.answer_whole(self, cycle, answer))
+        task.add_done_callback(self.tasks.discard)  # the server's drain awaits its tasks
+        self.tasks.add(task)
 
     def on_body(self, body: bytes) -> None:
         self._body_bytes += len(body)
@@ -185,6 +220,10 @@ class GuardedProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         self._partial = False
         super().on_message_complete()
+        whole = self._whole
+        if whole is not None and whole[0] is self.cycle:  # a body comes to the last head read
+            self._whole = None
+            self._answer(*whole)
 
     def _arm(self, when: float) -> None:
         self._deadline = self.loop.call_at(when, self._timed_out)
@@ -222,104 +261,6 @@ class GuardedProtocol(HttpToolsProtocol):
             transport.write(answer(408, f"expected a request's head and body within "
                                         f"{self.guard.read_timeout_s:g} s, got {got}"))
         transport.close()
-
-
-class HeadWithBody:
-    """A request's ASGI send (uvicorn's, wrapped): the head of a response that
-    says its length is held and written with the body's first bytes, in one
-    write, so that a small answer is one send() of the socket, not two. While
-    the connection's writing is paused (its caller reads slowly) or a body is
-    large, uvicorn's send writes as it does."""
-
-    __slots__ = ("cycle", "send", "head", "passing")
-
-    def __init__(self, cycle) -> None:
-        self.cycle, self.send = cycle, cycle.send  # uvicorn's, bound
-        self.head: Optional[bytes] = None
-        self.passing = False  # the head is written: the rest is uvicorn's send's
-
-    def __call__(self, message):
-        if self.passing:  # uvicorn's own coroutine: no frame of ours per message
-            return self.send(message)
-        return self._send(message)
-
-    async def _send(self, message) -> None:
-        # uvicorn's send awaits only while writing is paused: otherwise the
-        # transport set here is the one it writes to, and set back before any await
-        cycle = self.cycle
-        if cycle.flow.write_paused or cycle.disconnected:
-            self._release()
-            return await self.send(message)
-        if self.head is None:
-            self.passing = True
-            if message["type"] != "http.response.start" or cycle.response_started or \
-                    not any(name.lower() == b"content-length" for name, _ in
-                            message.get("headers", ())):
-                return await self.send(message)
-            real, cycle.transport = cycle.transport, _Held(cycle.transport)
-            try:
-                await self.send(message)
-            finally:
-                self.head, cycle.transport = cycle.transport.data, real
-            self.passing = self.head is None
-            return
-        if len(message.get("body", b"")) > COALESCE_BYTES:  # not worth its copy
-            self._release()
-            return await self.send(message)
-        real, cycle.transport = cycle.transport, _Held(cycle.transport, self.head)
-        self.head, self.passing = None, True
-        try:
-            await self.send(message)
-        finally:
-            held, cycle.transport = cycle.transport, real
-            if held.data:  # nothing was written (a HEAD request, an error)
-                real.write(held.data)
-
-    def write_body(self, body: bytes) -> bool:
-        """WRITE_BODY: a streamed (chunked) response's next body
-        bytes written now, as uvicorn's send writes them; False while its
-        writing is paused or the response is not a stream in progress."""
-        cycle = self.cycle
-        if cycle.flow.write_paused or cycle.disconnected or not cycle.chunked_encoding \
-                or cycle.response_complete or not self.passing:
-            return False
-        if body:
-            cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
-        return True
-
-    def _release(self) -> None:
-        self.passing = True
-        if self.head is not None:
-            head, self.head = self.head, None
-            self.cycle.transport.write(head)
-
-
-class _Held:
-    """A transport whose first write is held (data: what it held) or, given
-    a head, written after it in one write; the rest is the transport's."""
-
-    __slots__ = ("transport", "data")
-
-    def __init__(self, transport, head: Optional[bytes] = None) -> None:
-        self.transport, self.data = transport, head
-
-    def write(self, data: bytes) -> None:
-        if self.data is None:
-            self.data = data
-            return
-        head, self.data = self.data, b""
-        self.transport.write(head + data)
-
-    def close(self) -> None:
-        # uvicorn closes a Connection: close response once its body is sent, which
-        # for a HEAD request writes nothing: the held head goes out first
-        if self.data:
-            self.transport.write(self.data)
-            self.data = b""
-        self.transport.close()
-
-    def __getattr__(self, name: str):
-        return getattr(self.transport, name)
 
 
 class Server(uvicorn.Server):
