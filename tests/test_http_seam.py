@@ -153,8 +153,8 @@ def test_a_request_taken_whole_waits_for_its_body_then_is_answered_in_one_write(
     async def main():
         protocol, transport = _whole_connection(answer)
         protocol.data_received(b"POST /w HTTP/1.1\r\nhost: a\r\ncontent-length: 5\r\n\r\nhe")
-        await asyncio.sleep(0)  # a loop pass: nothing may start before the body is whole
-        assert bodies == [] and not protocol.tasks
+        await asyncio.sleep(0)  # a loop pass: the request's task runs, and waits for the body
+        assert bodies == [] and len(protocol.tasks) == 1
         protocol.data_received(b"llo")
         await _settled(protocol)
         # what answer_whole reads and sets of uvicorn's cycle and protocol
@@ -188,6 +188,39 @@ def test_a_whole_answer_that_fails_is_uvicorns_500_and_the_connection_closes():
     assert transport.written[0].endswith(b"connection: close\r\ncontent-length: 21\r\n\r\n"
                                          b"Internal Server Error")
     assert transport.closed
+
+
+def test_a_caller_gone_before_its_body_is_whole_gets_nothing_and_its_task_ends():
+    async def answer(raw):
+        raise AssertionError("answered without its body")
+
+    async def main():
+        protocol, transport = _whole_connection(answer)
+        protocol.data_received(b"POST /w HTTP/1.1\r\nhost: a\r\ncontent-length: 9\r\n\r\n{")
+        await asyncio.sleep(0)
+        protocol.connection_lost(None)
+        await _settled(protocol)
+        return transport
+
+    assert asyncio.run(asyncio.wait_for(main(), 10)).written == []
+
+
+def test_a_whole_answer_for_a_connection_closed_meanwhile_is_not_written():
+    async def main():
+        gate = asyncio.Event()
+
+        async def answer(raw):
+            await gate.wait()
+            return 200, b"late", []
+        protocol, transport = _whole_connection(answer)
+        protocol.data_received(b"POST /w HTTP/1.1\r\nhost: a\r\ncontent-length: 2\r\n\r\n{}")
+        await asyncio.sleep(0)
+        transport.close()  # as uvicorn closes it for a later request's bad bytes
+        gate.set()
+        await _settled(protocol)
+        return transport
+
+    assert asyncio.run(asyncio.wait_for(main(), 10)).written == []
 
 
 def test_a_caller_gone_before_its_whole_answer_is_written_nothing():

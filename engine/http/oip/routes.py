@@ -216,14 +216,17 @@ class App:
                 scope["method"] != "POST" or parts[3] not in self.engines.configs:
             return None
         length, header_length = None, None
-        for name, value in scope["headers"]:
-            if name == b"content-length":
+        for name, value in scope["headers"]:  # each the first given, as asgi.header() reads
+            if name == b"content-length" and length is None:
                 length = value
             elif name == b"content-encoding":
                 return None
-            elif name == b"inference-header-content-length":
+            elif name == b"inference-header-content-length" and header_length is None:
                 header_length = value.decode("latin-1")
-        model = self.model(parts[3])
+        try:
+            model = self.model(parts[3])
+        except (EngineError, BadRequest):  # __call__ refuses it, before its body is read
+            return None
         if length is None or not length.isdigit() or int(length) > model.body_limit(
                 header_length, model.spec.capacity, self.engines.max_body_bytes)[0]:
             return None

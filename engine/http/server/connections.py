@@ -16,8 +16,8 @@ uvicorn's httptools protocol, subclassed, with what it lacks:
 
 Each request starts one of two ways (engine.http.server.writes writes
 both answers). A request the front answers from its whole body (its
-whole(): an infer of at most WHOLE_BYTES that says its length) is read
-whole, then answered in one task with no ASGI message; any other goes to the
+whole(): an infer of at most WHOLE_BYTES that says its length) is answered
+by one task, once its body is whole, with no ASGI message; any other goes to the
 app through ASGI, its send (HeadWithBody) writing the head of a response
 that says its length with its body, in one write of the socket, and
 lending the app a writer of a streamed body's next bytes
@@ -38,7 +38,7 @@ import logging
 import os
 import resource
 import time
-from typing import Any, Callable, Optional, Tuple
+from typing import Callable, Optional
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
@@ -125,9 +125,6 @@ class GuardedProtocol(HttpToolsProtocol):
         self._refused = False
         self._linger: Optional[asyncio.TimerHandle] = None  # a refused connection's closing timer
         self._discarded = 0
-        # a request answered from its whole body, waiting for the rest of it:
-        # (its cycle, the front's answer)
-        self._whole: Optional[Tuple[Any, WholeAnswer]] = None
 
     # -- a connection refused at once ------------------------------------------
     def connection_made(self, transport) -> None:
@@ -163,7 +160,6 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc) -> None:
         self._disarm()
-        self._whole = None
         if self._linger is not None:
             self._linger.cancel()
             self._linger = None
@@ -203,12 +199,6 @@ class GuardedProtocol(HttpToolsProtocol):
             extensions: dict = cycle.scope.setdefault("extensions", {})
             extensions[WRITE_BODY] = send.write_body
             return super()._start_asgi_task(cycle, app)
-        if cycle.more_body:  # the body is still coming: answered once it has come
-            self._whole = (cycle, answer)
-        else:
-            self._answer(cycle, answer)
-
-    def _answer(self, cycle, answer: WholeAnswer) -> None:
         task = self.loop.create_task(writes.answer_whole(self, cycle, answer))
         task.add_done_callback(self.tasks.discard)  # the server's drain awaits its tasks
         self.tasks.add(task)
@@ -220,10 +210,6 @@ class GuardedProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         self._partial = False
         super().on_message_complete()
-        whole = self._whole
-        if whole is not None and whole[0] is self.cycle:  # a body comes to the last head read
-            self._whole = None
-            self._answer(*whole)
 
     def _arm(self, when: float) -> None:
         self._deadline = self.loop.call_at(when, self._timed_out)

@@ -146,13 +146,21 @@ def whole_length(headers) -> Optional[int]:
 
 
 async def answer_whole(protocol, cycle, answer: WholeAnswer) -> None:
-    """The cycle's request answered by answer(its body), written in one write
-    as uvicorn's send writes a response that says its length; then the cycle
-    completes as send completes it. A caller gone meanwhile gets nothing.
-    A fault of the front's own, or the task cancelled (a drain past its
-    grace), is answered as uvicorn answers an app that failed: 500, closed."""
+    """The cycle's request answered by answer(its body) once the body has come
+    whole, written in one write as uvicorn's send writes a response that says
+    its length; then the cycle completes as send completes it. A caller gone
+    meanwhile gets nothing. A fault of the front's own, or the task cancelled
+    (a drain past its grace), is answered as uvicorn answers an app that
+    failed: 500, closed."""
     try:
-        status, body, headers = await answer(bytes(cycle.body))
+        while cycle.more_body and not cycle.disconnected:  # as uvicorn's receive() waits
+            cycle.flow.resume_reading()
+            await cycle.message_event.wait()
+            cycle.message_event.clear()
+        if cycle.disconnected:  # gone, or timed out reading (answered 408)
+            return
+        raw, cycle.body = bytes(cycle.body), bytearray()
+        status, body, headers = await answer(raw)
     except asyncio.CancelledError:
         _write(protocol, cycle, *FAILED)
         raise
@@ -166,6 +174,9 @@ async def answer_whole(protocol, cycle, answer: WholeAnswer) -> None:
 
 def _write(protocol, cycle, status: int, body: bytes, headers) -> None:
     if cycle.disconnected or cycle.response_started:
+        return
+    if protocol.transport.is_closing():  # closed for a later request of the connection
+        cycle.disconnected = True  # (uvicorn marks only the last one read)
         return
     head = [STATUS_LINE[status]]
     for name, value in protocol.server_state.default_headers:
