@@ -38,6 +38,7 @@ channel) to the same worker's gRPC server (serve --grpc-port).
 """
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import pathlib
@@ -91,12 +92,35 @@ async def request_body(receive) -> bytes:
     return body
 
 
-async def echo(scope, receive, send) -> None:
-    """The --floor app: an infer answered with its own input, as the engine's identity would."""
-    x = json.loads(await request_body(receive))["inputs"][0]
-    out = json.dumps({"model_name": "echo", "model_version": "1", "outputs": [
-        {"name": "OUTPUT", "datatype": x["datatype"], "shape": x["shape"], "data": x["data"]}]},
+def echoed(x: dict, data: list) -> bytes:
+    """The JSON answer to infer input x, its data `data`."""
+    return json.dumps({"model_name": "echo", "model_version": "1", "outputs": [
+        {"name": "OUTPUT", "datatype": x["datatype"], "shape": x["shape"], "data": data}]},
         separators=(",", ":")).encode()
+
+
+_CLIENT: list = []  # the --floor servers' Client of FLOOR_ENGINE, attached at its first infer
+
+
+async def through_engine(x: dict) -> list:
+    """Input x's data answered by the engine FLOOR_ENGINE names
+    (Client.infer_async), as the worker's route has it answered, with nothing
+    of the front (no routing, checks, limits or guard)."""
+    import numpy as np
+    if not _CLIENT:
+        from engine import Client
+        _CLIENT.append(Client(os.environ["FLOOR_ENGINE"]))
+    got = await _CLIENT[0].infer_async(np.array(x["data"], np.float32).reshape(x["shape"][1:]),
+                                       30.0)
+    return got.ravel().tolist()
+
+
+async def echo(scope, receive, send) -> None:
+    """The --floor app: an infer answered with its own input, as the engine's
+    identity would (through_engine() for those to /v2/models/engine/)."""
+    x = json.loads(await request_body(receive))["inputs"][0]
+    engine = scope["path"].startswith("/v2/models/engine/")
+    out = echoed(x, await through_engine(x) if engine else x["data"])
     await send({"type": "http.response.start", "status": 200, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(out)).encode())]})
     await send({"type": "http.response.body", "body": out})
@@ -119,37 +143,12 @@ async def ticker(scope, receive, send) -> None:
     await send({"type": "http.response.body", "body": b""})
 
 
-_CLIENT: list = []  # the --floor app's Client of FLOOR_ENGINE, attached at its first infer
-
-
-async def through_engine(scope, receive, send) -> None:
-    """The --floor app's infer through the engine FLOOR_ENGINE names: echo()
-    with its array answered by Client.infer_async, as the worker's route is,
-    with nothing of the front (no routing, checks, limits or guard)."""
-    import numpy as np
-    if not _CLIENT:
-        from engine import Client
-        _CLIENT.append(Client(os.environ["FLOOR_ENGINE"]))
-    x = json.loads(await request_body(receive))["inputs"][0]
-    got = await _CLIENT[0].infer_async(np.array(x["data"], np.float32).reshape(x["shape"][1:]),
-                                       30.0)
-    out = json.dumps({"model_name": "echo", "model_version": "1", "outputs": [
-        {"name": "OUTPUT", "datatype": x["datatype"], "shape": x["shape"],
-         "data": got.ravel().tolist()}]}, separators=(",", ":")).encode()
-    await send({"type": "http.response.start", "status": 200, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(out)).encode())]})
-    await send({"type": "http.response.body", "body": out})
-
-
 async def floor_app(scope, receive, send) -> None:
-    """echo() for infers (through_engine() for those to /engine), ticker() for
-    generate_stream."""
+    """echo() for infers, ticker() for generate_stream."""
     if scope["type"] != "http":
         return
     if scope["path"].endswith("/generate_stream"):
         return await ticker(scope, receive, send)
-    if scope["path"].startswith("/v2/models/engine/"):
-        return await through_engine(scope, receive, send)
     return await echo(scope, receive, send)
 
 
@@ -178,25 +177,21 @@ class Direct(asyncio.Protocol):
         x = json.loads(b"".join(self.body))["inputs"][0]
         url, self.url, self.body = self.url, b"", []
         if url.startswith(b"/v2/models/engine/"):
-            asyncio.get_running_loop().create_task(self.through_engine(x))
+            task = asyncio.get_running_loop().create_task(self.answer_through_engine(x))
+            _TASKS.add(task)  # held until done: the loop keeps only weak references
+            task.add_done_callback(_TASKS.discard)
         else:
-            self.answer(x, x["data"])
+            self.answer(echoed(x, x["data"]))
 
-    async def through_engine(self, x: dict) -> None:
-        import numpy as np
-        if not _CLIENT:
-            from engine import Client
-            _CLIENT.append(Client(os.environ["FLOOR_ENGINE"]))
-        got = await _CLIENT[0].infer_async(
-            np.array(x["data"], np.float32).reshape(x["shape"][1:]), 30.0)
-        self.answer(x, got.ravel().tolist())
+    async def answer_through_engine(self, x: dict) -> None:
+        self.answer(echoed(x, await through_engine(x)))
 
-    def answer(self, x: dict, data: list) -> None:
-        out = json.dumps({"model_name": "echo", "model_version": "1", "outputs": [
-            {"name": "OUTPUT", "datatype": x["datatype"], "shape": x["shape"], "data": data}]},
-            separators=(",", ":")).encode()
+    def answer(self, out: bytes) -> None:
         self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
                              b"content-length: %d\r\n\r\n%b" % (len(out), out))
+
+
+_TASKS: set = set()  # Direct's requests through the engine
 
 
 def serve_direct(port: int) -> None:
@@ -229,21 +224,35 @@ def started(command: list, env: dict) -> tuple:
             time.sleep(0.05)
 
 
-def floor_rows(args, env: dict, engine: str) -> None:
-    """The stream and infer rows against uvicorn serving floor_app(), the
-    infer rows again through the running engine `engine`, then both infer
-    rows against Direct."""
-    env = {**env, "FLOOR_STEP_MS": str(args.step_ms), "FLOOR_ENGINE": engine}
-    server, port = started([sys.executable, "-m", "uvicorn", "http_worker_cpu:floor_app",
-                            "--app-dir", str(HERE), "--http", "httptools", "--log-level",
-                            "warning", "--no-access-log", "--port"], env)
+@contextlib.contextmanager
+def floor_server(command: list, env: dict, what: str):
+    """(the server's process, its idle CPU a second, its port) of a --floor
+    server, started and warmed (echo and engine), its rows' heading printed;
+    stopped after."""
+    server, port = started(command, env)
     try:
         worker = psutil.Process(server.pid)
         asyncio.run(infers(("127.0.0.1", port), "echo", 4, 400))
         asyncio.run(infers(("127.0.0.1", port), "engine", 4, 400))
         idle_per_s = idle_rate(worker.pid)
-        print(f"floor: uvicorn + a minimal JSON echo app and a timer's stream, pid {worker.pid}, "
-              f"idle {idle_per_s * 1e6:,.0f} µs of CPU a second (subtracted):")
+        print(f"{what}, pid {worker.pid}, idle {idle_per_s * 1e6:,.0f} µs of CPU a second "
+              f"(subtracted):")
+        yield worker, idle_per_s, port
+    finally:
+        server.terminate()
+        server.wait(60)
+
+
+def floor_rows(args, env: dict, engine: str) -> None:
+    """The stream and infer rows against uvicorn serving floor_app(), the
+    infer rows again through the running engine `engine`, then both infer
+    rows against Direct."""
+    env = {**env, "FLOOR_STEP_MS": str(args.step_ms), "FLOOR_ENGINE": engine}
+    with floor_server([sys.executable, "-m", "uvicorn", "http_worker_cpu:floor_app",
+                       "--app-dir", str(HERE), "--http", "httptools", "--log-level", "warning",
+                       "--no-access-log", "--port"], env,
+                      "floor: uvicorn + a minimal JSON echo app and a timer's stream") as (
+                          worker, idle_per_s, port):
         for count in (int(c) for c in args.streams.split(",")):
             print(f"  generate_stream, {count:3d} streams at once, {args.chunks} chunks each, step "
                   f"{args.step_ms:g} ms (asyncio.sleep), per chunk: " + rows(
@@ -251,22 +260,10 @@ def floor_rows(args, env: dict, engine: str) -> None:
                           ("127.0.0.1", port), "ticker", count, args.chunks,
                           time.monotonic() + args.seconds))))
         infer_rows(args, worker, idle_per_s, port)
-    finally:
-        server.terminate()
-        server.wait(60)
-    server, port = started([sys.executable, str(pathlib.Path(__file__).resolve()),
-                            "--serve-direct"], env)
-    try:
-        worker = psutil.Process(server.pid)
-        asyncio.run(infers(("127.0.0.1", port), "echo", 4, 400))
-        asyncio.run(infers(("127.0.0.1", port), "engine", 4, 400))
-        idle_per_s = idle_rate(worker.pid)
-        print(f"floor with no ASGI layer: an asyncio protocol on httptools alone, pid "
-              f"{worker.pid}, idle {idle_per_s * 1e6:,.0f} µs of CPU a second (subtracted):")
+    with floor_server([sys.executable, str(pathlib.Path(__file__).resolve()), "--serve-direct"],
+                      env, "floor with no ASGI layer: an asyncio protocol on httptools alone") as (
+                          worker, idle_per_s, port):
         infer_rows(args, worker, idle_per_s, port)
-    finally:
-        server.terminate()
-        server.wait(60)
 
 
 def infer_rows(args, worker, idle_per_s: float, port: int) -> None:

@@ -86,6 +86,19 @@ async def read(scope: Scope, receive: Receive, limit: int, why: str) -> bytes:
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
+def whole_within(scope: Scope, limit: int) -> bool:
+    """Whether read() takes this body as it comes and refuses none of it
+    before it has: it says its length, at most `limit`, and has no
+    Content-Encoding (a coded body is counted as it decodes)."""
+    try:
+        if encoding.coding_of(header(scope, b"content-encoding")) is not None:
+            return False
+    except encoding.Unsupported:
+        return False
+    declared = header(scope, b"content-length")
+    return declared is not None and declared.isdigit() and int(declared) <= limit
+
+
 async def _inflate(inflater: encoding.Inflater, chunk: bytes, into: list, limit: int,
                    why: str) -> None:
     """chunk's decoded bytes onto `into`, a step at a time, the event loop

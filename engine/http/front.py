@@ -97,10 +97,7 @@ class Front:
             return await self._lifespan(receive, send)
         if scope["type"] != "http":
             return  # websockets are not served
-        app: asgi.App = self.oip
-        if self.openai is not None and (scope["path"].startswith("/v1/") or
-                                        scope["path"] in openai_routes.ROOT_PATHS):
-            app = self.openai
+        app = self._protocol(scope["path"])
         if self.api_key is not None:
             why = self.api_key.refusal(scope)
             if why is not None:
@@ -121,9 +118,7 @@ class Front:
         what __call__ does around it; None for any other request, which the
         server hands to __call__. Asked with the request's head: a request
         without the API key goes to __call__, which refuses it."""
-        path = scope["path"]
-        if self.openai is not None and (path.startswith("/v1/") or
-                                        path in openai_routes.ROOT_PATHS):
+        if self._protocol(scope["path"]) is not self.oip:
             return None
         if self.api_key is not None and self.api_key.refusal(scope) is not None:
             return None
@@ -132,6 +127,13 @@ class Front:
         if answer is None or tracing.context() is None:
             return answer
         return functools.partial(_traced, scope, answer)
+
+    def _protocol(self, path: str) -> asgi.App:
+        """The protocol's app that serves path."""
+        if self.openai is not None and (path.startswith("/v1/") or
+                                        path in openai_routes.ROOT_PATHS):
+            return self.openai
+        return self.oip
 
     async def _health(self, scope: Scope, send: Send) -> None:
         """200 while every engine serves, else 503 naming the first that does

@@ -215,20 +215,13 @@ class App:
         if len(parts) != 5 or parts[:3] != ["", "v2", "models"] or parts[4] != "infer" or \
                 scope["method"] != "POST" or parts[3] not in self.engines.configs:
             return None
-        length, header_length = None, None
-        for name, value in scope["headers"]:  # each the first given, as asgi.header() reads
-            if name == b"content-length" and length is None:
-                length = value
-            elif name == b"content-encoding":
-                return None
-            elif name == b"inference-header-content-length" and header_length is None:
-                header_length = value.decode("latin-1")
         try:
             model = self.model(parts[3])
         except (EngineError, BadRequest):  # __call__ refuses it, before its body is read
             return None
-        if length is None or not length.isdigit() or int(length) > model.body_limit(
-                header_length, model.spec.capacity, self.engines.max_body_bytes)[0]:
+        limit, _ = model.body_limit(asgi.header(scope, b"inference-header-content-length"),
+                                    model.spec.capacity, self.engines.max_body_bytes)
+        if not body.whole_within(scope, limit):
             return None
         # the request's timeout counts from its arrival, not from its body's end
         return functools.partial(self._answer_whole, model, scope, time.monotonic())
@@ -237,10 +230,8 @@ class App:
                             raw: bytes) -> Answer:
         async def receive() -> asgi.Message:
             return {"type": "http.request", "body": raw, "more_body": False}
-        try:
+        try:  # whole() took only a body that read() refuses none of
             answered = await self._retried(model, self._infer(model, scope, receive, arrived))
-        except body.Refused as e:  # the whole body came: nothing is left to drain
-            answered = e.status, _error(str(e)), [*e.headers, (b"connection", b"close")]
         except Exception as e:
             answered = _failed(scope, e)
         return _typed(answered)

@@ -187,7 +187,7 @@ class GuardedProtocol(HttpToolsProtocol):
         whole = self.guard.whole
         answer = None
         if whole is not None and app is self.app and not cycle.waiting_for_100_continue and \
-                writes.whole_length(cycle.scope["headers"]) is not None:
+                writes.reads_whole(cycle.scope["headers"]):
             try:
                 answer = whole(cycle.scope)
             except Exception:  # the app answers it as it answers its faults

@@ -131,18 +131,16 @@ class _Held:
         return getattr(self.transport, name)
 
 
-def whole_length(headers) -> Optional[int]:
-    """The body's length, when the request says it (Content-Length, no
-    Transfer-Encoding) and it is at most WHOLE_BYTES; else None."""
+def reads_whole(headers) -> bool:
+    """Whether the request says its body's length (a Content-Length, no
+    Transfer-Encoding) and it is at most WHOLE_BYTES."""
     length = None
     for name, value in headers:
-        if name == b"content-length":
+        if name == b"content-length" and length is None:
             length = value
         elif name == b"transfer-encoding":
-            return None
-    if length is None or not length.isdigit() or int(length) > WHOLE_BYTES:
-        return None
-    return int(length)
+            return False
+    return length is not None and length.isdigit() and int(length) <= WHOLE_BYTES
 
 
 async def answer_whole(protocol, cycle, answer: WholeAnswer) -> None:
